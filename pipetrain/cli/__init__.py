@@ -1,0 +1,67 @@
+"""The ``pipetrain`` command. The only place that imports everything.
+
+Each subcommand is a module in this package with ``add_parser(subparsers)`` and
+``run(args) -> int``. Bad input raises ``UsageError`` (or a ``ValueError`` subclass the
+library uses for bad input, such as ``ScheduleError``): it prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from pipetrain.cli.errors import UsageError
+
+__all__ = ["UsageError", "main"]
+
+# Subcommand name -> module under pipetrain.cli. Imported lazily: `simulate` must not pay
+# for importing torch.
+SUBCOMMANDS: dict[str, str] = {
+    "simulate": "simulate",
+    "plan": "plan",
+    "train": "train",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line with the fix and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipetrain", description="Pipeline-parallel training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(f"pipetrain.cli.{module_name}")
+        except ModuleNotFoundError as exc:
+            # A subcommand whose module is not part of this build is simply not offered.
+            if exc.name == f"pipetrain.cli.{module_name}":
+                continue
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except UsageError as exc:
+        sys.stderr.write(f"pipetrain {args.command}: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("pipetrain: interrupted\n")
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

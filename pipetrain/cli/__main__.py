@@ -1,0 +1,3 @@
+from pipetrain.cli import main
+
+raise SystemExit(main())
