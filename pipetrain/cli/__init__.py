@@ -1,8 +1,8 @@
 """The ``pipetrain`` command. The only place that imports everything.
 
 Each subcommand is a module in this package with ``add_parser(subparsers)`` and
-``run(args) -> int``. Bad input raises ``UsageError`` (or a ``ValueError`` subclass the
-library uses for bad input, such as ``ScheduleError``): it prints one line and exits 2.
+``run(args) -> int``. Bad input raises ``pipetrain.errors.InputError`` (``UsageError``, ``ScheduleError``, config and
+checkpoint errors all derive from it): it prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.errors import InputError
 
 __all__ = ["UsageError", "main"]
 
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code: int = args.run(args)
-    except UsageError as exc:
+    except InputError as exc:
         sys.stderr.write(f"pipetrain {args.command}: error: {exc}\n")
         return 2
     except KeyboardInterrupt:

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from pipetrain.errors import InputError
 from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.placement import Placement
 
 __all__ = ["Schedule", "ScheduleError"]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(InputError):
     """A schedule that cannot run, or parameters that no schedule of a family fits.
 
     The message is one line that names the problem and what to change. ``grid`` holds an
