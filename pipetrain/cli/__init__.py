@@ -17,13 +17,9 @@ from pipetrain.errors import InputError
 
 __all__ = ["UsageError", "main"]
 
-# Subcommand name -> module under pipetrain.cli. Imported lazily: `simulate` must not pay
-# for importing torch.
-SUBCOMMANDS: dict[str, str] = {
-    "simulate": "simulate",
-    "plan": "plan",
-    "train": "train",
-}
+# Subcommands, each the module of that name under pipetrain.cli. A module imports torch
+# inside its run(), never at import time: `pipetrain simulate` must not pay for torch.
+SUBCOMMANDS: tuple[str, ...] = ("simulate", "plan", "train", "tune")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,12 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipetrain", description="Pipeline-parallel training for PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name, module_name in SUBCOMMANDS.items():
+    for name in SUBCOMMANDS:
         try:
-            module = importlib.import_module(f"pipetrain.cli.{module_name}")
+            module = importlib.import_module(f"pipetrain.cli.{name}")
         except ModuleNotFoundError as exc:
             # A subcommand whose module is not part of this build is simply not offered.
-            if exc.name == f"pipetrain.cli.{module_name}":
+            if exc.name == f"pipetrain.cli.{name}":
                 continue
             raise
         module.add_parser(sub)

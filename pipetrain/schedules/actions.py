@@ -103,5 +103,7 @@ def parse_action(text: str) -> Action:
     if kind in _STEPWISE_KINDS and mb_text is not None:
         raise ActionParseError(f"{text!r}: {kind_text} takes no micro-batch number")
     if kind not in _STEPWISE_KINDS and mb_text is None:
-        raise ActionParseError(f"{text!r}: {kind_text} needs a micro-batch number, e.g. '{stage_text}{kind_text}0'")
+        raise ActionParseError(
+            f"{text!r}: {kind_text} needs a micro-batch number, e.g. '{stage_text}{kind_text}0'"
+        )
     return Action(int(stage_text), kind, None if mb_text is None else int(mb_text))

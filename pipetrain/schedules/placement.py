@@ -33,7 +33,9 @@ class Placement:
             )
         for stage, rank in enumerate(self.stage_to_rank):
             if not 0 <= rank < self.num_ranks:
-                raise ValueError(f"stage {stage} is placed on rank {rank}, outside 0..{self.num_ranks - 1}")
+                raise ValueError(
+                    f"stage {stage} is placed on rank {rank}, outside 0..{self.num_ranks - 1}"
+                )
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -60,10 +62,14 @@ class Placement:
         return cls("bidirectional", p, down + up, p)
 
     @classmethod
-    def custom(cls, stage_to_rank: tuple[int, ...] | list[int], num_ranks: int | None = None) -> Placement:
+    def custom(
+        cls, stage_to_rank: tuple[int, ...] | list[int], num_ranks: int | None = None
+    ) -> Placement:
         """Any map from stages to ranks, one replica (user schedule files)."""
         ranks = tuple(stage_to_rank)
-        return cls("custom", num_ranks if num_ranks is not None else max(ranks) + 1, ranks, len(ranks))
+        return cls(
+            "custom", num_ranks if num_ranks is not None else max(ranks) + 1, ranks, len(ranks)
+        )
 
     # ----------------------------------------------------------------- queries
     @property
