@@ -1,0 +1,247 @@
+"""Metrics of a timeline: busy and idle time, the three bubbles, live activations and
+weight versions.
+
+Every function takes a plain ``Timeline``, so the same numbers come out of a simulated
+replay and of events measured by the runtime. Times are in the timeline's own unit.
+
+What counts as work: compute actions (F, B, I, W) and the step-level actions (ALLREDUCE,
+STEP). Sends and receives are not work: a rank sitting in a receive is waiting, which is
+exactly the bubble. Overlapping events of one rank (a measured timeline with an
+asynchronous send) are merged, so no instant counts twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pipetrain.schedules.actions import Kind
+from pipetrain.schedules.execution import Event, Timeline
+
+__all__ = [
+    "Bubble",
+    "RankTimes",
+    "bubble",
+    "busy_time",
+    "live_activations",
+    "peak_activation_bytes",
+    "peak_activations",
+    "rank_times",
+    "stage_weight_versions",
+    "weight_versions",
+]
+
+_BACKWARD_KINDS = frozenset({Kind.B, Kind.I, Kind.W})
+
+
+def _is_work(event: Event) -> bool:
+    return not event.action.is_comm
+
+
+def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals."""
+    total = 0.0
+    cur_start: float | None = None
+    cur_end = 0.0
+    for start, end in sorted(intervals):
+        if cur_start is None or start > cur_end:
+            if cur_start is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_start is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def busy_time(events: Iterable[Event]) -> float:
+    """Time covered by work (not sends or receives) among ``events``."""
+    return _union_length((e.start, e.end) for e in events if _is_work(e))
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """Per-rank time accounting, each tuple indexed by rank.
+
+    ``idle[r] = makespan - busy[r]`` counts the staggered start and the drain;
+    ``span_idle[r]`` counts only the idle time between rank r's first and last work.
+    """
+
+    busy: tuple[float, ...]
+    idle: tuple[float, ...]
+    span: tuple[float, ...]
+    span_idle: tuple[float, ...]
+
+
+def rank_times(timeline: Timeline) -> RankTimes:
+    makespan = timeline.makespan
+    busy: list[float] = []
+    span: list[float] = []
+    for rank in range(timeline.num_ranks):
+        work = [e for e in timeline.of_rank(rank) if _is_work(e)]
+        busy.append(busy_time(work))
+        span.append(max(e.end for e in work) - min(e.start for e in work) if work else 0.0)
+    return RankTimes(
+        busy=tuple(busy),
+        idle=tuple(makespan - b for b in busy),
+        span=tuple(span),
+        span_idle=tuple(s - b for s, b in zip(span, busy, strict=True)),
+    )
+
+
+@dataclass(frozen=True)
+class Bubble:
+    """The bubble under the three definitions in the literature (they disagree).
+
+    - ``idle_fraction`` (GPipe): total idle time over ``ranks x makespan``.
+    - ``over_ideal`` (Megatron): total idle time over total work time, i.e. bubble time
+      over ideal compute time; GPipe and 1F1B give ``(p-1)/m``.
+    - ``per_rank_span_time`` (Zero Bubble, DualPipe): the worst rank's idle time inside
+      its own first-to-last-work span, which ignores the staggered start;
+      ``per_rank_span_fraction`` is the worst rank's idle share of its own span.
+    - ``idle_time``: the worst rank's idle time against the whole makespan; the papers'
+      "bubble (p-1)(F+B)" for GPipe and 1F1B.
+    """
+
+    idle_fraction: float
+    over_ideal: float
+    per_rank_span_time: float
+    per_rank_span_fraction: float
+    idle_time: float
+
+
+def bubble(timeline: Timeline, times: RankTimes | None = None) -> Bubble:
+    """The three bubbles of ``timeline`` (pass ``times`` to reuse a ``rank_times``)."""
+    t = rank_times(timeline) if times is None else times
+    total_idle = sum(t.idle)
+    total_busy = sum(t.busy)
+    capacity = timeline.num_ranks * timeline.makespan
+    return Bubble(
+        idle_fraction=total_idle / capacity if capacity > 0 else 0.0,
+        over_ideal=total_idle / total_busy if total_busy > 0 else 0.0,
+        per_rank_span_time=max(t.span_idle, default=0.0),
+        per_rank_span_fraction=max(
+            (idle / span for idle, span in zip(t.span_idle, t.span, strict=True) if span > 0),
+            default=0.0,
+        ),
+        idle_time=max(t.idle, default=0.0),
+    )
+
+
+# ------------------------------------------------------------------------ memory
+def _release_times(timeline: Timeline) -> dict[tuple[int, int], float]:
+    """(stage, micro-batch) -> end of its last backward piece (B, or W after I)."""
+    release: dict[tuple[int, int], float] = {}
+    for e in timeline.events:
+        a = e.action
+        if a.kind in _BACKWARD_KINDS and a.microbatch is not None:
+            key = (a.stage, a.microbatch)
+            release[key] = max(release.get(key, e.end), e.end)
+    return release
+
+
+def live_activations(
+    timeline: Timeline, sizes: Sequence[float] | None = None
+) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """Per rank, the step function of live activations as ``(time, amount)`` points.
+
+    A micro-batch's activations on a stage are live from the start of its F until the end
+    of its last backward piece. ``sizes[stage]`` weighs each stage (default 1: the unit is
+    one stage's activations for one micro-batch). A forward with no backward in the
+    timeline (an inference run, a truncated trace) stays live to the end.
+    """
+    release = _release_times(timeline)
+    # Per rank: (time, order, delta). At equal times a release (order 0) comes before an
+    # acquire (order 1): memory freed by a backward is reused by the next forward.
+    changes: list[list[tuple[float, int, float]]] = [[] for _ in range(timeline.num_ranks)]
+    for e in timeline.events:
+        a = e.action
+        if a.kind is not Kind.F or a.microbatch is None:
+            continue
+        amount = 1.0 if sizes is None else float(sizes[a.stage])
+        changes[e.rank].append((e.start, 1, amount))
+        end = release.get((a.stage, a.microbatch))
+        if end is not None:
+            changes[e.rank].append((end, 0, -amount))
+    curves: list[tuple[tuple[float, float], ...]] = []
+    for rank_changes in changes:
+        level = 0.0
+        points: list[tuple[float, float]] = []
+        for time, _, delta in sorted(rank_changes):
+            level += delta
+            points.append((time, level))
+        curves.append(tuple(points))
+    return tuple(curves)
+
+
+def peak_activations(timeline: Timeline) -> tuple[int, ...]:
+    """Per rank, the most stage-micro-batch activations live at once."""
+    return tuple(
+        round(max((level for _, level in curve), default=0.0))
+        for curve in live_activations(timeline)
+    )
+
+
+def peak_activation_bytes(timeline: Timeline, sizes: Sequence[float]) -> tuple[float, ...]:
+    """Per rank, the most activation bytes live at once; ``sizes[stage]`` is the bytes of
+    one micro-batch's activations on each (virtual) stage."""
+    return tuple(
+        max((level for _, level in curve), default=0.0)
+        for curve in live_activations(timeline, sizes)
+    )
+
+
+def _stage_versions(events: Sequence[Event], release: dict[tuple[int, int], float]) -> int:
+    """Most weight versions of one stage alive at once, from that stage's events.
+
+    A STEP makes a new version current. A forward records the current version and its
+    backward uses it, so a version stays alive while it is current or some micro-batch
+    that used it has not finished its backward.
+    """
+    current = 0
+    used_by: dict[int, int] = {}  # micro-batch -> version its forward used
+    # (time, order, op, micro-batch): releases first at equal times, then steps, then
+    # forwards, so a forward that starts as a step ends sees the new weights.
+    ops: list[tuple[float, int, str, int]] = []
+    for e in events:
+        a = e.action
+        mb = -1 if a.microbatch is None else a.microbatch
+        if a.kind is Kind.F:
+            ops.append((e.start, 2, "F", mb))
+            if (a.stage, mb) in release:
+                ops.append((release[(a.stage, mb)], 0, "done", mb))
+        elif a.kind is Kind.STEP:
+            ops.append((e.end, 1, "STEP", mb))
+    peak = 1
+    for _, _, op, mb in sorted(ops):
+        if op == "F":
+            used_by[mb] = current
+        elif op == "done":
+            used_by.pop(mb, None)
+        else:
+            current += 1
+        peak = max(peak, len({current, *used_by.values()}))
+    return peak
+
+
+def stage_weight_versions(timeline: Timeline) -> dict[int, int]:
+    """Stage -> the most weight versions of it alive at once."""
+    release = _release_times(timeline)
+    by_stage: dict[int, list[Event]] = {}
+    for e in timeline.events:
+        by_stage.setdefault(e.action.stage, []).append(e)
+    return {stage: _stage_versions(events, release) for stage, events in by_stage.items()}
+
+
+def weight_versions(timeline: Timeline) -> tuple[int, ...]:
+    """Per rank, the most weight versions alive at once on any one of its stages.
+
+    Synchronous schedules (no STEP actions) give 1 on every rank that has work, 0 on a
+    rank with no events.
+    """
+    per_stage = stage_weight_versions(timeline)
+    peaks = [0] * timeline.num_ranks
+    for e in timeline.events:
+        peaks[e.rank] = max(peaks[e.rank], per_stage[e.action.stage])
+    return tuple(peaks)

@@ -1,0 +1,144 @@
+"""Metrics on hand-built timelines: the numbers are worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipetrain.schedules.actions import parse_action
+from pipetrain.schedules.execution import Event, Timeline
+from pipetrain.sim.metrics import (
+    bubble,
+    busy_time,
+    live_activations,
+    peak_activation_bytes,
+    peak_activations,
+    rank_times,
+    stage_weight_versions,
+    weight_versions,
+)
+
+
+def timeline(rows: list[str], name: str = "t") -> Timeline:
+    """One string per rank of ``ACTION@START-END`` items, e.g. ``"0F0@0-1 0B0@3-5"``."""
+    events = []
+    for rank, row in enumerate(rows):
+        for item in row.split():
+            text, times = item.split("@")
+            start, end = times.split("-")
+            events.append(Event(rank, parse_action(text), float(start), float(end)))
+    return Timeline(name, len(rows), tuple(events))
+
+
+# GPipe, p=2, m=2, F=1, B=2: all forwards, then all backwards.
+GPIPE_2_2 = timeline(
+    [
+        "0F0@0-1 0F1@1-2 0B0@5-7 0B1@7-9",
+        "1F0@1-2 1F1@2-3 1B0@3-5 1B1@5-7",
+    ]
+)
+# 1F1B, p=2, m=2: rank 0 warms up with one forward, rank 1 alternates.
+ONE_F_ONE_B_2_2 = timeline(
+    [
+        "0F0@0-1 0F1@1-2 0B0@4-6 0B1@7-9",
+        "1F0@1-2 1B0@2-4 1F1@4-5 1B1@5-7",
+    ]
+)
+
+
+def test_gpipe_times_and_bubbles() -> None:
+    t = rank_times(GPIPE_2_2)
+    assert GPIPE_2_2.makespan == 9
+    assert t.busy == (6, 6)
+    assert t.idle == (3, 3)  # (p-1)(F+B)
+    assert t.span == (9, 6)
+    assert t.span_idle == (3, 0)
+    b = bubble(GPIPE_2_2)
+    assert b.idle_fraction == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
+    assert b.over_ideal == pytest.approx(1 / 2)  # (p-1)/m
+    assert b.per_rank_span_time == 3
+    assert b.per_rank_span_fraction == pytest.approx(3 / 9)
+    assert b.idle_time == 3
+
+
+def test_peak_activations_gpipe_and_1f1b() -> None:
+    assert peak_activations(GPIPE_2_2) == (2, 2)  # m on every rank
+    assert peak_activations(ONE_F_ONE_B_2_2) == (2, 1)  # min(p-r, m)
+
+
+def test_activations_freed_at_a_backward_end_are_reused_by_a_forward_starting_then() -> None:
+    # 1B0 ends at 4 exactly when 1F1 starts: never two live on rank 1.
+    curve = live_activations(ONE_F_ONE_B_2_2)[1]
+    assert curve == ((1, 1), (4, 0), (4, 1), (7, 0))
+
+
+def test_split_backward_keeps_activations_until_w() -> None:
+    # I frees nothing: micro-batch 0 stays live until its W ends at 4.
+    tl = timeline(["0F0@0-1 0I0@1-2 0F1@2-3 0W0@3-4 0I1@4-5 0W1@5-6"])
+    assert peak_activations(tl) == (2,)
+    assert live_activations(tl)[0][-1] == (6, 0)
+
+
+def test_activation_bytes_weigh_each_stage() -> None:
+    # Rank 0 holds stages 0 and 3 (V placement); stage 3 activations are 10x larger.
+    tl = timeline(
+        [
+            "0F0@0-1 3F0@3-4 3B0@4-6 0B0@8-10",
+            "1F0@1-2 2F0@2-3 2B0@6-7 1B0@7-8",
+        ]
+    )
+    sizes = [1.0, 2.0, 4.0, 10.0]
+    assert peak_activations(tl) == (2, 2)
+    assert peak_activation_bytes(tl, sizes) == (11.0, 6.0)
+
+
+def test_sends_and_receives_are_not_work() -> None:
+    tl = timeline(["0F0@0-1 0SEND_F0@1-1.5", "1RECV_F0@0-1.5 1F0@1.5-2.5"])
+    assert rank_times(tl).busy == (1.0, 1.0)
+    assert rank_times(tl).span == (1.0, 1.0)
+
+
+def test_overlapping_work_counts_once() -> None:
+    tl = timeline(["0F0@0-2 0F1@1-3 0F2@5-6"])
+    assert busy_time(tl.events) == 4.0
+    assert rank_times(tl).span_idle == (2.0,)
+
+
+def test_synchronous_schedules_keep_one_weight_version() -> None:
+    assert weight_versions(GPIPE_2_2) == (1, 1)
+    assert weight_versions(ONE_F_ONE_B_2_2) == (1, 1)
+
+
+# PipeDream, p=2: a STEP after every backward. Rank 0 has two micro-batches in flight, so
+# the forward of micro-batch 2 runs on version 1 while micro-batch 1 still needs version 0.
+PIPEDREAM_2 = timeline(
+    [
+        "0F0@0-1 0F1@1-2 0B0@4-6 0STEP0@6-6 0F2@6-7 0B1@7-9 0STEP1@9-9 0F3@9-10 "
+        "0B2@10-12 0STEP2@12-12 0B3@13-15 0STEP3@15-15",
+        "1F0@1-2 1B0@2-4 1STEP0@4-4 1F1@4-5 1B1@5-7 1STEP1@7-7 1F2@7-8 1B2@8-10 "
+        "1STEP2@10-10 1F3@10-11 1B3@11-13 1STEP3@13-13",
+    ]
+)
+
+
+def test_pipedream_keeps_p_minus_r_versions() -> None:
+    assert weight_versions(PIPEDREAM_2) == (2, 1)
+    assert stage_weight_versions(PIPEDREAM_2) == {0: 2, 1: 1}
+
+
+def test_a_version_dies_when_its_last_backward_ends() -> None:
+    # Two steps while micro-batch 0 is in flight: versions 0, 1 (unused, dies at once
+    # when version 2 arrives) and 2: only 0 and 2 are alive together.
+    tl = timeline(["0F0@0-1 0STEP1@1-1 0STEP2@2-2 0F1@2-3 0B0@3-5 0B1@5-7"])
+    assert weight_versions(tl) == (2,)
+
+
+def test_empty_rank_and_empty_timeline() -> None:
+    tl = timeline(["0F0@0-1 0B0@1-3", ""])
+    t = rank_times(tl)
+    assert t.busy == (3.0, 0.0)
+    assert t.idle == (0.0, 3.0)
+    assert weight_versions(tl) == (1, 0)
+    empty = Timeline("empty", 2, ())
+    b = bubble(empty)
+    assert (b.idle_fraction, b.over_ideal, b.per_rank_span_time) == (0.0, 0.0, 0.0)
+    assert peak_activations(empty) == (0, 0)
