@@ -1,0 +1,475 @@
+"""The trainer's configuration: frozen dataclasses, a TOML file, command-line overrides.
+
+Every field is documented where it is declared. A config is built in three layers, each
+overriding the one before: the defaults below, an optional TOML file (one table per
+section: ``[model]``, ``[pipeline]``, ``[data]``, ``[optim]``, ``[run]``), and
+``section.field=value`` overrides from the command line. ``load_config`` checks names,
+types and the relations between fields and raises ``ConfigError`` (an ``InputError``)
+with one line that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+import time
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from pipetrain.errors import InputError
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "ModelSection",
+    "OptimConfig",
+    "PipelineConfig",
+    "RunConfig",
+    "TrainConfig",
+    "config_to_dict",
+    "config_to_toml",
+    "load_config",
+    "parse_override",
+]
+
+
+class ConfigError(InputError):
+    """A config value that is unknown, of the wrong type, or contradicts another one."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which model to train."""
+
+    # Preset of pipetrain.models (`llama-default`, `llama-tiny`, `gpt2-tiny`, ...).
+    name: str = "llama-default"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How the model is cut and scheduled."""
+
+    # Pipeline ranks (processes). 1 trains one stage in one process through the same code.
+    pp: int = 3
+    # Stages per rank (virtual stages): >1 only for schedules that loop over the ranks.
+    chunks: int = 1
+    # Schedule name from pipetrain.schedules.registry (`1f1b`, `gpipe`, `interleaved`, ...).
+    schedule: str = "1f1b"
+    # Micro-batches per pipeline step; data.batch_size must be a multiple of it.
+    microbatches: int = 8
+    # Run every rank inside one process (the runtime's debug mode; no process group).
+    single_process: bool = False
+    # `auto` picks cuda when available, else cpu; `cpu` or `cuda` force one.
+    device: str = "auto"
+    # `fp32`, or `bf16` autocast with fp32 master weights and fp32 reductions.
+    precision: str = "fp32"
+    # Recompute each block's activations in backward (torch.utils.checkpoint per block).
+    recompute: bool = False
+    # torch.compile each stage module.
+    compile: bool = False
+    # Seconds any blocking wait of the runtime may take before it fails with an error.
+    timeout_s: float = 300.0
+    # Torch intra-op threads per process; 0 = the machine's cores / local processes (>= 1).
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how batches are cut."""
+
+    # Text file, folder of text files, or JSONL with a "text" field; "" = the Python
+    # standard library's source files on this machine.
+    path: str = ""
+    # Optional local Hugging Face tokenizer.json ("" = bytes, vocabulary 256).
+    tokenizer: str = ""
+    # Sequences per pipeline step (all micro-batches together).
+    batch_size: int = 32
+    # Tokens per sequence.
+    seq_len: int = 128
+    # Share of the documents held out for eval, chosen by a fixed hash of their name.
+    eval_fraction: float = 0.05
+    # Batches of data.batch_size sequences in each evaluation.
+    eval_batches: int = 2
+    # Read at most this many bytes of text (the default corpus has ~30 MB).
+    max_bytes: int = 8_000_000
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW, the learning-rate schedule, clipping, accumulation and the NaN guard."""
+
+    # Peak learning rate, reached after the warm-up.
+    lr: float = 3e-3
+    # Final learning rate of the cosine decay, as a fraction of optim.lr.
+    min_lr_ratio: float = 0.1
+    # Optimizer steps of linear warm-up from 0 to optim.lr.
+    warmup_steps: int = 10
+    # AdamW decoupled weight decay; never applied to norms, biases or other 1-D tensors.
+    weight_decay: float = 0.1
+    # AdamW first-moment decay.
+    beta1: float = 0.9
+    # AdamW second-moment decay.
+    beta2: float = 0.95
+    # AdamW denominator epsilon.
+    eps: float = 1e-8
+    # Clip the gradient to this global norm over all stages; 0 disables clipping.
+    grad_clip: float = 1.0
+    # Pipeline steps whose gradients are summed (averaged) into one optimizer step.
+    grad_accum: int = 1
+    # Stop the run after this many consecutive skipped (non-finite) updates.
+    max_bad_steps: int = 3
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Length of the run, its outputs and its logging."""
+
+    # Optimizer steps to train.
+    steps: int = 80
+    # Seed of the weights and of the batch order.
+    seed: int = 0
+    # Run directory name under run.out_dir ("" = model-schedule-ppP-date-time).
+    name: str = ""
+    # Folder that holds the run directories.
+    out_dir: str = "runs"
+    # Metrics JSONL file ("" = <run dir>/metrics.jsonl).
+    metrics: str = ""
+    # Evaluate every this many optimizer steps (and always at the start and the end); 0 = only then.
+    eval_every: int = 20
+    # Write TensorBoard logs to <run dir>/tensorboard (needs the tensorboard package).
+    tensorboard: bool = False
+    # Draw the measured timeline of the last step into this PNG ("" = no picture).
+    timeline: str = ""
+    # Bytes (tokens) of text to generate from the trained model at the end; 0 = none.
+    sample_tokens: int = 200
+    # Sampling temperature of that text; 0 = greedy.
+    sample_temperature: float = 0.8
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole resolved configuration of a training run."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.data.batch_size // self.pipeline.microbatches
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.run.metrics) if self.run.metrics else self.run_dir / "metrics.jsonl"
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "pipeline": PipelineConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "run": RunConfig,
+}
+_PRECISIONS = ("fp32", "bf16")
+_DEVICES = ("auto", "cpu", "cuda")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    check_paths: bool = True,
+) -> TrainConfig:
+    """Defaults, then the TOML file at ``path``, then ``overrides`` ("section.field" keys).
+
+    Fills in a default run name and validates the result. ``check_paths`` also checks
+    that the data and tokenizer paths exist (off for configs resolved elsewhere).
+    """
+    values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    if path is not None:
+        _merge_tables(values, _read_toml(Path(path)), source=str(path))
+    for key, value in (overrides or {}).items():
+        section, name = _split_key(key)
+        values[section][name] = value
+    config = TrainConfig(
+        **{
+            section: _build_section(section, cls, values[section])
+            for section, cls in _SECTIONS.items()
+        }
+    )
+    if not config.run.name:
+        default_name = "-".join(
+            (
+                config.model.name,
+                config.pipeline.schedule,
+                f"pp{config.pipeline.pp}",
+                time.strftime("%Y%m%d-%H%M%S"),
+            )
+        )
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
+    validate(config, check_paths=check_paths)
+    return config
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"optim.lr=1e-3"`` -> ``("optim.lr", 0.001)``; values are read as TOML, else as text."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(
+            f"override {text!r} is not SECTION.FIELD=VALUE: write e.g. --set optim.lr=1e-3"
+        )
+    _split_key(key)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key, value
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist: give the path of a TOML file to --config"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} cannot be read ({exc.strerror}): check --config"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid TOML ({exc}): fix the syntax"
+        ) from None
+
+
+def _merge_tables(
+    values: dict[str, dict[str, Any]], table: Mapping[str, Any], *, source: str
+) -> None:
+    for section, content in table.items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"{source}: unknown config section [{section}]{_suggest(section, _SECTIONS)}: "
+                f"use one of {', '.join(f'[{s}]' for s in _SECTIONS)}"
+            )
+        if not isinstance(content, dict):
+            raise ConfigError(
+                f"{source}: '{section}' must be a table ([{section}] followed by field = value lines), "
+                f"not a single value"
+            )
+        for name, value in content.items():
+            _check_field(section, name)
+            values[section][name] = value
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    section, dot, name = key.partition(".")
+    if not dot or section not in _SECTIONS:
+        raise ConfigError(
+            f"unknown config key {key!r}{_suggest_key(key)}: keys are SECTION.FIELD with SECTION one of "
+            f"{', '.join(_SECTIONS)}"
+        )
+    _check_field(section, name)
+    return section, name
+
+
+def _check_field(section: str, name: str) -> None:
+    names = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+    if name not in names:
+        raise ConfigError(
+            f"unknown config field {section}.{name}{_suggest(name, names)}: "
+            f"[{section}] has {', '.join(names)}"
+        )
+
+
+def _suggest(word: str, choices: Sequence[str] | Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _suggest_key(key: str) -> str:
+    everything = [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+    # A bare field name ("lr") is matched against the field part of every key.
+    by_field = [k for k in everything if k.split(".")[1] == key]
+    if by_field:
+        return f" (did you mean '{by_field[0]}'?)"
+    return _suggest(key, everything)
+
+
+def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    converted = {
+        name: _convert(f"{section}.{name}", hints[name], value) for name, value in values.items()
+    }
+    return cls(**converted)
+
+
+def _convert(key: str, hint: Any, value: Any) -> Any:
+    """Check ``value`` against the field type; ints are accepted where floats are expected."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for kind in allowed:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+    expected = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
+    raise ConfigError(
+        f"{key} must be {_article(expected)} {expected}, got {value!r}: fix its value"
+    )
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
+    """Raise ``ConfigError`` for the first value that is out of range or contradicts another."""
+    p, d, o, r = config.pipeline, config.data, config.optim, config.run
+    _at_least("pipeline.pp", p.pp, 1)
+    _at_least("pipeline.chunks", p.chunks, 1)
+    _at_least("pipeline.microbatches", p.microbatches, 1)
+    _at_least("pipeline.threads", p.threads, 0)
+    if not p.schedule:
+        raise ConfigError("pipeline.schedule is empty: name a schedule, e.g. --schedule 1f1b")
+    if p.device not in _DEVICES:
+        raise ConfigError(f"pipeline.device is {p.device!r}: use one of {', '.join(_DEVICES)}")
+    if p.precision not in _PRECISIONS:
+        raise ConfigError(f"pipeline.precision is {p.precision!r}: use fp32 or bf16")
+    if not p.timeout_s > 0:
+        raise ConfigError(f"pipeline.timeout_s is {p.timeout_s}: give a positive number of seconds")
+    if p.single_process and p.pp == 1:
+        raise ConfigError(
+            "pipeline.single_process needs several pipeline ranks to simulate: set --pp 2 or more, "
+            "or drop --single-process"
+        )
+
+    _at_least("data.batch_size", d.batch_size, 1)
+    _at_least("data.seq_len", d.seq_len, 1)
+    _at_least("data.eval_batches", d.eval_batches, 1)
+    _at_least("data.max_bytes", d.max_bytes, 1024)
+    if d.batch_size % p.microbatches:
+        raise ConfigError(
+            f"data.batch_size {d.batch_size} is not a multiple of pipeline.microbatches {p.microbatches}: "
+            f"use a batch size like {_multiple_near(d.batch_size, p.microbatches)} or fewer micro-batches"
+        )
+    if not 0.0 < d.eval_fraction <= 0.5:
+        raise ConfigError(
+            f"data.eval_fraction is {d.eval_fraction}: hold out a share in (0, 0.5], e.g. 0.05"
+        )
+    if check_paths and d.path and not Path(d.path).exists():
+        raise ConfigError(
+            f"data.path {d.path!r} does not exist: give a text file, a folder of text files or a "
+            f".jsonl file, or leave it empty for the built-in corpus"
+        )
+    if check_paths and d.tokenizer and not Path(d.tokenizer).is_file():
+        raise ConfigError(
+            f"data.tokenizer {d.tokenizer!r} is not a file: give the path of a tokenizer.json"
+        )
+
+    if not (o.lr > 0 and math.isfinite(o.lr)):
+        raise ConfigError(f"optim.lr is {o.lr}: give a positive learning rate, e.g. 3e-3")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio is {o.min_lr_ratio}: use a fraction in [0, 1]")
+    _at_least("optim.warmup_steps", o.warmup_steps, 0)
+    _at_least("run.steps", r.steps, 1)
+    if o.warmup_steps >= r.steps:
+        raise ConfigError(
+            f"optim.warmup_steps {o.warmup_steps} leaves no step after the warm-up of a "
+            f"{r.steps}-step run: use fewer warm-up steps than run.steps"
+        )
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay is {o.weight_decay}: use 0 or more")
+    for name, beta in (("beta1", o.beta1), ("beta2", o.beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optim.{name} is {beta}: use a value in [0, 1), e.g. 0.9")
+    if not o.eps > 0:
+        raise ConfigError(f"optim.eps is {o.eps}: use a small positive number, e.g. 1e-8")
+    if o.grad_clip < 0:
+        raise ConfigError(
+            f"optim.grad_clip is {o.grad_clip}: give a positive norm, or 0 to turn clipping off"
+        )
+    _at_least("optim.grad_accum", o.grad_accum, 1)
+    _at_least("optim.max_bad_steps", o.max_bad_steps, 1)
+
+    _at_least("run.seed", r.seed, 0)
+    _at_least("run.eval_every", r.eval_every, 0)
+    _at_least("run.sample_tokens", r.sample_tokens, 0)
+    if r.sample_temperature < 0:
+        raise ConfigError(
+            f"run.sample_temperature is {r.sample_temperature}: use 0 (greedy) or more"
+        )
+    if not _RUN_NAME.match(r.name):
+        raise ConfigError(
+            f"run.name {r.name!r} is not a plain folder name: use letters, digits, '.', '_' and '-'"
+        )
+    if r.timeline and not r.timeline.endswith(".png"):
+        raise ConfigError(
+            f"run.timeline {r.timeline!r} must name a .png file, e.g. --timeline step.png"
+        )
+
+
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{key} is {value}: it must be at least {low}")
+
+
+def _multiple_near(value: int, factor: int) -> int:
+    return max(factor, round(value / factor) * factor)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, dict[str, Any]]:
+    """The config as nested plain values (the shape of the TOML file)."""
+    return {section: dataclasses.asdict(getattr(config, section)) for section in _SECTIONS}
+
+
+def config_to_toml(config: TrainConfig) -> str:
+    """A TOML text that ``load_config`` reads back into an equal config."""
+    lines: list[str] = []
+    for section, table in config_to_dict(config).items():
+        if lines:
+            lines.append("")
+        lines.append(f"[{section}]")
+        lines.extend(f"{name} = {_toml_value(value)}" for name, value in table.items())
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # A JSON string is a valid TOML basic string for the text this config holds.
+    return json.dumps(value)
