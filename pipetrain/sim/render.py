@@ -1,0 +1,321 @@
+"""Pictures of timelines: an ASCII grid, Chrome trace JSON and matplotlib Gantt charts.
+
+All three take any ``Timeline`` (simulated or measured). matplotlib is imported only
+inside ``plot`` and ``plot_compare``, so the terminal and trace outputs work without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipetrain.errors import InputError
+from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.execution import Event, Timeline
+from pipetrain.sim.metrics import bubble
+
+__all__ = [
+    "KIND_COLOURS",
+    "RenderError",
+    "ascii",
+    "chrome_trace",
+    "plot",
+    "plot_compare",
+    "write_chrome_trace",
+]
+
+
+class RenderError(InputError):
+    """A picture that cannot be made as asked (unknown file suffix, no matplotlib)."""
+
+
+# ----------------------------------------------------------------------------- ASCII
+_IDLE = "."
+
+
+def _time_unit(events: Sequence[Event]) -> float:
+    """The shortest work duration: one grid column per unit when it fits."""
+    return min(e.duration for e in events)
+
+
+def ascii(timeline: Timeline, width: int = 120) -> str:
+    """A time-aligned grid, one row per rank, each action's text in its cells.
+
+    Idle time shows as ``.``; a box is its action text followed by ``-`` up to its end and
+    one blank, so adjacent boxes stay apart. When the whole timeline would not fit in
+    ``width`` characters, time is squeezed and boxes shrink to ``F3`` or ``F``. Sends,
+    receives and zero-length actions are left out: the grid shows where work happens.
+    """
+    work = [e for e in timeline.events if not e.action.is_comm and e.duration > 0]
+    header = f"{timeline.name}: {timeline.num_ranks} ranks, makespan {timeline.makespan:g}"
+    if not work:
+        return header + "\n(no work)"
+    t0 = min(e.start for e in work)
+    makespan = max(e.end for e in work) - t0
+    unit = _time_unit(work)
+    label_width = max(len(str(e.action)) for e in work) + 1
+    margin = max(len(f"r{timeline.num_ranks - 1}"), 1)
+    room = max(width - margin - 2, 10)
+    # Characters per time unit: room for a label in the shortest box, fewer if needed.
+    per_unit = min(float(label_width), room * unit / makespan)
+    # Squeezed: every box uses the short form, so the grid reads the same everywhere.
+    full = per_unit >= label_width
+    scale = per_unit / unit
+    columns = max(1, math.ceil(makespan * scale))
+    rows = [header, "t".rjust(margin) + "| " + _ruler(makespan, scale, columns)]
+    for rank in range(timeline.num_ranks):
+        cells = [_IDLE] * columns
+        for e in sorted((e for e in work if e.rank == rank), key=lambda e: e.start):
+            lo = round((e.start - t0) * scale)
+            hi = max(lo + 1, round((e.end - t0) * scale))
+            cells[lo:hi] = list(_box(e.action, hi - lo, full=full))
+        rows.append(f"r{rank}".rjust(margin) + "| " + "".join(cells[:columns]))
+    return "\n".join(rows)
+
+
+def _ruler(makespan: float, scale: float, columns: int) -> str:
+    """Tick labels at round times, spaced at least 8 characters apart."""
+    step = next(
+        m * 10.0**k for k in range(-3, 12) for m in (1.0, 2.0, 5.0) if m * 10.0**k * scale >= 8
+    )
+    line = [" "] * (columns + 8)
+    tick = 0.0
+    while tick <= makespan:
+        col = round(tick * scale)
+        text = f"{tick:g}"
+        line[col : col + len(text)] = list(text)
+        tick += step
+    return "".join(line).rstrip()
+
+
+def _box(action: Action, width: int, *, full: bool) -> str:
+    """``width`` characters for one action: its text (or ``F3``), else its kind letter."""
+    mb = "" if action.microbatch is None else str(action.microbatch)
+    label = str(action) if full else f"{action.kind.value}{mb}"
+    if len(label) < width:
+        return label + "-" * (width - len(label) - 1) + " "
+    if len(label) == width:
+        return label
+    return action.kind.value[:width].ljust(width)
+
+
+# ---------------------------------------------------------------------- Chrome trace
+def chrome_trace(
+    timelines: Timeline | Sequence[Timeline], *, us_per_unit: float = 1000.0
+) -> dict[str, Any]:
+    """Chrome trace JSON (Perfetto, chrome://tracing): process = schedule, thread = rank.
+
+    Every event is a complete event named by the action text with its stage, kind and
+    micro-batch in ``args``. ``us_per_unit`` converts timeline units to microseconds (the
+    default shows one simulated unit as one millisecond; measured seconds want 1e6).
+    """
+    group = [timelines] if isinstance(timelines, Timeline) else list(timelines)
+    events: list[dict[str, Any]] = []
+    for pid, tl in enumerate(group):
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": tl.name}}
+        )
+        for rank in range(tl.num_ranks):
+            events.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": rank,
+                    "args": {"name": f"rank {rank}"},
+                }
+            )
+            events.append(
+                {
+                    "name": "thread_sort_index",
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": rank,
+                    "args": {"sort_index": rank},
+                }
+            )
+        for e in tl.events:
+            a = e.action
+            events.append(
+                {
+                    "name": str(a),
+                    "cat": _category(a.kind),
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": e.rank,
+                    "ts": e.start * us_per_unit,
+                    "dur": e.duration * us_per_unit,
+                    "args": {"stage": a.stage, "kind": a.kind.value, "microbatch": a.microbatch},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(
+    timelines: Timeline | Sequence[Timeline], path: str | Path, *, us_per_unit: float = 1000.0
+) -> Path:
+    """Write ``chrome_trace(timelines)`` to ``path`` and return the path."""
+    out = Path(path)
+    out.write_text(json.dumps(chrome_trace(timelines, us_per_unit=us_per_unit)) + "\n")
+    return out
+
+
+def _category(kind: Kind) -> str:
+    if kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+        return "compute"
+    if kind in (Kind.ALLREDUCE, Kind.STEP):
+        return "step"
+    return "comm"
+
+
+# -------------------------------------------------------------------------- matplotlib
+# Colour by kind; sends and receives share one muted colour, step-level actions another.
+KIND_COLOURS: dict[Kind, str] = {
+    Kind.F: "#4C78A8",
+    Kind.B: "#E45756",
+    Kind.I: "#F58518",
+    Kind.W: "#54A24B",
+    Kind.SEND_F: "#B0B0B0",
+    Kind.RECV_F: "#B0B0B0",
+    Kind.SEND_B: "#B0B0B0",
+    Kind.RECV_B: "#B0B0B0",
+    Kind.ALLREDUCE: "#9D755D",
+    Kind.STEP: "#B279A2",
+}
+_LEGEND = (
+    ("F", Kind.F),
+    ("B", Kind.B),
+    ("I", Kind.I),
+    ("W", Kind.W),
+    ("send/recv", Kind.SEND_F),
+    ("all-reduce", Kind.ALLREDUCE),
+    ("step", Kind.STEP),
+)
+_IDLE_COLOUR = "#EFEFEF"
+_SUFFIXES = (".png", ".svg")
+
+
+def _check_path(path: str | Path) -> Path:
+    out = Path(path)
+    if out.suffix.lower() not in _SUFFIXES:
+        raise RenderError(f"plot file {str(out)!r}: use a .png or .svg suffix")
+    return out
+
+
+def _title(tl: Timeline) -> str:
+    b = bubble(tl)
+    return (
+        f"{tl.name}    makespan {tl.makespan:g}    bubble: {b.idle_fraction:.1%} idle, "
+        f"{b.over_ideal:.1%} over ideal, worst rank span idle {b.per_rank_span_time:g}"
+    )
+
+
+def _draw(ax: Any, tl: Timeline, t0: float, makespan: float) -> set[Kind]:
+    """Draw one timeline on ``ax``: ranks top to bottom, idle as a light band."""
+    shown: set[Kind] = set()
+    height = 0.8
+    for rank in range(tl.num_ranks):
+        y = tl.num_ranks - 1 - rank
+        # Idle is the band behind the boxes, up to this timeline's own end.
+        ax.broken_barh([(0.0, tl.makespan)], (y - height / 2, height), color=_IDLE_COLOUR, lw=0)
+        for e in tl.of_rank(rank):
+            kind = e.action.kind
+            if e.duration <= 0:
+                # A free optimizer step still matters (a new weight version): a tick.
+                if kind in (Kind.STEP, Kind.ALLREDUCE):
+                    shown.add(kind)
+                    ax.vlines(
+                        e.start - t0, y - height / 2, y + height / 2, color=KIND_COLOURS[kind], lw=2
+                    )
+                continue
+            shown.add(kind)
+            ax.broken_barh(
+                [(e.start - t0, e.duration)],
+                (y - height / 2, height),
+                facecolor=KIND_COLOURS[kind],
+                edgecolor="white",
+                linewidth=0.6,
+            )
+            if e.action.microbatch is not None:
+                ax.text(
+                    e.start - t0 + e.duration / 2,
+                    y,
+                    str(e.action.microbatch),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                    clip_on=True,
+                )
+    ax.set_yticks(range(tl.num_ranks))
+    ax.set_yticklabels([f"rank {tl.num_ranks - 1 - y}" for y in range(tl.num_ranks)])
+    ax.set_ylim(-0.6, tl.num_ranks - 0.4)
+    ax.set_xlim(0.0, makespan)
+    ax.set_title(_title(tl), fontsize=9, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return shown
+
+
+def _legend(fig: Any, shown: set[Kind]) -> None:
+    from matplotlib.patches import Patch
+
+    comm = {Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
+    handles = [
+        Patch(facecolor=KIND_COLOURS[kind], label=label)
+        for label, kind in _LEGEND
+        if kind in shown or (kind is Kind.SEND_F and shown & comm)
+    ]
+    handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="#CCCCCC", label="idle"))
+    fig.legend(
+        handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False
+    )
+
+
+def _figure(width: float, height: float) -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise RenderError(
+            "drawing a PNG or SVG needs matplotlib: pip install 'pipetrain[plot]'"
+        ) from exc
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _span(timelines: Sequence[Timeline]) -> tuple[list[float], float]:
+    starts = [min((e.start for e in tl.events), default=0.0) for tl in timelines]
+    longest = max((tl.makespan for tl in timelines), default=0.0)
+    return starts, longest if longest > 0 else 1.0
+
+
+def plot(timeline: Timeline, path: str | Path) -> Path:
+    """A Gantt chart of ``timeline`` to ``path`` (.png or .svg, chosen by suffix)."""
+    return plot_compare([timeline], path)
+
+
+def plot_compare(timelines: Sequence[Timeline], path: str | Path) -> Path:
+    """Several timelines stacked on one shared time axis, one panel each."""
+    out = _check_path(path)
+    if not timelines:
+        raise RenderError("nothing to plot: give at least one timeline")
+    starts, longest = _span(timelines)
+    rows = sum(tl.num_ranks for tl in timelines)
+    width = min(18.0, max(8.0, 0.12 * longest + 3.0))
+    fig = _figure(width, 0.9 + 0.32 * rows + 0.55 * len(timelines))
+    axes = fig.subplots(
+        len(timelines),
+        1,
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [tl.num_ranks for tl in timelines]},
+    )[:, 0]
+    shown: set[Kind] = set()
+    for ax, tl, t0 in zip(axes, timelines, starts, strict=True):
+        shown |= _draw(ax, tl, t0, longest)
+    axes[-1].set_xlabel("time")
+    _legend(fig, shown)
+    fig.savefig(out, dpi=120)
+    return out

@@ -1,0 +1,80 @@
+"""Pictures of hand-built timelines: ASCII golden output, trace structure, PNG/SVG files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_sim_metrics import GPIPE_2_2, ONE_F_ONE_B_2_2, PIPEDREAM_2, timeline
+
+from pipetrain.errors import InputError
+from pipetrain.schedules.execution import Timeline
+from pipetrain.sim.render import ascii, chrome_trace, plot, plot_compare, write_chrome_trace
+
+
+def test_ascii_gpipe_golden() -> None:
+    assert ascii(GPIPE_2_2) == (
+        "t: 2 ranks, makespan 9\n"
+        " t| 0       2       4       6       8\n"
+        "r0| 0F0 0F1 ............0B0---- 0B1---- \n"
+        "r1| ....1F0 1F1 1B0---- 1B1---- ........"
+    )
+
+
+def test_ascii_squeezes_to_the_width_and_keeps_short_labels() -> None:
+    text = ascii(PIPEDREAM_2, width=40)
+    rows = text.splitlines()[2:]
+    assert all(len(row) <= 40 for row in rows)
+    assert rows[0].startswith("r0| F0F1 ..")
+    assert "B3" in rows[1]
+    # Zero-length steps are not drawn; the two ranks' rows have the same length.
+    assert "STEP" not in text
+    assert len(rows[0]) == len(rows[1])
+
+
+def test_ascii_shows_idle_between_boxes_and_skips_communication() -> None:
+    tl = timeline(["0F0@0-1 0SEND_F0@1-1 0B0@4-6", "1RECV_F0@1-1 1F0@1-2 1B0@2-4"])
+    rows = ascii(tl).splitlines()[2:]
+    assert rows[0] == "r0| 0F0 ............0B0---- "
+    assert rows[1] == "r1| ....1F0 1B0---- ........"
+
+
+def test_ascii_of_an_empty_timeline() -> None:
+    assert ascii(Timeline("none", 2, ())) == "none: 2 ranks, makespan 0\n(no work)"
+
+
+def test_chrome_trace_has_one_track_per_rank_and_complete_events() -> None:
+    trace = chrome_trace([GPIPE_2_2, ONE_F_ONE_B_2_2], us_per_unit=10.0)
+    events = trace["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == len(GPIPE_2_2.events) + len(ONE_F_ONE_B_2_2.events)
+    assert {(e["pid"], e["tid"]) for e in complete} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names[(1, 1)] == "rank 1"
+    b0 = next(e for e in complete if e["pid"] == 0 and e["name"] == "0B0")
+    assert (b0["ts"], b0["dur"]) == (50.0, 20.0)
+    assert b0["args"] == {"stage": 0, "kind": "B", "microbatch": 0}
+    assert b0["cat"] == "compute"
+
+
+def test_write_chrome_trace_round_trips_through_json(tmp_path: Path) -> None:
+    path = write_chrome_trace(PIPEDREAM_2, tmp_path / "t.json")
+    loaded = json.loads(path.read_text())
+    steps = [e for e in loaded["traceEvents"] if e.get("cat") == "step"]
+    assert len(steps) == 8
+    assert loaded == chrome_trace(PIPEDREAM_2)
+
+
+def test_plot_png_and_svg(tmp_path: Path) -> None:
+    png = plot(GPIPE_2_2, tmp_path / "g.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = plot_compare([GPIPE_2_2, ONE_F_ONE_B_2_2, PIPEDREAM_2], tmp_path / "c.svg")
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text
+
+
+def test_plot_rejects_an_unknown_suffix(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"use a \.png or \.svg suffix"):
+        plot(GPIPE_2_2, tmp_path / "g.jpg")
+    assert not (tmp_path / "g.jpg").exists()
