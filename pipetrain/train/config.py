@@ -100,7 +100,7 @@ class DataConfig:
     eval_fraction: float = 0.05
     # Batches of data.batch_size sequences in each evaluation.
     eval_batches: int = 2
-    # Read at most this many bytes of text (the default corpus has ~30 MB).
+    # Read at most this many characters of text (the default corpus has ~30 million).
     max_bytes: int = 8_000_000
 
 
