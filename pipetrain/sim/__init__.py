@@ -13,16 +13,22 @@ from pipetrain.sim.metrics import (
     stage_weight_versions,
     weight_versions,
 )
+from pipetrain.sim.simulator import SimResult, SizeError, analyse, scale_costs, simulate
 
 __all__ = [
     "Bubble",
     "RankTimes",
+    "SimResult",
+    "SizeError",
+    "analyse",
     "bubble",
     "busy_time",
     "live_activations",
     "peak_activation_bytes",
     "peak_activations",
     "rank_times",
+    "scale_costs",
+    "simulate",
     "stage_weight_versions",
     "weight_versions",
 ]

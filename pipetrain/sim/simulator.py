@@ -1,0 +1,195 @@
+"""The simulator: replay a schedule under per-stage costs and measure what came out.
+
+The timing is the reference replay of ``pipetrain.schedules.execution`` (the same engine
+the validator uses), so a schedule that simulates is one that runs. This module adds the
+accounting: busy and idle time, the three bubbles, live activations and weight versions,
+in bytes when sizes are given. ``analyse`` does the accounting alone, for timelines
+measured by the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pipetrain.errors import InputError
+from pipetrain.schedules.execution import Costs, Timeline, replay
+from pipetrain.schedules.placement import Placement
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.sim.metrics import (
+    Bubble,
+    bubble,
+    peak_activation_bytes,
+    peak_activations,
+    rank_times,
+    stage_weight_versions,
+    weight_versions,
+)
+
+__all__ = ["SimResult", "SizeError", "analyse", "scale_costs", "simulate"]
+
+
+class SizeError(InputError):
+    """Byte sizes that do not match the placement's model stages."""
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one schedule does under one set of costs. Tuples are indexed by rank."""
+
+    timeline: Timeline
+    microbatches: int
+    # Stages per rank (v): 1 for linear placements, 2 for V and Chimera placements.
+    chunks: int
+    makespan: float
+    busy: tuple[float, ...]
+    # Idle against the whole makespan, and inside each rank's own first-to-last span.
+    idle: tuple[float, ...]
+    span_idle: tuple[float, ...]
+    bubble: Bubble
+    # In units of one stage's activations for one micro-batch (a chunk when v > 1).
+    peak_activations: tuple[int, ...]
+    weight_versions: tuple[int, ...]
+    peak_activation_bytes: tuple[float, ...] | None = None
+    # Bytes of every weight version held at once, summed over the rank's stages.
+    weight_bytes: tuple[float, ...] | None = None
+
+    @property
+    def schedule(self) -> str:
+        return self.timeline.name
+
+    @property
+    def num_ranks(self) -> int:
+        return self.timeline.num_ranks
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready summary (no events): the ``pipetrain simulate --json`` object."""
+        out: dict[str, Any] = {
+            "schedule": self.schedule,
+            "pp": self.num_ranks,
+            "microbatches": self.microbatches,
+            "chunks": self.chunks,
+            "makespan": self.makespan,
+            "bubble": {
+                "idle_fraction": self.bubble.idle_fraction,
+                "over_ideal": self.bubble.over_ideal,
+                "per_rank_span": self.bubble.per_rank_span_fraction,
+                "per_rank_span_time": self.bubble.per_rank_span_time,
+                "idle_time": self.bubble.idle_time,
+            },
+            "busy": list(self.busy),
+            "idle": list(self.idle),
+            "span_idle": list(self.span_idle),
+            "peak_activations": list(self.peak_activations),
+            "weight_versions": list(self.weight_versions),
+        }
+        if self.peak_activation_bytes is not None:
+            out["peak_activation_bytes"] = list(self.peak_activation_bytes)
+        if self.weight_bytes is not None:
+            out["weight_bytes"] = list(self.weight_bytes)
+        return out
+
+
+def _per_model_stage(
+    value: float | Sequence[float], placement: Placement, what: str
+) -> list[float]:
+    """One number per virtual stage from a scalar or one number per model stage."""
+    if isinstance(value, (int, float)):
+        return [float(value)] * placement.num_stages
+    if len(value) != placement.num_model_stages:
+        raise SizeError(
+            f"{what}: give one number or one per model stage "
+            f"({placement.num_model_stages}), got {len(value)}"
+        )
+    return [float(value[placement.model_stage(s)]) for s in range(placement.num_stages)]
+
+
+def analyse(
+    timeline: Timeline,
+    *,
+    placement: Placement,
+    microbatches: int,
+    chunks: int | None = None,
+    activation_bytes: float | Sequence[float] | None = None,
+    weight_bytes: float | Sequence[float] | None = None,
+    batch_scale: int = 1,
+) -> SimResult:
+    """The accounting of ``timeline``, simulated or measured.
+
+    ``activation_bytes`` and ``weight_bytes`` are per model stage (or one number for all):
+    the activations one micro-batch leaves on a stage, and the stage's parameters.
+    ``batch_scale`` is how many micro-batches one action carries (m for the naive
+    schedule, which runs the whole batch at once): activations count that many units.
+    """
+    times = rank_times(timeline)
+    act_bytes = None
+    if activation_bytes is not None:
+        sizes = _per_model_stage(activation_bytes, placement, "activation_bytes")
+        act_bytes = peak_activation_bytes(timeline, [batch_scale * s for s in sizes])
+    held = None
+    if weight_bytes is not None:
+        sizes = _per_model_stage(weight_bytes, placement, "weight_bytes")
+        per_rank = [0.0] * timeline.num_ranks
+        for stage, versions in stage_weight_versions(timeline).items():
+            per_rank[placement.rank_of(stage)] += versions * sizes[stage]
+        held = tuple(per_rank)
+    return SimResult(
+        timeline=timeline,
+        microbatches=microbatches,
+        chunks=placement.stages_per_rank if chunks is None else chunks,
+        makespan=timeline.makespan,
+        busy=times.busy,
+        idle=times.idle,
+        span_idle=times.span_idle,
+        bubble=bubble(timeline, times),
+        peak_activations=tuple(batch_scale * n for n in peak_activations(timeline)),
+        weight_versions=weight_versions(timeline),
+        peak_activation_bytes=act_bytes,
+        weight_bytes=held,
+    )
+
+
+def _scaled(value: float | tuple[float, ...], factor: float) -> float | tuple[float, ...]:
+    if isinstance(value, tuple):
+        return tuple(factor * v for v in value)
+    return factor * value
+
+
+def scale_costs(costs: Costs, factor: float) -> Costs:
+    """``costs`` with every compute duration (F, B, I, W) times ``factor``."""
+    return replace(
+        costs,
+        forward=_scaled(costs.forward, factor),
+        backward=_scaled(costs.backward, factor),
+        backward_input=_scaled(costs.backward_input, factor),
+        backward_weight=_scaled(costs.backward_weight, factor),
+    )
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Costs | None = None,
+    *,
+    activation_bytes: float | Sequence[float] | None = None,
+    weight_bytes: float | Sequence[float] | None = None,
+    batch_scale: int = 1,
+) -> SimResult:
+    """Replay ``schedule`` under ``costs`` (default: unit costs) and measure it (see ``analyse``).
+
+    ``batch_scale`` multiplies compute costs and activations: pass m for a schedule whose
+    actions each carry the whole batch (naive model parallel) to compare it fairly with
+    micro-batched ones. Raises ``ScheduleError`` when the schedule deadlocks.
+    """
+    costs = Costs() if costs is None else costs  # the papers' unit costs
+    timeline = replay(schedule, scale_costs(costs, batch_scale) if batch_scale != 1 else costs)
+    chunks = dict(schedule.params).get("v")
+    return analyse(
+        timeline,
+        placement=schedule.placement,
+        microbatches=schedule.microbatches * batch_scale,
+        chunks=chunks,
+        activation_bytes=activation_bytes,
+        weight_bytes=weight_bytes,
+        batch_scale=batch_scale,
+    )
