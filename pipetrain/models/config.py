@@ -1,0 +1,125 @@
+"""Model configurations and named presets (torch-free: the planner reads them without torch).
+
+A config names a family ("llama" or "gpt2") and its sizes. Presets go from tiny models for
+tests to the real sizes the planner and the simulator reason about.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pipetrain.errors import InputError
+
+__all__ = ["PRESETS", "ModelConfig", "ModelConfigError", "get_model_config"]
+
+FAMILIES = ("llama", "gpt2")
+
+
+class ModelConfigError(InputError):
+    """A model config field that no model can be built from; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of a decoder-only transformer; every field is validated on construction."""
+
+    # "llama": RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP.
+    # "gpt2": learned positions, LayerNorm, GELU MLP, biases.
+    family: str
+    vocab_size: int
+    d_model: int
+    n_layers: int  # transformer blocks; the pipeline has n_layers + 2 layers (embed, head)
+    n_heads: int
+    n_kv_heads: int  # grouped-query attention: n_heads must be a multiple of it
+    ffn_hidden: int  # hidden width of the MLP (SwiGLU: of each of w1 and w3)
+    max_seq_len: int
+    tie_embeddings: bool  # the LM head reuses the token embedding matrix
+    norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0  # llama only
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ModelConfigError(
+                f"model family {self.family!r} is unknown: use one of {', '.join(FAMILIES)}"
+            )
+        for field in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_hidden",
+            "max_seq_len",
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelConfigError(f"model {field} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ModelConfigError(
+                f"model d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
+                "change one so that d_model / n_heads is whole"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(
+                f"model n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: "
+                "pick n_kv_heads that divides n_heads"
+            )
+        if self.family == "llama" and self.head_dim % 2:
+            raise ModelConfigError(
+                f"llama head size d_model/n_heads={self.head_dim} must be even for rotary positions"
+            )
+        if not self.norm_eps > 0:
+            raise ModelConfigError(f"model norm_eps must be > 0, got {self.norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ModelConfigError(f"model rope_theta must be > 0, got {self.rope_theta!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def num_pipeline_layers(self) -> int:
+        """Embedding, the blocks, and the head."""
+        return self.n_layers + 2
+
+
+PRESETS: dict[str, ModelConfig] = {
+    config.name: config
+    for config in (
+        ModelConfig("llama", 256, 32, 4, 4, 2, 64, 64, False, name="llama-tiny"),
+        ModelConfig("gpt2", 256, 32, 3, 4, 4, 128, 64, True, name="gpt2-tiny"),
+        # The main job: 3 stages x 4 blocks on a 2-core CPU, batch 32 x 128 in 8 micro-batches.
+        # About 2.4 M parameters, so 60-100 steps fit in a few minutes.
+        ModelConfig("llama", 256, 128, 12, 4, 2, 384, 128, False, name="llama-default"),
+        ModelConfig("gpt2", 50257, 768, 12, 12, 12, 3072, 1024, True, name="gpt2-124m"),
+        # Llama 3.2 1B and Llama 3.1 8B (context limited to 8192 for planning).
+        ModelConfig(
+            "llama", 128256, 2048, 16, 32, 8, 8192, 8192, True, 1e-5, 500_000.0, "llama3-1b"
+        ),
+        ModelConfig(
+            "llama", 128256, 4096, 32, 32, 8, 14336, 8192, False, 1e-5, 500_000.0, "llama3-8b"
+        ),
+    )
+}
+
+
+def get_model_config(name: str, **overrides: Any) -> ModelConfig:
+    """The preset ``name`` with some fields replaced (``get_model_config("llama-tiny", n_layers=6)``)."""
+    try:
+        base = PRESETS[name]
+    except KeyError:
+        raise ModelConfigError(f"unknown model {name!r}: use one of {', '.join(PRESETS)}") from None
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ModelConfigError(
+            f"unknown model field(s) {', '.join(unknown)}: use some of {', '.join(sorted(fields))}"
+        )
+    return dataclasses.replace(base, **overrides)

@@ -1,0 +1,149 @@
+"""Llama-style decoder as three kinds of pipeline layer: embedding, block, head.
+
+RMSNorm, rotary position embedding, grouped-query attention, SwiGLU MLP. Every layer has
+``init_weights(generator)`` so that a stage built on the meta device can be materialised
+and initialised layer by layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.models.config import ModelConfig
+from pipetrain.models.init import BASE_STD, normal_, ones_, residual_std
+
+__all__ = ["LlamaBlock", "LlamaEmbedding", "LlamaHead", "RMSNorm", "apply_rotary", "rotary_tables"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 even for low-precision inputs: the mean of squares overflows in fp16.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, each (T, head_dim/2), in float32.
+
+    Computed per call rather than kept in a buffer: a buffer would be garbage after a meta
+    build, and at these sizes the cost is negligible next to attention.
+    """
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x: (B, H, T, D) by the angles of each position."""
+    xf = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, H, T, D/2, 2)
+    even, odd = xf[..., 0], xf[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class LlamaEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(config.vocab_size, config.d_model)
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        normal_(self.tok.weight, BASE_STD, generator)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.tok(ids)  # (B, T) -> (B, T, C)
+        return out
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        self.wq = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.wk = nn.Linear(config.d_model, config.kv_dim, bias=False)
+        self.wv = nn.Linear(config.d_model, config.kv_dim, bias=False)
+        self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rotary_tables(t, self.head_dim, self.rope_theta, x.device)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # Each key/value head serves n_heads / n_kv_heads query heads.
+            repeat = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        out: torch.Tensor = self.wo(y.transpose(1, 2).reshape(b, t, c))
+        return out
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.d_model, config.ffn_hidden, bias=False)  # gate
+        self.w3 = nn.Linear(config.d_model, config.ffn_hidden, bias=False)  # up
+        self.w2 = nn.Linear(config.ffn_hidden, config.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_layers = config.n_layers
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = LlamaAttention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        ones_(self.attn_norm.weight)
+        for linear in (self.attn.wq, self.attn.wk, self.attn.wv):
+            normal_(linear.weight, BASE_STD, generator)
+        normal_(self.attn.wo.weight, residual_std(self.n_layers), generator)
+        ones_(self.mlp_norm.weight)
+        normal_(self.mlp.w1.weight, BASE_STD, generator)
+        normal_(self.mlp.w3.weight, BASE_STD, generator)
+        normal_(self.mlp.w2.weight, residual_std(self.n_layers), generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))  # (B, T, C)
+        out: torch.Tensor = x + self.mlp(self.mlp_norm(x))
+        return out
+
+
+class LlamaHead(nn.Module):
+    """Final norm and the output projection; ``out.weight`` is the tied copy when tied."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.out = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        ones_(self.norm.weight)
+        normal_(self.out.weight, BASE_STD, generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(self.norm(x))  # (B, T, C) -> (B, T, V)
+        return out

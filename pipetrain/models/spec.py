@@ -1,0 +1,155 @@
+"""A model as an ordered list of pipeline layers (the DeepSpeed LayerSpec idea).
+
+Layer index = position in the list. For the built-in models: the embedding is layer 0,
+block i is layer i + 1, and the head is last. Each layer has a global module prefix that
+every stage keeps, so parameter names never depend on the split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from pipetrain.errors import InputError
+from pipetrain.models.config import ModelConfig
+from pipetrain.models.gpt2 import GPT2Block, GPT2Embedding, GPT2Head
+from pipetrain.models.llama import LlamaBlock, LlamaEmbedding, LlamaHead
+
+__all__ = ["LAYER_KINDS", "LayerSpec", "PipelineSpec", "SpecError", "TiedWeight", "model_spec"]
+
+LAYER_KINDS = ("embedding", "block", "head")
+
+
+class SpecError(InputError):
+    """A layer list that cannot be pipelined (bad names, kinds, or tied weights)."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One pipeline layer: its global prefix, its kind, and a zero-argument factory.
+
+    The factory is called on the meta device when the module defines
+    ``init_weights(generator)``; otherwise on the CPU under a seeded RNG (see ``build_stage``).
+    """
+
+    name: str
+    kind: str
+    build: Callable[[], nn.Module]
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYER_KINDS:
+            raise SpecError(
+                f"layer {self.name!r} has kind {self.kind!r}: use one of {', '.join(LAYER_KINDS)}"
+            )
+        if not self.name or any(not part for part in self.name.split(".")):
+            raise SpecError(f"layer name {self.name!r} is not a dotted module path like 'layers.3'")
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """One parameter shared by two layers, e.g. the token embedding and the LM head.
+
+    ``owner`` holds the canonical parameter ``key`` (``"embed.tok.weight"``); the layer
+    ``copy_layer`` uses it as its parameter ``copy_param`` (``"out.weight"``, local to the
+    layer). On a stage that holds both layers they are one tensor; on different stages
+    each holds a copy, initialised equal, whose gradients the runtime sums.
+    """
+
+    key: str
+    owner: int
+    owner_param: str
+    copy_layer: int
+    copy_param: str
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """The ordered layers of a model and its tied weights."""
+
+    layers: tuple[LayerSpec, ...]
+    tied: tuple[TiedWeight, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise SpecError("a pipeline needs at least one layer")
+        names = [layer.name for layer in self.layers]
+        for i, name in enumerate(names):
+            for other in names[:i]:
+                if name == other or name.startswith(other + ".") or other.startswith(name + "."):
+                    raise SpecError(
+                        f"layer names {other!r} and {name!r} clash: give every layer its own prefix"
+                    )
+        for tie in self.tied:
+            for index in (tie.owner, tie.copy_layer):
+                if not 0 <= index < len(self.layers):
+                    raise SpecError(
+                        f"tied weight {tie.key!r} names layer {index}, outside 0..{len(self.layers) - 1}"
+                    )
+            if tie.owner == tie.copy_layer:
+                raise SpecError(f"tied weight {tie.key!r} ties layer {tie.owner} to itself")
+
+    @classmethod
+    def from_layers(
+        cls,
+        layers: Sequence[LayerSpec | Callable[[], nn.Module]],
+        tied: Sequence[TiedWeight] = (),
+    ) -> PipelineSpec:
+        """A user model: LayerSpecs, or bare factories named ``layers.0``, ``layers.1``, ...
+
+        Bare factories are all of kind "block": the first stage then takes whatever the
+        first factory's module takes.
+        """
+        specs = tuple(
+            layer if isinstance(layer, LayerSpec) else LayerSpec(f"layers.{i}", "block", layer)
+            for i, layer in enumerate(layers)
+        )
+        for i, layer in enumerate(specs):
+            if not callable(layer.build):
+                raise SpecError(
+                    f"layer {i} ({layer.name!r}) is not a factory: pass a zero-argument callable"
+                )
+        return cls(specs, tuple(tied))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(1 for layer in self.layers if layer.kind == "block")
+
+    def block_indices(self) -> tuple[int, ...]:
+        return tuple(i for i, layer in enumerate(self.layers) if layer.kind == "block")
+
+    def tied_holders(self, stage_layers: Sequence[Sequence[int]]) -> dict[str, tuple[int, ...]]:
+        """For each tied weight, the stages (indices into ``stage_layers``) that hold a copy.
+
+        The runtime sums the gradients of a tied weight over these stages' ranks; a weight
+        held by one stage only needs nothing.
+        """
+        holders: dict[str, tuple[int, ...]] = {}
+        for tie in self.tied:
+            holders[tie.key] = tuple(
+                s
+                for s, layers in enumerate(stage_layers)
+                if tie.owner in layers or tie.copy_layer in layers
+            )
+        return holders
+
+
+def model_spec(config: ModelConfig) -> PipelineSpec:
+    """The built-in model of ``config`` as pipeline layers: embed, layers.0..N-1, head."""
+    embed_cls, block_cls, head_cls = {
+        "llama": (LlamaEmbedding, LlamaBlock, LlamaHead),
+        "gpt2": (GPT2Embedding, GPT2Block, GPT2Head),
+    }[config.family]
+    layers = [LayerSpec("embed", "embedding", lambda: embed_cls(config))]
+    layers += [
+        LayerSpec(f"layers.{i}", "block", lambda: block_cls(config)) for i in range(config.n_layers)
+    ]
+    layers.append(LayerSpec("head", "head", lambda: head_cls(config)))
+    tied: tuple[TiedWeight, ...] = ()
+    if config.tie_embeddings:
+        tied = (TiedWeight("embed.tok.weight", 0, "tok.weight", len(layers) - 1, "out.weight"),)
+    return PipelineSpec(tuple(layers), tied)

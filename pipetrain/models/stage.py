@@ -1,0 +1,167 @@
+"""Build one pipeline stage (or the whole model) with split-independent weights.
+
+Each layer is built on the meta device (no memory), materialised on the CPU, initialised
+from a generator seeded by (seed, global layer index), then moved to the run's device and
+dtype. Drawing on the CPU keeps the weights identical across devices; building one layer
+at a time keeps the peak host memory to one layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from pipetrain.errors import InputError
+from pipetrain.models.init import layer_generator, layer_seed
+from pipetrain.models.spec import LayerSpec, PipelineSpec, SpecError
+
+__all__ = ["StageError", "StageModule", "build_full_model", "build_stage"]
+
+
+class StageError(InputError):
+    """Layer indices that do not form a stage of the given model."""
+
+
+def _attach(root: nn.Module, dotted: str, module: nn.Module) -> None:
+    """Register ``module`` at ``root.<dotted>``, creating empty containers on the way."""
+    *parents, leaf = dotted.split(".")
+    parent = root
+    for part in parents:
+        child = parent._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            parent.add_module(part, child)
+        parent = child
+    parent.add_module(leaf, module)
+
+
+def _parameter(module: nn.Module, dotted: str, layer_name: str) -> nn.Parameter:
+    try:
+        return module.get_parameter(dotted)
+    except AttributeError:
+        raise SpecError(
+            f"tied weight names {layer_name}.{dotted}, which is not a parameter of that layer: "
+            "fix the TiedWeight's parameter name"
+        ) from None
+
+
+def materialise_layer(layer: LayerSpec, *, seed: int, index: int) -> nn.Module:
+    """Build one layer on the CPU with weights that depend only on (seed, index)."""
+    with torch.device("meta"):
+        module = layer.build()
+    init = getattr(module, "init_weights", None)
+    if callable(init):
+        module = module.to_empty(device="cpu")
+        init(layer_generator(seed, index))
+        return module
+    # A user layer without init_weights: build it for real under a seeded global RNG, so its
+    # own default initialisation is reproducible and independent of the other layers.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, index))
+        return layer.build().to("cpu")
+
+
+class StageModule(nn.Module):
+    """Some consecutive layers of a pipeline, registered under their global names.
+
+    ``forward`` runs them in order. The first stage takes token ids (B, T) int64, later
+    stages hidden states (B, T, C); the last stage returns logits (B, T, V).
+    """
+
+    def __init__(
+        self, spec: PipelineSpec, layer_indices: Sequence[int], layers: Sequence[nn.Module]
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_indices: tuple[int, ...] = tuple(layer_indices)
+        self.layer_names: tuple[str, ...] = tuple(spec.layers[i].name for i in self.layer_indices)
+        for name, module in zip(self.layer_names, layers, strict=True):
+            _attach(self, name, module)
+        # A tuple is not registered by nn.Module: the layers stay registered once, by name.
+        self._run: tuple[nn.Module, ...] = tuple(layers)
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.layer_indices
+
+    @property
+    def is_last(self) -> bool:
+        return len(self.spec) - 1 in self.layer_indices
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self._run:
+            x = layer(x)
+        return x
+
+    def tied_parameters(self) -> dict[str, nn.Parameter]:
+        """Canonical key -> this stage's copy of each tied weight it holds.
+
+        Where the owner and the copy layer are both here they are one tensor, listed once.
+        """
+        found: dict[str, nn.Parameter] = {}
+        for tie in self.spec.tied:
+            for index, param in ((tie.owner, tie.owner_param), (tie.copy_layer, tie.copy_param)):
+                if index in self.layer_indices:
+                    name = self.spec.layers[index].name
+                    found[tie.key] = _parameter(self, f"{name}.{param}", name)
+                    break
+        return found
+
+
+def _check_indices(spec: PipelineSpec, layer_indices: Sequence[int]) -> tuple[int, ...]:
+    indices = tuple(layer_indices)
+    if not indices:
+        raise StageError(
+            "a stage needs at least one layer: give it a non-empty range of layer indices"
+        )
+    n = len(spec)
+    for index in indices:
+        if not isinstance(index, int) or not 0 <= index < n:
+            raise StageError(f"layer index {index!r} is outside 0..{n - 1} of this {n}-layer model")
+    if indices != tuple(range(indices[0], indices[0] + len(indices))):
+        raise StageError(
+            f"stage layers {list(indices)} are not consecutive: a stage is a contiguous range of layers"
+        )
+    return indices
+
+
+def build_stage(
+    spec: PipelineSpec,
+    layer_indices: Sequence[int],
+    *,
+    seed: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+) -> StageModule:
+    """Build the layers ``layer_indices`` of ``spec`` on ``device``, weights seeded per layer."""
+    indices = _check_indices(spec, layer_indices)
+    layers = [
+        materialise_layer(spec.layers[i], seed=seed, index=i).to(device=device, dtype=dtype)
+        for i in indices
+    ]
+    by_index = dict(zip(indices, layers, strict=True))
+    for tie in spec.tied:
+        if tie.copy_layer not in by_index:
+            continue
+        copy_layer = by_index[tie.copy_layer]
+        copy = _parameter(copy_layer, tie.copy_param, spec.layers[tie.copy_layer].name)
+        if tie.owner in by_index:
+            owner = _parameter(by_index[tie.owner], tie.owner_param, spec.layers[tie.owner].name)
+            parent, _, leaf = tie.copy_param.rpartition(".")
+            setattr(copy_layer.get_submodule(parent), leaf, owner)
+        else:
+            # The owner lives on another stage: start from the owner's exact initial value.
+            owner_layer = materialise_layer(spec.layers[tie.owner], seed=seed, index=tie.owner)
+            source = _parameter(owner_layer, tie.owner_param, spec.layers[tie.owner].name)
+            with torch.no_grad():
+                copy.copy_(source)
+    return StageModule(spec, indices, layers)
+
+
+def build_full_model(
+    spec: PipelineSpec, *, seed: int, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> StageModule:
+    """Every layer on one device: the single-process reference."""
+    return build_stage(spec, range(len(spec)), seed=seed, device=device, dtype=dtype)
