@@ -1,0 +1,73 @@
+"""Lowering: add the sends and receives that a compute-only schedule leaves implicit.
+
+For each edge between stages on different ranks:
+
+- ``SEND_F(s, k)`` right after ``F(s, k)`` when ``next(s)`` is on another rank;
+- ``RECV_F(s, k)`` right before ``F(s, k)`` when ``prev(s)`` is on another rank;
+- ``SEND_B(s, k)`` right after ``B(s, k)`` or ``I(s, k)`` when ``prev(s)`` is on another rank;
+- ``RECV_B(s, k)`` right before ``B(s, k)`` or ``I(s, k)`` when ``next(s)`` is on another rank.
+
+Edges between stages on the same rank (interleaved neighbours, the turn of a V) get no
+messages. A message that the schedule already has is kept where it is, so lowering is
+idempotent and a hand-placed send or receive survives.
+
+Order of messages: between a pair of ranks, sends leave in the sender's compute order and
+receives are posted in the receiver's compute order. On a link that carries only
+activations of one stage pair the two orders agree (GPipe, 1F1B). They can differ when one
+link carries several kinds or stage pairs: with looped or V placements rank 0 and rank 1
+exchange activations of several chunks and gradients in both directions, and the receiver
+may post a gradient receive before the activation that the sender issued first. The
+runtime therefore matches messages by ``(stage, kind, micro-batch)``, never by order.
+"""
+
+from __future__ import annotations
+
+from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.deps import BACKWARD_INPUT_KINDS
+from pipetrain.schedules.placement import Placement
+from pipetrain.schedules.schedule import Schedule
+
+__all__ = ["lower"]
+
+
+def _crosses(placement: Placement, stage: int, other: int | None) -> bool:
+    return other is not None and placement.rank_of(other) != placement.rank_of(stage)
+
+
+def _messages(action: Action, placement: Placement) -> tuple[list[Action], list[Action]]:
+    """The receives that go before ``action`` and the sends that go after it."""
+    s, mb = action.stage, action.microbatch
+    if mb is None or s >= placement.num_stages:
+        return [], []
+    prev, nxt = placement.prev_stage(s), placement.next_stage(s)
+    if action.kind is Kind.F:
+        before = [Action(s, Kind.RECV_F, mb)] if _crosses(placement, s, prev) else []
+        after = [Action(s, Kind.SEND_F, mb)] if _crosses(placement, s, nxt) else []
+        return before, after
+    if action.kind in BACKWARD_INPUT_KINDS:
+        before = [Action(s, Kind.RECV_B, mb)] if _crosses(placement, s, nxt) else []
+        after = [Action(s, Kind.SEND_B, mb)] if _crosses(placement, s, prev) else []
+        return before, after
+    return [], []
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """The same schedule with every cross-rank send and receive placed (see module doc)."""
+    rows: list[tuple[Action, ...]] = []
+    for row in schedule.actions:
+        present = {a for a in row if a.is_comm}
+        lowered: list[Action] = []
+        for action in row:
+            before, after = _messages(action, schedule.placement)
+            lowered.extend(a for a in before if a not in present)
+            lowered.append(action)
+            lowered.extend(a for a in after if a not in present)
+        rows.append(tuple(lowered))
+    return Schedule(
+        schedule.name,
+        schedule.placement,
+        schedule.microbatches,
+        tuple(rows),
+        schedule.asynchronous,
+        schedule.params,
+    )
