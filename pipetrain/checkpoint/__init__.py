@@ -1,0 +1,54 @@
+"""Distributed checkpoints keyed by global parameter names.
+
+Every rank saves its own stage modules with torch.distributed.checkpoint; the files,
+a manifest with their checksums and a completion marker appear under
+``ROOT/step_NNNNNN/`` atomically. Any layout (pipeline size, chunks, schedule) loads any
+checkpoint of the same model; ``export`` consolidates the weights into one safetensors
+file with global (or Hugging Face) names.
+"""
+
+from pipetrain.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompatibleError,
+)
+from pipetrain.checkpoint.manifest import (
+    FORMAT_VERSION,
+    Layout,
+    Manifest,
+    Verification,
+    read_manifest,
+    verify_checkpoint,
+)
+from pipetrain.checkpoint.store import (
+    CheckpointList,
+    LoadResult,
+    ResumeChoice,
+    SaveResult,
+    choose_resume,
+    list_checkpoints,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointIncompatibleError",
+    "CheckpointList",
+    "Layout",
+    "LoadResult",
+    "Manifest",
+    "ResumeChoice",
+    "SaveResult",
+    "Verification",
+    "choose_resume",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_manifest",
+    "resume_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
