@@ -1,0 +1,203 @@
+"""What a run reports: a progress line, a metrics JSONL file, TensorBoard, a summary.
+
+Only one rank reports (the loss is known on every rank); the others stay quiet unless
+something goes wrong. On a terminal the progress is one line redrawn in place; otherwise
+(a log file, a CI job) it is plain lines, so a log reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from pipetrain.errors import InputError
+from pipetrain.schedules.execution import Timeline
+
+__all__ = [
+    "MetricsError",
+    "MetricsFile",
+    "Progress",
+    "RunSummary",
+    "TensorBoard",
+    "format_duration",
+    "measured_bubble",
+    "peak_memory_bytes",
+]
+
+
+class MetricsError(InputError):
+    """An output that cannot be written, or an optional logger that is not installed."""
+
+
+def format_duration(seconds: float) -> str:
+    """``75.2`` -> ``"1:15"``; ``3725`` -> ``"1:02:05"``; unknown -> ``"?"``."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def measured_bubble(timeline: Timeline) -> float:
+    """Idle share of ``ranks x makespan`` in a measured step (the GPipe definition)."""
+    from pipetrain.sim.metrics import bubble
+
+    return bubble(timeline).idle_fraction
+
+
+def peak_memory_bytes(device: str) -> int:
+    """Peak memory of this process: CUDA allocations on a GPU, resident set size on a CPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    # Linux reports ru_maxrss in KiB.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsFile:
+    """One JSON object per line, flushed at once so a crashed run keeps its lines."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: IO[str] = path.open("w", encoding="utf-8")
+        except OSError as exc:
+            raise MetricsError(
+                f"run.metrics {str(path)!r} cannot be written ({exc.strerror}): choose another path"
+            ) from None
+        self.path = path
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        # NaN and inf are written as null: strict JSON readers reject the bare tokens.
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()
+        }
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoard:
+    """Scalars of each metrics line, through torch.utils.tensorboard (needs tensorboard)."""
+
+    def __init__(self, folder: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ModuleNotFoundError:
+            raise MetricsError(
+                "run.tensorboard needs the 'tensorboard' package, which is not installed: "
+                "pip install tensorboard, or drop --tensorboard"
+            ) from None
+        self._writer = SummaryWriter(log_dir=str(folder))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class Progress:
+    """Step, loss, tokens/s and ETA: redrawn in place on a terminal, plain lines elsewhere."""
+
+    def __init__(self, total_steps: int, stream: IO[str] | None = None, *, width: int = 24) -> None:
+        self._total = total_steps
+        self._stream = sys.stdout if stream is None else stream
+        self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
+        self._width = width
+        # Plain lines: about 100 for a long run, every step for a short one.
+        self._every = max(1, total_steps // 100)
+        self._open_line = False
+
+    def update(
+        self, step: int, *, loss: float, tokens_per_s: float, elapsed_s: float, note: str = ""
+    ) -> None:
+        """After optimizer step ``step`` (from 0) finished, ``elapsed_s`` into the run."""
+        done = step + 1
+        eta = elapsed_s / done * (self._total - done) if done else math.nan
+        text = f"step {done}/{self._total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {format_duration(eta)}"
+        if note:
+            text += f"  {note}"
+        if self._tty:
+            filled = round(self._width * done / self._total)
+            bar = "#" * filled + "." * (self._width - filled)
+            self._stream.write(f"\r[{bar}] {text}\033[K")
+            self._open_line = done < self._total
+            if not self._open_line:
+                self._stream.write("\n")
+        elif note or done % self._every == 0 or done == self._total:
+            self._stream.write(text + "\n")
+        self._stream.flush()
+
+    def message(self, text: str) -> None:
+        """A line of its own (eval results, warnings), without breaking the bar."""
+        if self._open_line:
+            self._stream.write("\n")
+            self._open_line = False
+        self._stream.write(text + "\n")
+        self._stream.flush()
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The numbers a finished run is judged by."""
+
+    steps: int
+    wall_s: float
+    tokens: int
+    # Tokens per second over the training steps (evaluation and start-up excluded).
+    tokens_per_s: float
+    # Idle share of the pipeline, measured on the steps, and simulated from the measured
+    # action durations for the same schedule (None where there is no pipeline).
+    measured_bubble: float | None
+    simulated_bubble: float | None
+    first_eval_loss: float
+    final_eval_loss: float
+    # Peak memory (bytes) of each rank, in rank order.
+    peak_memory: tuple[int, ...]
+    skipped_steps: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "summary": True,
+            **{k: v for k, v in self.__dict__.items() if k != "peak_memory"},
+            "peak_memory": list(self.peak_memory),
+        }
+
+    def format(self) -> str:
+        """A few lines for the end of the run log."""
+        drop = (
+            1.0 - self.final_eval_loss / self.first_eval_loss
+            if self.first_eval_loss > 0
+            else math.nan
+        )
+        lines = [
+            f"trained {self.steps} steps, {self.tokens:,} tokens in {format_duration(self.wall_s)} "
+            f"({self.wall_s:.1f} s): {self.tokens_per_s:,.0f} tokens/s",
+            f"eval loss {self.first_eval_loss:.4f} -> {self.final_eval_loss:.4f} ({drop:.0%} lower)",
+        ]
+        if self.measured_bubble is not None:
+            simulated = "n/a" if self.simulated_bubble is None else f"{self.simulated_bubble:.1%}"
+            lines.append(f"bubble: measured {self.measured_bubble:.1%}, simulated {simulated}")
+        lines.append("peak memory per rank: " + ", ".join(_mib(b) for b in self.peak_memory))
+        if self.skipped_steps:
+            lines.append(f"skipped updates (non-finite loss or gradient): {self.skipped_steps}")
+        return "\n".join(lines)
+
+
+def _mib(size: float) -> str:
+    return f"{size / 2**20:,.0f} MiB"

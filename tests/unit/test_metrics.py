@@ -1,0 +1,123 @@
+"""Metrics: JSONL lines, progress output on and off a terminal, summary, bubble."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pipetrain.schedules import Action, Kind
+from pipetrain.schedules.execution import Event, Timeline
+from pipetrain.train.metrics import (
+    MetricsError,
+    MetricsFile,
+    Progress,
+    RunSummary,
+    format_duration,
+    measured_bubble,
+    peak_memory_bytes,
+)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_metrics_file_is_one_json_object_per_line(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "m.jsonl"
+    metrics = MetricsFile(path)
+    metrics.write({"step": 0, "loss": 5.5, "grad_norm": math.nan})
+    metrics.write({"step": 1, "eval_loss": 4.0})
+    # Lines are on disk before close: a crashed run keeps them.
+    assert len(path.read_text().splitlines()) == 2
+    metrics.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [{"step": 0, "loss": 5.5, "grad_norm": None}, {"step": 1, "eval_loss": 4.0}]
+
+
+def test_unwritable_metrics_path_names_the_field(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(MetricsError, match=r"run.metrics .* cannot be written"):
+        MetricsFile(blocker / "m.jsonl")
+
+
+def test_plain_lines_off_a_terminal() -> None:
+    out = io.StringIO()
+    progress = Progress(3, out)
+    for step in range(3):
+        progress.update(step, loss=2.0 - step, tokens_per_s=1000.0, elapsed_s=step + 1.0)
+    progress.message("eval loss 1.0")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "step 1/3  loss 2.0000  1,000 tok/s  ETA 0:02"
+    assert lines[2] == "step 3/3  loss 0.0000  1,000 tok/s  ETA 0:00"
+    assert lines[3] == "eval loss 1.0"
+    assert "\r" not in out.getvalue()
+
+
+def test_plain_lines_are_thinned_for_long_runs() -> None:
+    out = io.StringIO()
+    progress = Progress(1000, out)
+    for step in range(1000):
+        progress.update(step, loss=1.0, tokens_per_s=1.0, elapsed_s=1.0)
+    assert len(out.getvalue().splitlines()) == 100
+
+
+def test_bar_on_a_terminal_is_redrawn_in_place() -> None:
+    out = _Terminal()
+    progress = Progress(2, out, width=4)
+    progress.update(0, loss=3.0, tokens_per_s=10.0, elapsed_s=5.0)
+    progress.message("eval")
+    progress.update(1, loss=2.0, tokens_per_s=10.0, elapsed_s=10.0)
+    text = out.getvalue()
+    assert text.startswith("\r[##..] step 1/2  loss 3.0000")
+    assert "ETA 0:05" in text
+    assert "\neval\n\r[####] step 2/2" in text
+    assert text.endswith("\n")
+
+
+def test_format_duration() -> None:
+    assert format_duration(75.2) == "1:15"
+    assert format_duration(3725) == "1:02:05"
+    assert format_duration(math.nan) == "?"
+
+
+def test_measured_bubble_of_a_two_rank_step() -> None:
+    f0, f1 = Action(0, Kind.F, 0), Action(1, Kind.F, 0)
+    b1, b0 = Action(1, Kind.B, 0), Action(0, Kind.B, 0)
+    # Rank 0: F [0,1), B [3,5); rank 1: F [1,2), B [2,3). Makespan 5, busy 3 + 2.
+    timeline = Timeline(
+        "t", 2, (Event(0, f0, 0, 1), Event(1, f1, 1, 2), Event(1, b1, 2, 3), Event(0, b0, 3, 5))
+    )
+    assert measured_bubble(timeline) == pytest.approx(1 - 5 / 10)
+
+
+def test_peak_memory_is_positive() -> None:
+    assert peak_memory_bytes("cpu") > 10 * 2**20
+
+
+def test_summary_text_and_json() -> None:
+    summary = RunSummary(
+        steps=80,
+        wall_s=200.0,
+        tokens=80 * 4096,
+        tokens_per_s=1700.0,
+        measured_bubble=0.31,
+        simulated_bubble=0.2,
+        first_eval_loss=5.5,
+        final_eval_loss=2.2,
+        peak_memory=(500 * 2**20, 400 * 2**20),
+        skipped_steps=0,
+    )
+    text = summary.format()
+    assert "1,700 tokens/s" in text
+    assert "eval loss 5.5000 -> 2.2000 (60% lower)" in text
+    assert "bubble: measured 31.0%, simulated 20.0%" in text
+    assert "peak memory per rank: 500 MiB, 400 MiB" in text
+    record = summary.to_json()
+    assert record["summary"] is True and record["peak_memory"] == [500 * 2**20, 400 * 2**20]
+    json.dumps(record)
