@@ -1,0 +1,431 @@
+"""Where to cut a model: per-layer costs in, a contiguous split into stages out (torch-free).
+
+Methods: explicit block counts ("4,3,5"), uniform by blocks, balanced by parameter bytes,
+and balanced by measured (or estimated) time. The balanced methods are exact: a dynamic
+programme over contiguous splits minimises the heaviest stage, then, among the splits that
+reach that optimum, the sum of squared stage weights (so the other stages are even too).
+
+Memory: a rank holds, for each of its stages, the parameters with their gradients and
+optimizer state (``state_factor`` times the parameter bytes: 4 for fp32 AdamW) and the
+activations of that stage's live micro-batches (``live[stage]``, the schedule's peak
+per stage). A rank with several stages is charged the sum of their peaks, an upper bound
+on its true peak. With one stage per rank the limit is a per-stage condition inside the
+dynamic programme; with several stages per rank the limits couple the stages and a
+branch-and-bound search over the cuts takes over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipetrain.errors import InputError
+
+__all__ = [
+    "LayerCost",
+    "MemoryModel",
+    "Partition",
+    "PartitionError",
+    "make_partition",
+    "parse_split",
+    "split_by_cost",
+    "split_by_params",
+    "split_explicit",
+    "split_uniform",
+]
+
+# Search nodes the memory-coupled search may visit before it gives up (a few seconds).
+_SEARCH_BUDGET = 300_000
+
+
+class PartitionError(InputError):
+    """A split that does not fit the model, or a limit that no split meets."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one pipeline layer costs. Times are seconds for one sample (one sequence)."""
+
+    name: str
+    kind: str  # "embedding" | "block" | "head"
+    forward: float
+    backward: float  # input and weight gradients together
+    backward_input: float
+    backward_weight: float
+    params: int
+    param_bytes: int
+    activation_bytes_per_sample: float  # what the backward needs kept, per sample
+
+    @property
+    def time(self) -> float:
+        return self.forward + self.backward
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The per-rank memory limit and how a stage's memory is counted."""
+
+    limit_bytes: float
+    microbatch_size: int
+    # Peak live micro-batches per stage (index = stage); the schedule decides them.
+    live: tuple[int, ...]
+    # Parameter bytes times this = parameters + gradients + optimizer state (fp32 AdamW: 4).
+    state_factor: float = 4.0
+
+    def stage_bytes(self, costs: Sequence[LayerCost], stage: int, start: int, end: int) -> float:
+        params = sum(c.param_bytes for c in costs[start:end])
+        activations = sum(c.activation_bytes_per_sample for c in costs[start:end])
+        return self.state_factor * params + activations * self.microbatch_size * self.live[stage]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Stage -> its global layer indices (contiguous), with per-stage totals."""
+
+    method: str
+    stages: tuple[tuple[int, ...], ...]
+    stage_to_rank: tuple[int, ...]
+    # Per stage, per sample: forward and backward seconds; parameter count and bytes;
+    # activation bytes per sample.
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    backward_input: tuple[float, ...]
+    backward_weight: tuple[float, ...]
+    params: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+    activation_bytes_per_sample: tuple[float, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.stage_to_rank) + 1
+
+    @property
+    def time(self) -> tuple[float, ...]:
+        """Forward plus backward of each stage, per sample."""
+        return tuple(f + b for f, b in zip(self.forward, self.backward, strict=True))
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest stage time over the mean stage time (1.0 = perfectly even)."""
+        times = self.time
+        mean = sum(times) / len(times)
+        return max(times) / mean if mean > 0 else 1.0
+
+    def rank_time(self) -> tuple[float, ...]:
+        totals = [0.0] * self.num_ranks
+        for stage, rank in enumerate(self.stage_to_rank):
+            totals[rank] += self.time[stage]
+        return tuple(totals)
+
+    def blocks(self, costs: Sequence[LayerCost], stage: int) -> tuple[int, ...]:
+        """Indices (0-based, among the blocks) of the transformer blocks on ``stage``."""
+        block_layers = [i for i, c in enumerate(costs) if c.kind == "block"]
+        position = {layer: b for b, layer in enumerate(block_layers)}
+        return tuple(position[i] for i in self.stages[stage] if i in position)
+
+
+def make_partition(
+    method: str,
+    costs: Sequence[LayerCost],
+    bounds: Sequence[tuple[int, int]],
+    stage_to_rank: Sequence[int],
+) -> Partition:
+    """A ``Partition`` from half-open layer ranges, totals summed from ``costs``."""
+
+    def total(attr: str, start: int, end: int) -> float:
+        return float(sum(getattr(c, attr) for c in costs[start:end]))
+
+    def per_stage(attr: str) -> tuple[float, ...]:
+        return tuple(total(attr, s, e) for s, e in bounds)
+
+    return Partition(
+        method=method,
+        stages=tuple(tuple(range(s, e)) for s, e in bounds),
+        stage_to_rank=tuple(stage_to_rank),
+        forward=per_stage("forward"),
+        backward=per_stage("backward"),
+        backward_input=per_stage("backward_input"),
+        backward_weight=per_stage("backward_weight"),
+        params=tuple(int(total("params", s, e)) for s, e in bounds),
+        param_bytes=tuple(int(total("param_bytes", s, e)) for s, e in bounds),
+        activation_bytes_per_sample=per_stage("activation_bytes_per_sample"),
+    )
+
+
+# ---------------------------------------------------------------- explicit and uniform
+def parse_split(text: str) -> tuple[int, ...]:
+    """``"4,3,5"`` -> (4, 3, 5); anything else is a one-line error."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        counts = tuple(int(p) for p in parts)
+    except ValueError:
+        raise PartitionError(
+            f"--split {text!r} is not a list of whole numbers: write blocks per stage, e.g. 4,3,5"
+        ) from None
+    if any(c < 0 for c in counts):
+        raise PartitionError(
+            f"--split {text!r} has a negative count: every stage holds 0 or more blocks"
+        )
+    return counts
+
+
+def _bounds_from_block_counts(
+    costs: Sequence[LayerCost], counts: Sequence[int], what: str
+) -> list[tuple[int, int]]:
+    """Cut after the given numbers of blocks; leading layers join stage 0, trailing the last."""
+    block_layers = [i for i, c in enumerate(costs) if c.kind == "block"]
+    n_blocks = len(block_layers)
+    if sum(counts) != n_blocks:
+        raise PartitionError(
+            f"{what} {','.join(map(str, counts))} adds up to {sum(counts)} blocks but the model has "
+            f"{n_blocks}: make the counts sum to {n_blocks}"
+        )
+    if not block_layers:
+        raise PartitionError(
+            f"{what} counts blocks but the model has none: use a balanced method instead"
+        )
+    first_block = block_layers[0]
+    if block_layers != list(range(first_block, first_block + n_blocks)):
+        raise PartitionError(
+            f"{what} needs the blocks to be consecutive layers: use a balanced method instead"
+        )
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    cursor = first_block
+    for s, count in enumerate(counts):
+        cursor += count
+        end = len(costs) if s == len(counts) - 1 else cursor
+        if end <= start:
+            raise PartitionError(
+                f"{what} {','.join(map(str, counts))} leaves stage {s} with no layer: give every "
+                "stage but the first and the last at least one block"
+            )
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def split_explicit(
+    costs: Sequence[LayerCost], counts: Sequence[int], stage_to_rank: Sequence[int]
+) -> Partition:
+    """Blocks per stage as given; the embedding joins the first stage and the head the last."""
+    if len(counts) != len(stage_to_rank):
+        raise PartitionError(
+            f"--split has {len(counts)} stages but the schedule needs {len(stage_to_rank)}: give "
+            f"{len(stage_to_rank)} counts"
+        )
+    return make_partition(
+        "explicit", costs, _bounds_from_block_counts(costs, counts, "--split"), stage_to_rank
+    )
+
+
+def split_uniform(costs: Sequence[LayerCost], stage_to_rank: Sequence[int]) -> Partition:
+    """The same number of blocks on every stage (the first stages take one more if needed)."""
+    n_stages = len(stage_to_rank)
+    n_blocks = sum(1 for c in costs if c.kind == "block")
+    if n_blocks < n_stages:
+        raise PartitionError(
+            f"uniform split of {n_blocks} blocks over {n_stages} stages leaves stages empty: use fewer "
+            "stages (--pp, --chunks) or --balance params"
+        )
+    base, extra = divmod(n_blocks, n_stages)
+    counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    return make_partition(
+        "uniform", costs, _bounds_from_block_counts(costs, counts, "uniform split"), stage_to_rank
+    )
+
+
+# ---------------------------------------------------------------- balanced (exact)
+def split_by_params(
+    costs: Sequence[LayerCost], stage_to_rank: Sequence[int], memory: MemoryModel | None = None
+) -> Partition:
+    """Minimise the largest stage parameter count (then even out the rest)."""
+    return _balanced("params", costs, [float(c.param_bytes) for c in costs], stage_to_rank, memory)
+
+
+def split_by_cost(
+    costs: Sequence[LayerCost], stage_to_rank: Sequence[int], memory: MemoryModel | None = None
+) -> Partition:
+    """Minimise the slowest stage's forward + backward time (then even out the rest)."""
+    return _balanced("cost", costs, [c.time for c in costs], stage_to_rank, memory)
+
+
+def _balanced(
+    method: str,
+    costs: Sequence[LayerCost],
+    weights: Sequence[float],
+    stage_to_rank: Sequence[int],
+    memory: MemoryModel | None,
+) -> Partition:
+    n_layers, n_stages = len(costs), len(stage_to_rank)
+    if n_stages > n_layers:
+        raise PartitionError(
+            f"{n_stages} stages but only {n_layers} layers: use fewer stages (--pp, --chunks) or a bigger model"
+        )
+    if memory is not None and len(memory.live) != n_stages:
+        raise PartitionError(
+            f"memory model has {len(memory.live)} live counts for {n_stages} stages"
+        )
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def seg(i: int, j: int) -> float:
+        return prefix[j] - prefix[i]
+
+    ranks_single = len(set(stage_to_rank)) == n_stages
+    fits: Callable[[int, int, int], bool] = lambda s, i, j: True  # noqa: E731
+    if memory is not None and ranks_single:
+        limit = memory.limit_bytes
+        fits = lambda s, i, j: memory.stage_bytes(costs, s, i, j) <= limit  # noqa: E731
+
+    bottleneck = _min_bottleneck(n_layers, n_stages, seg, fits)
+    bounds = None
+    if bottleneck is not None:
+        bounds = _min_squares(n_layers, n_stages, seg, fits, bottleneck)
+    if (
+        memory is not None
+        and not ranks_single
+        and (bounds is None or not _ranks_fit(costs, bounds, stage_to_rank, memory))
+    ):
+        bounds = _coupled_search(costs, n_stages, seg, stage_to_rank, memory)
+    if bounds is None:
+        assert memory is not None  # without a limit every split of >= 1 layer per stage is allowed
+        raise PartitionError(
+            f"no split into {n_stages} stages fits the memory limit of {_fmt_bytes(memory.limit_bytes)} per rank "
+            f"at micro-batch size {memory.microbatch_size}: raise --memory-limit, use more ranks (--pp), or "
+            "a smaller micro-batch (--microbatches)"
+        )
+    return make_partition(method, costs, bounds, stage_to_rank)
+
+
+def _min_bottleneck(
+    n_layers: int,
+    n_stages: int,
+    seg: Callable[[int, int], float],
+    fits: Callable[[int, int, int], bool],
+) -> float | None:
+    """best[s][j]: the least possible heaviest stage when stages 0..s-1 cover layers 0..j-1."""
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n_layers - (n_stages - s) + 1):
+            value = inf
+            for i in range(s - 1, j):
+                if best[s - 1][i] < inf and fits(s - 1, i, j):
+                    value = min(value, max(best[s - 1][i], seg(i, j)))
+            best[s][j] = value
+    result = best[n_stages][n_layers]
+    return None if result == inf else result
+
+
+def _min_squares(
+    n_layers: int,
+    n_stages: int,
+    seg: Callable[[int, int], float],
+    fits: Callable[[int, int, int], bool],
+    bottleneck: float,
+) -> list[tuple[int, int]] | None:
+    """Among splits whose stages all weigh <= bottleneck, the one with least sum of squares."""
+    cap = bottleneck * (1 + 1e-12) + 1e-300
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    choice = [[-1] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n_layers - (n_stages - s) + 1):
+            for i in range(s - 1, j):
+                w = seg(i, j)
+                if best[s - 1][i] < inf and w <= cap and fits(s - 1, i, j):
+                    value = best[s - 1][i] + w * w
+                    if value < best[s][j]:
+                        best[s][j], choice[s][j] = value, i
+    if best[n_stages][n_layers] == inf:
+        return None
+    bounds: list[tuple[int, int]] = []
+    j = n_layers
+    for s in range(n_stages, 0, -1):
+        i = choice[s][j]
+        bounds.append((i, j))
+        j = i
+    return bounds[::-1]
+
+
+def _rank_bytes(
+    costs: Sequence[LayerCost],
+    bounds: Sequence[tuple[int, int]],
+    stage_to_rank: Sequence[int],
+    memory: MemoryModel,
+) -> list[float]:
+    totals = [0.0] * (max(stage_to_rank) + 1)
+    for s, (i, j) in enumerate(bounds):
+        totals[stage_to_rank[s]] += memory.stage_bytes(costs, s, i, j)
+    return totals
+
+
+def _ranks_fit(
+    costs: Sequence[LayerCost],
+    bounds: Sequence[tuple[int, int]],
+    stage_to_rank: Sequence[int],
+    memory: MemoryModel,
+) -> bool:
+    return all(b <= memory.limit_bytes for b in _rank_bytes(costs, bounds, stage_to_rank, memory))
+
+
+def _coupled_search(
+    costs: Sequence[LayerCost],
+    n_stages: int,
+    seg: Callable[[int, int], float],
+    stage_to_rank: Sequence[int],
+    memory: MemoryModel,
+) -> list[tuple[int, int]] | None:
+    """Branch and bound over the cuts when one rank holds several stages under a limit."""
+    n_layers = len(costs)
+    n_ranks = max(stage_to_rank) + 1
+    best_value = float("inf")
+    best_bounds: list[tuple[int, int]] | None = None
+    visited = 0
+    used = [0.0] * n_ranks
+    path: list[tuple[int, int]] = []
+
+    def visit(s: int, i: int, heaviest: float) -> None:
+        nonlocal best_value, best_bounds, visited
+        visited += 1
+        if visited > _SEARCH_BUDGET:
+            raise PartitionError(
+                f"the memory limit couples the {n_stages} stages of this placement and the exact search "
+                "is too large: give the split by hand with --split, or raise --memory-limit"
+            )
+        if s == n_stages:
+            if i == n_layers and heaviest < best_value:
+                best_value, best_bounds = heaviest, list(path)
+            return
+        last = n_layers - (n_stages - s - 1)
+        for j in range(i + 1, last + 1) if s < n_stages - 1 else (n_layers,):
+            w = seg(i, j)
+            if max(heaviest, w) >= best_value:
+                break  # longer segments only weigh more
+            rank = stage_to_rank[s]
+            extra = memory.stage_bytes(costs, s, i, j)
+            if used[rank] + extra > memory.limit_bytes:
+                break  # and hold more
+            used[rank] += extra
+            path.append((i, j))
+            visit(s + 1, j, max(heaviest, w))
+            path.pop()
+            used[rank] -= extra
+
+    visit(0, 0, 0.0)
+    return best_bounds
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
