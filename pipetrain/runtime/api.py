@@ -1,0 +1,482 @@
+"""The Python API: a pipeline built from a model and a schedule, one call per step.
+
+Usage, in a script started on every rank (``torchrun --nproc-per-node 2 train.py``)::
+
+    import torch
+    import torch.distributed as dist
+    from pipetrain.models import get_model_config, model_spec
+    from pipetrain.runtime import build_pipeline, default_device
+
+    device = default_device()                   # cuda:LOCAL_RANK if there is a GPU, else cpu
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    spec = model_spec(get_model_config("llama-tiny"))
+    pipe = build_pipeline(spec, schedule="1f1b", microbatches=8, group=dist.group.WORLD,
+                          device=device, seed=0)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
+    for step in range(100):
+        ids = torch.randint(0, 256, (32, 65))    # the same batch on every rank
+        result = pipe.step(ids[:, :-1], ids[:, 1:])
+        opt.step()
+        pipe.zero_grad()
+        if dist.get_rank() == 0:
+            print(step, result.loss)             # the loss is known on every rank
+
+Without a process group (``group=None``) the pipeline runs every rank's actions in this
+one process with an in-memory transport (``ranks`` says how many), giving exactly the same
+numbers: the debug mode. Pass a ``Schedule`` instead of a name to run a schedule of your
+own (``pipetrain.schedules.io`` loads one from CSV); it is validated and lowered here.
+
+The loss is the sum over all target tokens of ``loss_fn`` (cross-entropy by default),
+divided by the number of targets that are not -100 in the whole batch: the gradients are
+those of one large batch, however it is split into micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.models import PipelineSpec, StageModule, build_stage
+from pipetrain.runtime.collectives import (
+    DistReducer,
+    LocalReducer,
+    ReplicaGroup,
+    TiedGroup,
+    dist_barrier,
+    dist_step_summary,
+)
+from pipetrain.runtime.errors import PipelineError, PipelineInputError
+from pipetrain.runtime.executor import RankExecutor, StepHook
+from pipetrain.runtime.stage import IGNORE_INDEX, LossFn, StageRunner, token_cross_entropy
+from pipetrain.runtime.timeline import merge_timelines, rank_events
+from pipetrain.runtime.transport import DistTransport, InMemoryTransport, backend_for
+from pipetrain.schedules import Kind, Schedule
+from pipetrain.schedules.execution import Timeline
+from pipetrain.schedules.lowering import lower
+from pipetrain.schedules.validate import validate
+
+__all__ = ["Pipeline", "StepResult", "build_pipeline", "default_device", "even_split"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step returns, the same on every rank."""
+
+    loss: float  # mean loss per target token over the whole batch
+    tokens: int  # target tokens that count (not -100)
+    timeline: Timeline  # measured actions of every rank, seconds from the step's start
+    step_time_s: float  # wall time of the step on this rank
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        )
+    return torch.device("cpu")
+
+
+def even_split(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
+    """Consecutive layer ranges, as equal as possible, the larger ones first."""
+    if num_stages > num_layers:
+        raise PipelineInputError(
+            f"the schedule has {num_stages} model stages but the model only {num_layers} layers: "
+            f"use fewer ranks or chunks, or a model with more layers (n_layers)"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    split, start = [], 0
+    for stage in range(num_stages):
+        size = base + (1 if stage < extra else 0)
+        split.append(tuple(range(start, start + size)))
+        start += size
+    return tuple(split)
+
+
+def _resolve_schedule(
+    schedule: str | Schedule, ranks: int, microbatches: int, chunks: int | None
+) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if schedule.num_ranks != ranks:
+            raise PipelineInputError(
+                f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but the pipeline group has "
+                f"{ranks}: launch {schedule.num_ranks} processes or load a schedule for {ranks}"
+            )
+        if schedule.microbatches != microbatches:
+            raise PipelineInputError(
+                f"schedule {schedule.name!r} has {schedule.microbatches} micro-batches but microbatches="
+                f"{microbatches}: pass microbatches={schedule.microbatches}"
+            )
+        built = schedule
+    else:
+        from pipetrain.schedules.registry import build_schedule
+
+        built = build_schedule(schedule, ranks, microbatches, chunks=chunks)
+    validate(built)
+    lowered = lower(built)
+    validate(lowered)
+    return lowered
+
+
+def _forward_only(schedule: Schedule) -> Schedule:
+    """The forward actions of a schedule, in its order (evaluation)."""
+    keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
+    rows = tuple(tuple(a for a in row if a.kind in keep) for row in schedule.actions)
+    return Schedule(schedule.name + "/forward", schedule.placement, schedule.microbatches, rows)
+
+
+class Pipeline:
+    """A model cut into stages and run by a schedule. Build with ``build_pipeline``."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        spec: PipelineSpec,
+        split: tuple[tuple[int, ...], ...],
+        ranks: tuple[int, ...],
+        stage_modules: dict[int, StageModule],
+        group: Any,
+        device: torch.device,
+        loss_fn: LossFn,
+        timeout_s: float,
+        step_hook: StepHook | None,
+    ) -> None:
+        self.schedule = schedule
+        self.spec = spec
+        self.split = split
+        self.device = device
+        self._group = group
+        self._ranks = ranks  # the ranks whose programs run in this process
+        self._timeout_s = timeout_s
+        self._step = 0
+        self._stage_modules = stage_modules
+        placement = schedule.placement
+        runners = {
+            s: StageRunner(
+                s,
+                module,
+                is_first=placement.is_first(s),
+                is_last=placement.is_last(s),
+                loss_fn=loss_fn,
+                split_backward=schedule.splits_backward,
+            )
+            for s, module in stage_modules.items()
+        }
+        replica_groups = [
+            ReplicaGroup(
+                j,
+                placement.replicas_of(j),
+                tuple(placement.rank_of(s) for s in placement.replicas_of(j)),
+            )
+            for j in range(placement.num_model_stages)
+        ]
+        holders = spec.tied_holders(split)
+        tied_groups = [
+            TiedGroup(
+                key,
+                tuple(
+                    s
+                    for s in range(placement.num_stages)
+                    if placement.model_stage(s) in model_stages
+                ),
+                tuple(
+                    placement.rank_of(s)
+                    for s in range(placement.num_stages)
+                    if placement.model_stage(s) in model_stages
+                ),
+            )
+            for key, model_stages in holders.items()
+            if len(model_stages) * placement.replicas > 1
+        ]
+        tied_params = {
+            (key, s): module.tied_parameters()[key]
+            for s, module in stage_modules.items()
+            for key in module.tied_parameters()
+        }
+        tied_ids = {id(p) for p in tied_params.values()}
+        replica_params = {
+            s: [p for p in module.parameters() if p.requires_grad and id(p) not in tied_ids]
+            for s, module in stage_modules.items()
+        }
+        self.tied_names: dict[str, str] = {}
+        for module in stage_modules.values():
+            by_id = {id(p): key for key, p in module.tied_parameters().items()}
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if id(p) in by_id and name != by_id[id(p)]:
+                    self.tied_names[name] = by_id[id(p)]
+        forward_schedule = _forward_only(schedule)
+        self._reducer: LocalReducer | DistReducer
+        if group is None:
+            transport: Any = InMemoryTransport()
+            self._reducer = LocalReducer(replica_groups, replica_params, tied_groups, tied_params)
+        else:
+            rank = ranks[0]
+            transport = DistTransport(group, placement.stage_to_rank, device, timeout_s)
+            self._reducer = DistReducer(
+                group, rank, replica_groups, replica_params, tied_groups, tied_params, timeout_s
+            )
+        self._transport = transport
+
+        def executors(program: Schedule) -> list[RankExecutor]:
+            return [
+                RankExecutor(
+                    program,
+                    r,
+                    {s: runners[s] for s in placement.stages_of(r)},
+                    transport,
+                    self._reducer,
+                    step_hook,
+                )
+                for r in ranks
+            ]
+
+        self._train = executors(schedule)
+        self._eval = executors(forward_schedule)
+        self._has_first = any(placement.is_first(s) for s in stage_modules)
+        self._has_last = any(placement.is_last(s) for s in stage_modules)
+
+    # ----------------------------------------------------------------- parameters
+    @property
+    def modules(self) -> tuple[StageModule, ...]:
+        """This process's stage modules, in stage order (every rank's in the debug mode)."""
+        return tuple(self._stage_modules[s] for s in sorted(self._stage_modules))
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The virtual stages held by this process."""
+        return tuple(sorted(self._stage_modules))
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(global name, parameter) of every distinct parameter here, in stage order.
+
+        A tied copy keeps its own layer's name (``head.out.weight``); ``tied_names`` maps it
+        to the canonical key (``embed.tok.weight``). Replicas (Chimera) and, in the debug
+        mode, stages of different ranks repeat names: they are different tensors.
+        """
+        seen: set[int] = set()
+        for module in self.modules:
+            for name, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def zero_grad(self) -> None:
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
+
+    # ----------------------------------------------------------------- steps
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StepResult:
+        """One forward and backward of the whole batch; gradients end up in ``.grad``.
+
+        Every rank may pass the whole batch; ranks with a first stage need ``inputs``,
+        ranks with a last stage ``targets`` (B, T) with -100 for tokens that do not count.
+        """
+        return self._run(self._train, inputs, targets, training=True)
+
+    def eval_loss(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
+        """The loss of a batch, forward only, without touching gradients."""
+        return self._run(self._eval, inputs, targets, training=False).loss
+
+    def _split(self, name: str, batch: torch.Tensor | None, needed: bool) -> list[torch.Tensor]:
+        m = self.schedule.microbatches
+        if batch is None:
+            if needed:
+                raise PipelineInputError(
+                    f"this rank holds a {'first' if name == 'inputs' else 'last'} stage: pass {name}"
+                )
+            return []
+        if batch.dim() < 1 or batch.shape[0] % m:
+            raise PipelineInputError(
+                f"{name} has batch size {batch.shape[0] if batch.dim() else 0}, not a multiple of "
+                f"microbatches={m}: make the batch size a multiple of {m}"
+            )
+        return list(batch.to(self.device).chunk(m, dim=0))
+
+    def _run(
+        self,
+        executors: list[RankExecutor],
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        training: bool,
+    ) -> StepResult:
+        step = self._step
+        self._step += 1
+        input_mbs = self._split("inputs", inputs, self._has_first)
+        target_mbs = self._split("targets", targets, self._has_last)
+        tokens = 0
+        if targets is not None:
+            tokens = int((targets != IGNORE_INDEX).sum())
+            if tokens == 0 and self._has_last:
+                raise PipelineInputError(
+                    "every target is -100 (ignored): the batch has no token to learn from"
+                )
+        for ex in executors:
+            ex.begin(step, input_mbs, target_mbs, float(max(tokens, 1)), training)
+        expected = [k for ex in executors for k in ex.expected_receives]
+        self._transport.begin_step(step, expected)
+        if self._group is None:
+            return self._run_local(executors, step, tokens)
+        return self._run_dist(executors[0], step, tokens)
+
+    def _run_local(self, executors: list[RankExecutor], step: int, tokens: int) -> StepResult:
+        origin = time.perf_counter_ns()
+        pending = list(executors)
+        while pending:
+            progressed = False
+            for ex in pending:
+                before = ex.blocked_on
+                ex.run()
+                progressed = progressed or ex.blocked_on != before
+            pending = [ex for ex in pending if not ex.done]
+            if pending and not progressed:
+                stuck = ", ".join(f"rank {ex.rank} at {ex.blocked_on}" for ex in pending)
+                raise PipelineError(
+                    f"step {step}: every rank waits for a message that never comes ({stuck})"
+                )
+        self._transport.end_step()
+        self._reducer.finish(step)
+        loss = sum(ex.loss_sum() for ex in executors)
+        per_rank = []
+        for ex in executors:
+            ex.clock.origin_ns = origin
+            per_rank.append(rank_events(ex.rank, ex.actions, ex.clock.relative()))
+        elapsed = (time.perf_counter_ns() - origin) * 1e-9
+        timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
+        return StepResult(loss, tokens, timeline, elapsed)
+
+    def _run_dist(self, ex: RankExecutor, step: int, tokens: int) -> StepResult:
+        dist_barrier(self._group, ex.rank, step, self._timeout_s, self.device)
+        origin = time.perf_counter_ns()
+        ex.clock.origin_ns = origin
+        ex.run()
+        self._transport.end_step()
+        self._reducer.finish(step)
+        width = 2 + 2 * max(len(row) for row in self.schedule.actions)
+        row = [ex.loss_sum(), float(tokens), *map(float, ex.clock.relative())]
+        rows = dist_step_summary(
+            self._group, ex.rank, step, row, width, self._timeout_s, self.device
+        )
+        loss = 0.0
+        for r in rows:
+            loss += r[0]
+        elapsed = (time.perf_counter_ns() - origin) * 1e-9
+        per_rank = [
+            rank_events(
+                r, self.schedule.actions[r], rows[r][2 : 2 + 2 * len(self.schedule.actions[r])]
+            )
+            for r in range(self.schedule.num_ranks)
+        ]
+        timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
+        return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
+
+
+def _as_spec(model: PipelineSpec | Sequence[Any]) -> PipelineSpec:
+    if isinstance(model, PipelineSpec):
+        return model
+    if isinstance(model, (list, tuple)):
+        return PipelineSpec.from_layers(model)
+    raise PipelineInputError(
+        f"model is a {type(model).__name__}: pass a PipelineSpec (pipetrain.models.model_spec) or a list of layer factories"
+    )
+
+
+def build_pipeline(
+    model: PipelineSpec | Sequence[Any],
+    *,
+    schedule: str | Schedule,
+    microbatches: int,
+    chunks: int | None = None,
+    group: Any = None,
+    ranks: int | None = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    split: Sequence[Sequence[int]] | None = None,
+    loss_fn: LossFn | None = None,
+    timeout_s: float = 300.0,
+    dtype: torch.dtype = torch.float32,
+    step_hook: Callable[[int, int], None] | None = None,
+) -> Pipeline:
+    """Build this rank's stages of ``model`` for ``schedule``.
+
+    ``group``: the pipeline's process group (its size is the number of pipeline ranks);
+    None runs all ``ranks`` in this process (debug mode). ``split``: layer indices of each
+    model stage (default: ``even_split``). ``loss_fn(logits, targets)`` returns the loss
+    summed over tokens. ``step_hook(stage, microbatch)`` runs the STEP actions of
+    asynchronous schedules. Every wait gives up after ``timeout_s`` seconds.
+    """
+    spec = _as_spec(model)
+    if microbatches < 1:
+        raise PipelineInputError(f"microbatches={microbatches}: use at least 1")
+    if timeout_s <= 0:
+        raise PipelineInputError(f"timeout_s={timeout_s}: use a positive number of seconds")
+    dev = torch.device(device) if device is not None else default_device()
+    if group is None:
+        if ranks is None:
+            if not isinstance(schedule, Schedule):
+                raise PipelineInputError(
+                    "debug mode (group=None) needs ranks=<number of pipeline ranks>"
+                )
+            ranks = schedule.num_ranks
+        num_ranks, local_ranks = ranks, tuple(range(ranks))
+    else:
+        if not dist.is_initialized():
+            raise PipelineInputError(
+                "group is given but torch.distributed is not initialised: call init_process_group first"
+            )
+        backend = dist.get_backend(group)
+        if backend == "nccl" and dev.type != "cuda":
+            raise PipelineInputError(
+                f"the group uses nccl but device is {dev}: pass a cuda device or a gloo group"
+            )
+        if backend_for(dev) == "nccl" and backend != "nccl":
+            raise PipelineInputError(
+                f"device {dev} with a {backend} group: create the group with backend 'nccl'"
+            )
+        num_ranks, local_ranks = dist.get_world_size(group), (dist.get_rank(group),)
+    built = _resolve_schedule(schedule, num_ranks, microbatches, chunks)
+    placement = built.placement
+    stage_split = (
+        even_split(len(spec), placement.num_model_stages)
+        if split is None
+        else tuple(tuple(int(i) for i in layers) for layers in split)
+    )
+    if len(stage_split) != placement.num_model_stages:
+        raise PipelineInputError(
+            f"split has {len(stage_split)} stages but schedule {built.name!r} has {placement.num_model_stages} "
+            f"model stages: give one layer range per model stage"
+        )
+    covered = [i for layers in stage_split for i in layers]
+    if covered != list(range(len(spec))):
+        raise PipelineInputError(
+            f"split {[list(s) for s in stage_split]} does not cover layers 0..{len(spec) - 1} in order exactly once"
+        )
+    modules = {
+        s: build_stage(
+            spec, stage_split[placement.model_stage(s)], seed=seed, device=dev, dtype=dtype
+        )
+        for r in local_ranks
+        for s in placement.stages_of(r)
+    }
+    return Pipeline(
+        built,
+        spec,
+        stage_split,
+        local_ranks,
+        modules,
+        group,
+        dev,
+        loss_fn or token_cross_entropy,
+        timeout_s,
+        step_hook,
+    )

@@ -1,0 +1,271 @@
+"""The interpreter: one rank's action list, run through one table from kind to handler.
+
+Every schedule runs through this loop; none has a loop of its own. The table is resolved
+once per program (an action of an unknown kind fails when the pipeline is built, not in
+the middle of a step), so a step costs a list walk, a call per action and two clock
+readings.
+
+Data between actions lives in two mailboxes keyed like messages: ``_inbox`` holds what a
+stage will consume (received, or handed over in memory by a stage of the same rank) and
+``_outbox`` what a SEND action will send. The same executor runs under both transports;
+with the in-memory one a receive that is not there yet returns False and the caller runs
+another rank (the single-process debug mode).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from pipetrain.runtime.errors import PipelineError, PipelineInputError
+from pipetrain.runtime.stage import StageRunner
+from pipetrain.runtime.timeline import ActionClock
+from pipetrain.runtime.transport import MessageKey
+from pipetrain.schedules import Action, Kind, Schedule
+
+__all__ = ["GradReducer", "RankExecutor", "StepHook", "Transport"]
+
+# Called for a STEP action with (stage, micro-batch): the caller's optimizer step of that
+# stage (asynchronous schedules).
+StepHook = Callable[[int, int], None]
+
+
+class Transport(Protocol):
+    def begin_step(self, step: int, expected: Sequence[tuple[MessageKey, int]]) -> None: ...
+    def end_step(self) -> None: ...
+    def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None: ...
+    def recv(self, key: MessageKey, src_stage: int) -> tuple[torch.Tensor, ...] | None: ...
+    def progress(self) -> None: ...
+
+
+class GradReducer(Protocol):
+    """Sums the gradients of a stage's replicas (Chimera's ALLREDUCE action)."""
+
+    def start(self, stage: int) -> None: ...
+
+
+class RankExecutor:
+    """Runs one rank's program of a schedule, step after step."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        stages: dict[int, StageRunner],
+        transport: Transport,
+        reducer: GradReducer,
+        step_hook: StepHook | None = None,
+    ) -> None:
+        self.rank = rank
+        self.actions: tuple[Action, ...] = schedule.actions[rank]
+        self._placement = schedule.placement
+        self._stages = stages
+        self._transport = transport
+        self._reducer = reducer
+        self._step_hook = step_hook
+        table: dict[Kind, Callable[[Action], bool]] = {
+            Kind.F: self._forward,
+            Kind.B: self._backward,
+            Kind.I: self._backward_input,
+            Kind.W: self._weight,
+            Kind.SEND_F: self._send,
+            Kind.SEND_B: self._send,
+            Kind.RECV_F: self._recv,
+            Kind.RECV_B: self._recv,
+            Kind.ALLREDUCE: self._allreduce,
+            Kind.STEP: self._step,
+        }
+        handlers = []
+        for action in self.actions:
+            handler = table.get(action.kind)
+            if handler is None:
+                raise PipelineInputError(
+                    f"rank {rank}: action {action} has kind {action.kind!r}, which the runtime cannot run"
+                )
+            if action.stage not in stages:
+                raise PipelineInputError(
+                    f"rank {rank}: action {action} names stage {action.stage}, which the placement puts on "
+                    f"rank {self._placement.rank_of(action.stage)}; fix the schedule's rank lists"
+                )
+            if action.kind is Kind.STEP and step_hook is None:
+                raise PipelineInputError(
+                    f"rank {rank}: schedule {schedule.name!r} has STEP actions: pass step_hook (the optimizer step "
+                    f"of a stage) to build_pipeline"
+                )
+            handlers.append(handler)
+        self._handlers: tuple[Callable[[Action], bool], ...] = tuple(handlers)
+        self.expected_receives: tuple[tuple[MessageKey, int], ...] = tuple(
+            self._recv_key(a) for a in self.actions if a.kind in (Kind.RECV_F, Kind.RECV_B)
+        )
+        self.clock = ActionClock(len(self.actions))
+        self._inbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
+        self._outbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
+        self._pos = 0
+        self._step_index = 0
+        self._inputs: Sequence[torch.Tensor] = ()
+        self._targets: Sequence[torch.Tensor] = ()
+        self._denominator = 1.0
+        self._training = True
+
+    # ----------------------------------------------------------------- driving
+    def begin(
+        self,
+        step: int,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        denominator: float,
+        training: bool,
+    ) -> None:
+        """Prepare a step: micro-batched inputs (first stages) and targets (last stages)."""
+        self._step_index = step
+        self._inputs = inputs
+        self._targets = targets
+        self._denominator = denominator
+        self._training = training
+        self._pos = 0
+        self._inbox.clear()
+        self._outbox.clear()
+        for runner in self._stages.values():
+            runner.reset()
+
+    @property
+    def done(self) -> bool:
+        return self._pos == len(self.actions)
+
+    @property
+    def blocked_on(self) -> Action | None:
+        return None if self.done else self.actions[self._pos]
+
+    def run(self) -> bool:
+        """Run actions until the program ends (True) or a receive has nothing yet (False)."""
+        actions, handlers, times = self.actions, self._handlers, self.clock.times
+        clock = time.perf_counter_ns
+        pos, end = self._pos, len(actions)
+        try:
+            while pos < end:
+                start = clock()
+                if not handlers[pos](actions[pos]):
+                    return False
+                times[2 * pos] = start
+                times[2 * pos + 1] = clock()
+                pos += 1
+        finally:
+            self._pos = pos
+        return True
+
+    # ----------------------------------------------------------------- compute
+    def _forward(self, action: Action) -> bool:
+        self._transport.progress()
+        stage, mb = action.stage, action.microbatch
+        assert mb is not None
+        runner = self._stages[stage]
+        if runner.is_first:
+            inputs: tuple[torch.Tensor, ...] = (self._inputs[mb],)
+        else:
+            inputs = self._take(action, MessageKey(stage, False, mb))
+        target = self._targets[mb] if runner.is_last else None
+        outputs = runner.forward(mb, inputs, target, self._denominator, self._training)
+        if not runner.is_last:
+            self._hand_over(stage, stage + 1, False, mb, outputs)
+        return True
+
+    def _backward(self, action: Action) -> bool:
+        return self._run_backward(action, weights=True)
+
+    def _backward_input(self, action: Action) -> bool:
+        return self._run_backward(action, weights=False)
+
+    def _run_backward(self, action: Action, weights: bool) -> bool:
+        self._transport.progress()
+        stage, mb = action.stage, action.microbatch
+        assert mb is not None
+        runner = self._stages[stage]
+        if mb not in runner.saved:
+            raise PipelineError(
+                f"rank {self.rank}: step {self._step_index}, action {action} runs before F{mb} of stage {stage}: "
+                f"the schedule is invalid (validate it with pipetrain.schedules.validate)"
+            )
+        grads = None if runner.is_last else self._take(action, MessageKey(stage, True, mb))
+        input_grads = runner.backward(mb, grads, weights)
+        if not runner.is_first:
+            self._hand_over(stage, stage - 1, True, mb, input_grads)
+        return True
+
+    def _weight(self, action: Action) -> bool:
+        self._transport.progress()
+        assert action.microbatch is not None
+        self._stages[action.stage].weight(action.microbatch)
+        return True
+
+    def _hand_over(
+        self, src: int, dst: int, is_grad: bool, mb: int, tensors: tuple[torch.Tensor, ...]
+    ) -> None:
+        key = MessageKey(dst, is_grad, mb)
+        if dst in self._stages:
+            # A neighbour on this rank: no message, the tensors change hands in memory.
+            self._inbox[key] = tuple(t.detach() for t in tensors)
+        else:
+            self._outbox[key] = tensors
+
+    def _take(self, action: Action, key: MessageKey) -> tuple[torch.Tensor, ...]:
+        try:
+            return self._inbox.pop(key)
+        except KeyError:
+            what = "gradient" if key.is_grad else "input"
+            raise PipelineError(
+                f"rank {self.rank}: step {self._step_index}, action {action}: its {what} was never received; "
+                f"the schedule lacks a RECV before it (lower it with pipetrain.schedules.lowering.lower)"
+            ) from None
+
+    # ----------------------------------------------------------------- messages
+    def _send(self, action: Action) -> bool:
+        stage, mb = action.stage, action.microbatch
+        assert mb is not None
+        is_grad = action.kind is Kind.SEND_B
+        key = MessageKey(stage - 1 if is_grad else stage + 1, is_grad, mb)
+        try:
+            tensors = self._outbox.pop(key)
+        except KeyError:
+            raise PipelineError(
+                f"rank {self.rank}: step {self._step_index}, action {action} sends what no earlier action produced; "
+                f"put it after the {'B/I' if is_grad else 'F'} of micro-batch {mb} on stage {stage}"
+            ) from None
+        self._transport.send(key, stage, tensors)
+        return True
+
+    def _recv_key(self, action: Action) -> tuple[MessageKey, int]:
+        stage, mb = action.stage, action.microbatch
+        assert mb is not None
+        if action.kind is Kind.RECV_B:
+            return MessageKey(stage, True, mb), stage + 1
+        return MessageKey(stage, False, mb), stage - 1
+
+    def _recv(self, action: Action) -> bool:
+        key, src = self._recv_key(action)
+        tensors = self._transport.recv(key, src)
+        if tensors is None:
+            return False
+        self._inbox[key] = tensors
+        return True
+
+    # ----------------------------------------------------------------- step-level
+    def _allreduce(self, action: Action) -> bool:
+        self._reducer.start(action.stage)
+        return True
+
+    def _step(self, action: Action) -> bool:
+        assert self._step_hook is not None and action.microbatch is not None
+        self._step_hook(action.stage, action.microbatch)
+        return True
+
+    def loss_sum(self) -> float:
+        """This rank's share of the step's loss (0 on a rank with no last stage)."""
+        total = 0.0
+        for stage in sorted(self._stages):
+            value = self._stages[stage].loss_sum
+            if value is not None:
+                total += float(value)
+        return total

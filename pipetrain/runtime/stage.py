@@ -1,0 +1,273 @@
+"""One stage at run time: forward, backward (whole or split into I and W), saved state.
+
+``StageRunner`` wraps a stage's module and keeps, per micro-batch, what the backward
+needs. The executor calls it; it knows nothing about ranks or messages.
+
+Splitting the backward (zero-bubble schedules). Every ``nn.Linear`` of the stage gets a
+forward through ``_SplitLinear``, a custom autograd function. While a ``WeightGradQueue``
+is deferring, its backward returns the input gradient at once and queues the saved input
+and output gradient; ``W`` later runs only those queued weight products. So I + W does the
+work of one B, not more. Parameters outside linear layers (norm weights, embeddings) are
+small and get their gradients during I from autograd as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.runtime.errors import StageMismatchError
+
+__all__ = [
+    "LossFn",
+    "StageRunner",
+    "WeightGradQueue",
+    "install_split_backward",
+    "token_cross_entropy",
+]
+
+# (logits, targets) -> loss summed over the micro-batch's tokens (a 0-d tensor).
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+IGNORE_INDEX = -100
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over tokens; targets equal to -100 do not count."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),  # (B*T, V)
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+# A queued weight-gradient product: (weight, bias, saved input, output gradient).
+_Deferred = tuple[nn.Parameter, "nn.Parameter | None", torch.Tensor, torch.Tensor]
+
+
+class WeightGradQueue:
+    """The weight-gradient products that I left for W, per micro-batch of one stage."""
+
+    def __init__(self) -> None:
+        # The list that linear backwards append to while an I runs; None outside an I.
+        self.active: list[_Deferred] | None = None
+        self._by_microbatch: dict[int, list[_Deferred]] = {}
+
+    def begin(self, microbatch: int) -> None:
+        self.active = self._by_microbatch.setdefault(microbatch, [])
+
+    def end(self) -> None:
+        self.active = None
+
+    def run(self, microbatch: int) -> None:
+        """Compute and accumulate the queued weight gradients of one micro-batch (the W)."""
+        for weight, bias, x, grad in self._by_microbatch.pop(microbatch, []):
+            grad_weight, grad_bias = _weight_grads(x, grad, bias is not None)
+            _accumulate(weight, grad_weight)
+            if bias is not None and grad_bias is not None:
+                _accumulate(bias, grad_bias)
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        return tuple(self._by_microbatch)
+
+    def clear(self) -> None:
+        self.active = None
+        self._by_microbatch.clear()
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    # What autograd's AccumulateGrad does, so that I + W matches B bit for bit.
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def _weight_grads(
+    x: torch.Tensor, grad: torch.Tensor, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    grad_2d = grad.reshape(-1, grad.shape[-1])  # (N, out)
+    x_2d = x.reshape(-1, x.shape[-1])  # (N, in)
+    grad_weight = grad_2d.t().mm(x_2d)  # (out, in)
+    return grad_weight, (grad_2d.sum(0) if has_bias else None)
+
+
+class _SplitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        queue: WeightGradQueue,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bias = bias
+        ctx.queue = queue
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        bias = ctx.bias
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None  # (..., out) @ (out, in)
+        wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        if not wants_weight:
+            return grad_x, None, None, None
+        active = ctx.queue.active
+        if active is not None:
+            active.append((weight, bias, x, grad))
+            return grad_x, None, None, None
+        grad_weight, grad_bias = _weight_grads(x, grad, bias is not None)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def _split_forward(linear: nn.Linear, queue: WeightGradQueue, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = _SplitLinear.apply(x, linear.weight, linear.bias, queue)  # type: ignore[no-untyped-call]
+    return out
+
+
+def install_split_backward(module: nn.Module) -> WeightGradQueue:
+    """Route every nn.Linear of ``module`` through ``_SplitLinear``; returns their queue."""
+    queue = WeightGradQueue()
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            sub.forward = functools.partial(_split_forward, sub, queue)  # type: ignore[method-assign]
+    return queue
+
+
+@dataclass
+class _Saved:
+    """What the backward of one micro-batch needs."""
+
+    inputs: tuple[torch.Tensor, ...]  # the stage inputs, leaves that collect the input grads
+    outputs: tuple[torch.Tensor, ...]  # outputs that carry gradient (the loss on a last stage)
+
+
+def _as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+class StageRunner:
+    """Forward and backward of one (virtual) stage, micro-batch by micro-batch."""
+
+    def __init__(
+        self,
+        stage: int,
+        module: nn.Module,
+        *,
+        is_first: bool,
+        is_last: bool,
+        loss_fn: LossFn,
+        split_backward: bool,
+    ) -> None:
+        self.stage = stage
+        self.module = module
+        self.is_first = is_first
+        self.is_last = is_last
+        self.loss_fn = loss_fn
+        self.queue = install_split_backward(module) if split_backward else None
+        self.saved: dict[int, _Saved] = {}
+        # Sum over this stage's micro-batches of loss / batch tokens (0-d, detached).
+        self.loss_sum: torch.Tensor | None = None
+
+    def forward(
+        self,
+        microbatch: int,
+        inputs: tuple[torch.Tensor, ...],
+        target: torch.Tensor | None,
+        denominator: float,
+        training: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the stage; returns its outputs (nothing on a last stage, which keeps the loss)."""
+        if not training:
+            with torch.no_grad():
+                outputs = _as_tuple(self.module(*inputs))
+                if self.is_last:
+                    self._add_loss(self._loss(outputs, target, denominator))
+                    return ()
+                return outputs
+        # Inputs from another stage become leaves, so that their gradient is the one to send.
+        leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
+        outputs = _as_tuple(self.module(*leaves))
+        if self.is_last:
+            loss = self._loss(outputs, target, denominator)
+            self._add_loss(loss.detach())
+            self.saved[microbatch] = _Saved(leaves, (loss,))
+            return ()
+        self.saved[microbatch] = _Saved(leaves, tuple(o for o in outputs if o.requires_grad))
+        return outputs
+
+    def _loss(
+        self, outputs: tuple[torch.Tensor, ...], target: torch.Tensor | None, denominator: float
+    ) -> torch.Tensor:
+        if target is None:
+            raise StageMismatchError(
+                f"stage {self.stage} is a last stage but got no targets: pass targets to step()"
+            )
+        return self.loss_fn(outputs[0], target) / denominator
+
+    def _add_loss(self, loss: torch.Tensor) -> None:
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+
+    def backward(
+        self, microbatch: int, grads: tuple[torch.Tensor, ...] | None, weights: bool
+    ) -> tuple[torch.Tensor, ...]:
+        """B (``weights`` true) or I: gradients into the stage; returns the input gradients.
+
+        ``grads`` are the gradients of the outputs from the next stage (None on a last
+        stage, whose output is the loss).
+        """
+        saved = self.saved.pop(microbatch)
+        if grads is not None:
+            self._check_grads(microbatch, saved.outputs, grads)
+        if self.queue is not None and not weights:
+            self.queue.begin(microbatch)
+        try:
+            torch.autograd.backward(saved.outputs, grads)
+        finally:
+            if self.queue is not None:
+                self.queue.end()
+        if self.is_first:
+            return ()
+        return tuple(
+            t.grad if t.grad is not None else torch.zeros_like(t)
+            for t in saved.inputs
+            if t.requires_grad
+        )
+
+    def weight(self, microbatch: int) -> None:
+        """W: the weight gradients that the I of this micro-batch left queued."""
+        if self.queue is None:
+            raise StageMismatchError(
+                f"stage {self.stage} runs W{microbatch} but its backward was not split"
+            )
+        self.queue.run(microbatch)
+
+    def _check_grads(
+        self, microbatch: int, outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]
+    ) -> None:
+        got = [(tuple(g.shape), g.dtype) for g in grads]
+        want = [(tuple(o.shape), o.dtype) for o in outputs]
+        if got != want:
+            raise StageMismatchError(
+                f"stage {self.stage + 1} sent gradients {got} for micro-batch {microbatch}, but "
+                f"stage {self.stage} produced outputs {want}: the stages disagree on the "
+                f"boundary; check that stage {self.stage + 1} returns a gradient for every "
+                f"floating-point input"
+            )
+
+    def reset(self) -> None:
+        """Forget a step's state (after an error, or before the next step)."""
+        self.saved.clear()
+        self.loss_sum = None
+        if self.queue is not None:
+            self.queue.clear()
