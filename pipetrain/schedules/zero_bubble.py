@@ -6,7 +6,8 @@ previous stage waits for) and ``W`` (gradient of the weights, which nobody waits
 live from its ``F`` until its ``W``: a pending ``W`` still needs the saved inputs of its
 weight-gradient products, so delaying ``W`` trades memory for bubble.
 
-Pictures below use unit costs (F = I = W = 1), one column per time unit, ``.`` for idle.
+Pictures below are ``grid.format_timeline`` of the replay with unit costs (F = I = W = 1):
+one column per time unit, ``.`` for idle.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def zb_h1(p: int, m: int) -> Schedule:
 
     p = 3, m = 4::
 
-        rank 0 | F0 F1 F2 .  .  I0 W0 F3 I1 W1 I2 W2 I3 W3
-        rank 1 |    F0 F1 .  I0 F2 I1 W0 F3 I2 W1 I3 W2 W3
-        rank 2 |       F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3
+        rank 0 | 0F0 0F1 0F2 .   .   0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3
+        rank 1 | .   1F0 1F1 .   1I0 1F2 1I1 1W0 1F3 1I2 1W1 1I3 1W2 1W3
+        rank 2 | .   .   2F0 2I0 2F1 2I1 2F2 2I2 2W0 2F3 2I3 2W1 2W2 2W3
 
     Needs ``m >= p``, as 1F1B does.
     """
@@ -89,9 +90,9 @@ def zb_h2(p: int, m: int) -> Schedule:
 
     p = 3, m = 5::
 
-        rank 0 | F0 F1 F2 F3 F4 I0 W0 I1 W1 I2 W2 I3 W3 I4 W4
-        rank 1 |    F0 F1 F2 I0 F3 I1 F4 I2 W0 I3 W1 I4 W2 W3 W4
-        rank 2 |       F0 I0 F1 I1 F2 I2 F3 I3 F4 I4 W0 W1 W2 W3 W4
+        rank 0 | 0F0 0F1 0F2 0F3 0F4 0I0 0W0 0I1 0W1 0I2 0W2 0I3 0W3 0I4 0W4
+        rank 1 | .   1F0 1F1 1F2 1I0 1F3 1I1 1F4 1I2 1W0 1I3 1W1 1I4 1W2 1W3 1W4
+        rank 2 | .   .   2F0 2I0 2F1 2I1 2F2 2I2 2F3 2I3 2F4 2I4 2W0 2W1 2W2 2W3 2W4
 
     Needs ``m >= 2p-1`` (fewer micro-batches cannot fill the warm-up; use ZB-H1).
     """
@@ -160,11 +161,10 @@ def zb_v(p: int, m: int) -> Schedule:
     ``p`` activations of a full stage of the linear placement: the simulator counts one
     (stage, micro-batch) as one unit, and here a stage is a half-size chunk.
 
-    p = 3, m = 5 (upper case: chunk 0, stage ``r``; lower case: chunk 1, stage ``5-r``)::
+    p = 2, m = 3 (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2)::
 
-        rank 0 | F0 F1 F2 F3 F4 f0 i0 w0 f1 i1 w1 f2 i2 w2 I0 W0 f3 i3 w3 I1 W1 f4 i4 w4 I2 W2 I3 W3 I4 W4
-        rank 1 |    F0 F1 F2 f0 F3 f1 i0 w0 f2 i1 w1 F4 I0 W0 f3 i2 w2 I1 W1 f4 i3 w3 I2 i4 I3 W2 I4 W3 w4 W4
-        rank 2 |       F0 f0 F1 f1 F2 f2 i0 w0 F3 I0 W0 f3 i1 w1 F4 I1 W1 f4 i2 w2 I2 i3 I3 i4 I4 W2 w3 w4 W3 W4
+        rank 0 | 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 3F2 3I2 3W2 0I1 0W1 0I2 0W2
+        rank 1 | .   1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1I1 2I2 1I2 1W1 2W2 1W2
 
     Any ``m >= 1`` fits.
     """

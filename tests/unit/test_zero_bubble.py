@@ -11,57 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipetrain.schedules import Kind, Schedule, ScheduleError
-from pipetrain.schedules.execution import Costs, Event, Timeline
+from pipetrain.schedules.execution import Costs, replay
+from pipetrain.schedules.grid import format_timeline
+from pipetrain.schedules.validate import validate
 from pipetrain.schedules.zero_bubble import zb_h1, zb_h2, zb_v
 from pipetrain.sim.metrics import peak_activations, rank_times
 
 UNIT = Costs()
 # F + I > 2W, so every term of the formulas shows: (p-1)(F+I-W) = 3(p-1), (p-1)(F+I-2W) = 2(p-1).
 HEAVY = Costs(forward=2.0, backward=3.0, backward_input=2.0, backward_weight=1.0)
-
-
-def replay(schedule: Schedule, costs: Costs = UNIT) -> Timeline:
-    """Timed replay with the dependency rules of the schedules reference: each rank runs
-    its actions in order, an action starts when its rank is free and its inputs are done.
-    Raises AssertionError on a deadlock."""
-    pl = schedule.placement
-    end: dict[tuple[int, str, int], float] = {}
-
-    def deps(stage: int, kind: Kind, mb: int) -> list[tuple[int, str, int]]:
-        if kind is Kind.F:
-            return [] if pl.prev_stage(stage) is None else [(stage - 1, "F", mb)]
-        if kind in (Kind.B, Kind.I):
-            nxt = pl.next_stage(stage)
-            return [(stage, "F", mb)] + ([] if nxt is None else [(nxt, "BI", mb)])
-        return [(stage, "I", mb)]
-
-    position = [0] * schedule.num_ranks
-    free = [0.0] * schedule.num_ranks
-    events: list[Event] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank, row in enumerate(schedule.actions):
-            while position[rank] < len(row):
-                a = row[position[rank]]
-                assert a.microbatch is not None
-                ready = [end.get(d) for d in deps(a.stage, a.kind, a.microbatch)]
-                if any(t is None for t in ready):
-                    break
-                start = max([free[rank], *(t for t in ready if t is not None)])
-                stop = start + costs.compute(a.kind, pl.model_stage(a.stage))
-                end[(a.stage, a.kind.value, a.microbatch)] = stop
-                if a.kind in (Kind.B, Kind.I):
-                    end[(a.stage, "BI", a.microbatch)] = stop
-                free[rank] = stop
-                events.append(Event(rank, a, start, stop))
-                position[rank] += 1
-                progress = True
-    stuck = [
-        (r, row[position[r]]) for r, row in enumerate(schedule.actions) if position[r] < len(row)
-    ]
-    assert not stuck, f"deadlock at {stuck}"
-    return Timeline(schedule.name, schedule.num_ranks, tuple(events))
 
 
 def span_bubble(schedule: Schedule, costs: Costs = UNIT) -> float:
@@ -108,6 +66,13 @@ def test_zb_h2_golden() -> None:
 
 
 def test_zb_v_golden() -> None:
+    assert texts(zb_v(2, 3)) == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 3F2 3I2 3W2 0I1 0W1 0I2 0W2",
+        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1I1 2I2 1I2 1W1 2W2 1W2",
+    ]
+
+
+def test_zb_v_golden_p3() -> None:
     assert texts(zb_v(3, 5)) == [
         "0F0 0F1 0F2 0F3 0F4 5F0 5I0 5W0 5F1 5I1 5W1 5F2 5I2 5W2 0I0 0W0 5F3 5I3 5W3 "
         "0I1 0W1 5F4 5I4 5W4 0I2 0W2 0I3 0W3 0I4 0W4",
@@ -118,12 +83,16 @@ def test_zb_v_golden() -> None:
     ]
 
 
-def test_docstring_pictures_are_the_replayed_timelines() -> None:
-    """The ASCII timelines in the docstrings are what the replay gives (no idle: ZB-H2
-    and ZB-V at these sizes have none inside any rank's span; ZB-H1 idles p-1-r units)."""
-    assert rank_times(replay(zb_h1(3, 4))).span_idle == (2.0, 1.0, 0.0)
-    assert rank_times(replay(zb_h2(3, 5))).span_idle == (0.0, 0.0, 0.0)
-    assert rank_times(replay(zb_v(3, 5))).span_idle == (0.0, 0.0, 0.0)
+@pytest.mark.parametrize(
+    ("make", "p", "m"), [(zb_h1, 3, 4), (zb_h2, 3, 5), (zb_v, 2, 3)], ids=["h1", "h2", "v"]
+)
+def test_docstring_picture_is_the_replayed_timeline(
+    make: Callable[[int, int], Schedule], p: int, m: int
+) -> None:
+    doc = make.__doc__
+    assert doc is not None
+    for line in format_timeline(replay(make(p, m))).splitlines():
+        assert "        " + line + "\n" in doc
 
 
 # ------------------------------------------------------------------------ formulas
@@ -229,5 +198,4 @@ def test_every_schedule_is_complete_and_runs(p: int, extra: int, name: str) -> N
     assert s.name == name
     assert s.splits_backward
     assert_split_backward_complete(s)
-    timeline = replay(s)
-    assert len(timeline.events) == 3 * s.placement.num_stages * s.microbatches
+    validate(s)
