@@ -12,6 +12,13 @@ from pipetrain.checkpoint.errors import (
     CheckpointError,
     CheckpointIncompatibleError,
 )
+from pipetrain.checkpoint.export import (
+    EXPORT_FORMATS,
+    ExportResult,
+    export_checkpoint,
+    load_weights,
+    read_weights,
+)
 from pipetrain.checkpoint.manifest import (
     FORMAT_VERSION,
     Layout,
@@ -33,11 +40,13 @@ from pipetrain.checkpoint.store import (
 )
 
 __all__ = [
+    "EXPORT_FORMATS",
     "FORMAT_VERSION",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointIncompatibleError",
     "CheckpointList",
+    "ExportResult",
     "Layout",
     "LoadResult",
     "Manifest",
@@ -45,9 +54,12 @@ __all__ = [
     "SaveResult",
     "Verification",
     "choose_resume",
+    "export_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_weights",
     "read_manifest",
+    "read_weights",
     "resume_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",

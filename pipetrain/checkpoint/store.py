@@ -65,6 +65,7 @@ __all__ = [
     "SaveResult",
     "check_model",
     "choose_resume",
+    "dcp_read",
     "list_checkpoints",
     "load_checkpoint",
     "resume_checkpoint",
@@ -236,6 +237,15 @@ def tensor_metadata(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
         for key, item in metadata.state_dict_metadata.items()
         if isinstance(item, TensorStorageMetadata)
     }
+
+
+def dcp_read(path: Path, targets: dict[str, torch.Tensor]) -> None:
+    """Fill ``targets`` from the checkpoint in this process alone (no process group)."""
+    try:
+        with _quiet_single_process():
+            dcp_load(targets, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    except CheckpointException as exc:  # a BaseException: `except Exception` misses it
+        raise CheckpointCorruptError(f"loading {path} failed: {exc}") from None
 
 
 def _as_list(modules: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:

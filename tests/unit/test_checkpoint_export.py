@@ -1,0 +1,191 @@
+"""Export: the safetensors writer/reader, native export loadable into the single-process
+model with the same loss, and the Hugging Face Llama mapping (same attention scores)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pipetrain.checkpoint import CheckpointError, save_checkpoint
+from pipetrain.checkpoint.export import export_checkpoint, load_weights, read_weights
+from pipetrain.checkpoint.safetensors_io import read_safetensors, write_safetensors
+from pipetrain.models import build_full_model, build_stage, get_model_config, model_spec
+from pipetrain.models.llama import apply_rotary, rotary_tables
+
+
+def _model_fields(config: object) -> dict[str, object]:
+    fields = dataclasses.asdict(config)  # type: ignore[call-overload]
+    fields.pop("name")
+    return fields
+
+
+def test_safetensors_round_trip_keeps_dtype_shape_and_bytes(tmp_path: Path) -> None:
+    tensors = {
+        "a.f32": torch.randn(3, 5),
+        "b.bf16": torch.randn(4).to(torch.bfloat16),
+        "c.i64": torch.arange(6).reshape(2, 3),
+        "d.scalar": torch.tensor(2.5),
+        "e.empty": torch.empty(0, 4),
+        "f.bool": torch.tensor([True, False, True]),
+    }
+    size = write_safetensors(tmp_path / "x.safetensors", tensors, {"k": "v"})
+    assert size == (tmp_path / "x.safetensors").stat().st_size
+    header_len = int.from_bytes((tmp_path / "x.safetensors").read_bytes()[:8], "little")
+    assert header_len % 8 == 0  # data aligned, as the format asks
+    back, metadata = read_safetensors(tmp_path / "x.safetensors")
+    assert metadata == {"k": "v"}
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_files_agree_with_the_safetensors_package_when_installed(tmp_path: Path) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    tensors = {"w": torch.randn(2, 3), "h": torch.randn(5).to(torch.bfloat16)}
+    write_safetensors(tmp_path / "ours.safetensors", tensors)
+    theirs = safetensors_torch.load_file(str(tmp_path / "ours.safetensors"))
+    assert all(torch.equal(theirs[k], v) for k, v in tensors.items())
+    safetensors_torch.save_file(tensors, str(tmp_path / "theirs.safetensors"))
+    ours, _ = read_safetensors(tmp_path / "theirs.safetensors")
+    assert all(torch.equal(ours[k], v) for k, v in tensors.items())
+
+
+def _trained_stages(preset: str, stages_count: int, **overrides: object):
+    config = get_model_config(preset, **overrides)
+    spec = model_spec(config)
+    n = len(spec.layers)
+    bounds = [n * i // stages_count for i in range(stages_count + 1)]
+    stages = [
+        build_stage(spec, range(bounds[i], bounds[i + 1]), seed=3, device="cpu")
+        for i in range(stages_count)
+    ]
+    params = {id(p): p for s in stages for p in s.parameters()}
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-2)
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    for _ in range(2):
+        opt.zero_grad()
+        x = tokens[:, :-1]
+        for stage in stages:
+            x = stage(x)
+        F.cross_entropy(x.reshape(-1, config.vocab_size), tokens[:, 1:].reshape(-1)).backward()
+        tied = [s.tied_parameters() for s in stages]
+        copies = [t[k] for t in tied for k in t]
+        if len(copies) == 2:
+            total = copies[0].grad + copies[1].grad
+            copies[0].grad, copies[1].grad = total.clone(), total.clone()
+        opt.step()
+    return config, spec, stages, tokens
+
+
+def _loss(modules, tokens: torch.Tensor, vocab: int) -> float:
+    x = tokens[:, :-1]
+    for module in modules:
+        x = module(x)
+    return F.cross_entropy(x.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).item()
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_native_export_loads_into_the_full_model_with_the_same_loss(
+    tmp_path: Path, preset: str
+) -> None:
+    config, spec, stages, tokens = _trained_stages(preset, 2)
+    saved = save_checkpoint(tmp_path / "ck", 2, modules=stages, model=_model_fields(config))
+    result = export_checkpoint(saved.path, tmp_path / "w.safetensors")
+    full = build_full_model(
+        spec, seed=99, device="cpu"
+    )  # other seed: weights must come from the file
+    assert load_weights(full, result.path) == ()
+    assert _loss([full], tokens, config.vocab_size) == _loss(stages, tokens, config.vocab_size)
+    weights, metadata = read_safetensors(result.path)
+    assert result.tensors == len(weights)
+    assert json.loads(metadata["model"]) == _model_fields(config)
+    if config.tie_embeddings:  # saved once, under the embedding's name
+        assert "head.out.weight" not in weights and "embed.tok.weight" in weights
+
+
+def _hf_scores(q_w: torch.Tensor, k_w: torch.Tensor, x: torch.Tensor, cfg) -> torch.Tensor:
+    """Attention scores as Hugging Face Llama computes them: rotate_half on halves."""
+    t, hd = x.shape[0], cfg.head_dim
+    q = (x @ q_w.T).view(t, cfg.n_heads, hd).transpose(0, 1)
+    k = (x @ k_w.T).view(t, cfg.n_kv_heads, hd).transpose(0, 1)
+    cos, sin = rotary_tables(t, hd, cfg.rope_theta, x.device)
+    cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+
+    def rotate_half(v: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-v[..., hd // 2 :], v[..., : hd // 2]), -1)
+
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=0)
+    return q @ k.transpose(-1, -2)
+
+
+def test_hf_export_names_and_rotary_layout_match_hugging_face_llama(tmp_path: Path) -> None:
+    config, _, stages, _ = _trained_stages("llama-tiny", 1, tie_embeddings=True)
+    saved = save_checkpoint(tmp_path / "ck", 2, modules=stages, model=_model_fields(config))
+    export_checkpoint(saved.path, tmp_path / "hf.safetensors", format="hf")
+    hf, metadata = read_safetensors(tmp_path / "hf.safetensors")
+    native, _ = read_weights(saved.path)
+    n = config.n_layers
+    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
+        f"model.layers.{i}.{name}"
+        for i in range(n)
+        for name in (
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    }
+    assert set(hf) == expected
+    assert torch.equal(hf["lm_head.weight"], native["embed.tok.weight"])
+    assert torch.equal(hf["model.layers.1.mlp.gate_proj.weight"], native["layers.1.mlp.w1.weight"])
+    hf_config = json.loads(metadata["hf_config"])
+    assert hf_config["num_key_value_heads"] == config.n_kv_heads
+    assert hf_config["tie_word_embeddings"] is True
+
+    # Our interleaved rotary on our weights == HF's rotate_half on the exported ones.
+    x = torch.randn(7, config.d_model)
+    attn = stages[0].get_submodule("layers.0.attn")
+    t, hd = 7, config.head_dim
+    q = attn.wq(x).view(t, config.n_heads, hd).transpose(0, 1)
+    k = attn.wk(x).view(t, config.n_kv_heads, hd).transpose(0, 1)
+    cos, sin = rotary_tables(t, hd, config.rope_theta, x.device)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    ours = q @ k.repeat_interleave(config.n_heads // config.n_kv_heads, dim=0).transpose(-1, -2)
+    theirs = _hf_scores(
+        hf["model.layers.0.self_attn.q_proj.weight"],
+        hf["model.layers.0.self_attn.k_proj.weight"],
+        x,
+        config,
+    )
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    # And the permutation is not the identity (the check above would be vacuous).
+    assert not torch.equal(
+        hf["model.layers.0.self_attn.q_proj.weight"], native["layers.0.attn.wq.weight"]
+    )
+
+
+def test_hf_export_refuses_a_gpt2_checkpoint(tmp_path: Path) -> None:
+    config, _, stages, _ = _trained_stages("gpt2-tiny", 1)
+    saved = save_checkpoint(tmp_path / "ck", 1, modules=stages, model=_model_fields(config))
+    with pytest.raises(CheckpointError, match="family is 'gpt2': use --format native"):
+        export_checkpoint(saved.path, tmp_path / "hf.safetensors", format="hf")
+
+
+def test_load_weights_names_a_missing_tensor(tmp_path: Path) -> None:
+    _, _, stages, _ = _trained_stages("llama-tiny", 1)
+    write_safetensors(tmp_path / "w.safetensors", {"embed.tok.weight": torch.zeros(256, 32)})
+    with pytest.raises(CheckpointError, match=r"has no tensor 'layers\.0\.attn_norm\.weight'"):
+        load_weights(stages, tmp_path / "w.safetensors")
