@@ -31,12 +31,14 @@ def _check_sizes(name: str, p: int, m: int) -> None:
 def zb_h1(p: int, m: int) -> Schedule:
     """ZB-H1: 1F1B with the backward split, at 1F1B's peak memory.
 
-    Rank ``r`` warms up with ``p-1-r`` forwards like 1F1B, then alternates ``F`` and ``I``;
-    it keeps ``r`` ``W`` s pending and runs the oldest one whenever it holds more, so the
-    last rank, which would otherwise sit idle waiting for forwards, fills those gaps with
-    ``W``. All pending ``W`` s drain at the end. Per-rank-span bubble ``(p-1)(F+I-W)``
-    (``p-1`` with unit costs, against 1F1B's ``(p-1)(F+B)``); every rank holds at most ``p``
-    micro-batches' activations (``p-r`` between F and I, plus ``r`` waiting for W).
+    Rank ``r`` warms up with ``p-1-r`` forwards like 1F1B, then alternates ``F`` and ``I``.
+    It keeps up to ``r`` ``W`` s pending (the last rank the most) and runs the oldest one
+    whenever it holds more, so the backward of a micro-batch travels back up the pipeline
+    as a chain of ``I`` s rather than of whole ``B`` s and reaches rank 0 sooner; the held
+    ``W`` s run where a rank would otherwise wait, and drain at the end. Per-rank-span
+    bubble ``(p-1)(F+I-W)`` (``p-1`` with unit costs, against 1F1B's ``(p-1)(F+B)``); every
+    rank holds at most ``p`` micro-batches' activations (``p-r`` between F and I, plus ``r``
+    waiting for their W), like rank 0 of 1F1B.
 
     p = 3, m = 4::
 
