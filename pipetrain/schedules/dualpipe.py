@@ -26,14 +26,24 @@ from __future__ import annotations
 from collections import deque
 
 from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.constraints import check_basic, raise_if
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.placement import Placement
-from pipetrain.schedules.schedule import Schedule, ScheduleError
+from pipetrain.schedules.schedule import Schedule
 
-__all__ = ["dualpipe_v", "dualpipe_v_lowered", "overlapped_pairs"]
+__all__ = ["check_dualpipe_v", "dualpipe_v", "dualpipe_v_lowered", "overlapped_pairs"]
 
 # One slot of a rank's program: a single action, or an overlapped (forward, backward) pair.
 _Slot = tuple[Action, ...]
+
+
+def check_dualpipe_v(p: int, m: int, v: int = 2) -> str | None:
+    basic = check_basic("dualpipe-v", p, m, v)
+    if basic is None and m < 2 * p:
+        return (
+            f"dualpipe-v needs --microbatches >= 2 x --pp (got m={m}, p={p}): use {2 * p} or more"
+        )
+    return basic
 
 
 def dualpipe_v(p: int, m: int) -> Schedule:
@@ -172,12 +182,7 @@ class _Rank:
 
 def _rank_slots_all(p: int, m: int) -> list[list[_Slot]]:
     """Every rank's program as slots, after checking the constraints."""
-    if p < 1:
-        raise ScheduleError(f"dualpipe-v needs --pp >= 1 (got p={p}): use 1 or more ranks")
-    if m < 2 * p:
-        raise ScheduleError(
-            f"dualpipe-v needs --microbatches >= 2 x --pp (got m={m}, p={p}): use {2 * p} or more"
-        )
+    raise_if(check_dualpipe_v(p, m))
     return [_rank_slots(p, m, r) for r in range(p)]
 
 

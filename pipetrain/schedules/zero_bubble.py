@@ -13,19 +13,32 @@ one column per time unit, ``.`` for idle.
 from __future__ import annotations
 
 from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.constraints import check_basic, raise_if
 from pipetrain.schedules.placement import Placement
-from pipetrain.schedules.schedule import Schedule, ScheduleError
+from pipetrain.schedules.schedule import Schedule
 
-__all__ = ["zb_h1", "zb_h2", "zb_v"]
+__all__ = ["check_zb_h1", "check_zb_h2", "check_zb_v", "zb_h1", "zb_h2", "zb_v"]
 
 
-def _check_sizes(name: str, p: int, m: int) -> None:
-    if p < 1:
-        raise ScheduleError(f"{name} needs --pp >= 1 (got p={p}): use 1 or more ranks")
-    if m < 1:
-        raise ScheduleError(
-            f"{name} needs --microbatches >= 1 (got m={m}): use {p} or more micro-batches"
+def check_zb_h1(p: int, m: int, v: int = 1) -> str | None:
+    basic = check_basic("zb-h1", p, m, v)
+    if basic is None and m < p:
+        return f"zb-h1 needs --microbatches >= --pp (got m={m}, p={p}): use {p} or more"
+    return basic
+
+
+def check_zb_h2(p: int, m: int, v: int = 1) -> str | None:
+    basic = check_basic("zb-h2", p, m, v)
+    if basic is None and m < 2 * p - 1:
+        return (
+            f"zb-h2 needs --microbatches >= 2 x --pp - 1 (got m={m}, p={p}): "
+            f"use {2 * p - 1} or more, or zb-h1"
         )
+    return basic
+
+
+def check_zb_v(p: int, m: int, v: int = 2) -> str | None:
+    return check_basic("zb-v", p, m, v)
 
 
 def zb_h1(p: int, m: int) -> Schedule:
@@ -48,11 +61,7 @@ def zb_h1(p: int, m: int) -> Schedule:
 
     Needs ``m >= p``, as 1F1B does.
     """
-    _check_sizes("zb-h1", p, m)
-    if m < p:
-        raise ScheduleError(
-            f"zb-h1 needs --microbatches >= --pp (got m={m}, p={p}): use {p} or more"
-        )
+    raise_if(check_zb_h1(p, m))
     rows = []
     for r in range(p):
         row: list[Action] = []
@@ -98,12 +107,7 @@ def zb_h2(p: int, m: int) -> Schedule:
 
     Needs ``m >= 2p-1`` (fewer micro-batches cannot fill the warm-up; use ZB-H1).
     """
-    _check_sizes("zb-h2", p, m)
-    if m < 2 * p - 1:
-        raise ScheduleError(
-            f"zb-h2 needs --microbatches >= 2 x --pp - 1 (got m={m}, p={p}): "
-            f"use {2 * p - 1} or more, or zb-h1"
-        )
+    raise_if(check_zb_h2(p, m))
     limit = 2 * p - 1
     rows: list[list[Action]] = [[] for _ in range(p)]
     forwards = [0] * p
@@ -170,7 +174,7 @@ def zb_v(p: int, m: int) -> Schedule:
 
     Any ``m >= 1`` fits.
     """
-    _check_sizes("zb-v", p, m)
+    raise_if(check_zb_v(p, m))
     # The pattern needs 2p-1 micro-batches to fill the V; with fewer, build it for 2p-1
     # and drop the ones that do not exist.
     n = max(m, 2 * p - 1)

@@ -10,7 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipetrain.schedules import Action, Kind, Schedule, ScheduleError
-from pipetrain.schedules.dualpipe import dualpipe_v, dualpipe_v_lowered, overlapped_pairs
+from pipetrain.schedules.dualpipe import (
+    check_dualpipe_v,
+    dualpipe_v,
+    dualpipe_v_lowered,
+    overlapped_pairs,
+)
 from pipetrain.schedules.execution import Costs, replay
 from pipetrain.schedules.grid import format_timeline
 from pipetrain.schedules.validate import validate
@@ -128,8 +133,11 @@ def test_too_few_microbatches(p: int, m: int) -> None:
 
 
 def test_no_ranks() -> None:
-    with pytest.raises(ScheduleError, match=r"dualpipe-v needs --pp >= 1 \(got p=0\)"):
+    with pytest.raises(ScheduleError) as err:
         dualpipe_v(0, 4)
+    assert str(err.value) == "dualpipe-v needs --pp >= 1 (got 0): use 1 or more pipeline ranks"
+    assert check_dualpipe_v(0, 4) == str(err.value)
+    assert check_dualpipe_v(4, 8) is None
 
 
 @settings(max_examples=25, deadline=None)

@@ -14,7 +14,7 @@ from pipetrain.schedules import Kind, Schedule, ScheduleError
 from pipetrain.schedules.execution import Costs, replay
 from pipetrain.schedules.grid import format_timeline
 from pipetrain.schedules.validate import validate
-from pipetrain.schedules.zero_bubble import zb_h1, zb_h2, zb_v
+from pipetrain.schedules.zero_bubble import check_zb_h1, check_zb_h2, check_zb_v, zb_h1, zb_h2, zb_v
 from pipetrain.sim.metrics import peak_activations, rank_times
 
 UNIT = Costs()
@@ -176,8 +176,8 @@ def test_zb_v_warm_up(p: int, m: int) -> None:
             6,
             "zb-h2 needs --microbatches >= 2 x --pp - 1 (got m=6, p=4): use 7 or more, or zb-h1",
         ),
-        (zb_v, 0, 4, "zb-v needs --pp >= 1 (got p=0): use 1 or more ranks"),
-        (zb_h1, 2, 0, "zb-h1 needs --microbatches >= 1 (got m=0): use 2 or more micro-batches"),
+        (zb_v, 0, 4, "zb-v needs --pp >= 1 (got 0): use 1 or more pipeline ranks"),
+        (zb_h1, 2, 0, "zb-h1 needs --microbatches >= 1 (got 0): use 1 or more micro-batches"),
     ],
 )
 def test_constraints_are_checked_up_front(
@@ -186,6 +186,16 @@ def test_constraints_are_checked_up_front(
     with pytest.raises(ScheduleError) as err:
         make(p, m)
     assert str(err.value) == message
+
+
+def test_checks_answer_without_building() -> None:
+    """The registry asks the checks up front; None means the schedule fits."""
+    assert check_zb_h1(4, 4) is None
+    assert check_zb_h2(4, 7) is None
+    assert check_zb_v(4, 1) is None
+    assert check_zb_h1(4, 3) is not None
+    assert check_zb_h2(4, 6) is not None
+    assert check_zb_v(4, 0) is not None
 
 
 # ----------------------------------------------------------------------- properties
