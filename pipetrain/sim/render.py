@@ -36,6 +36,18 @@ class RenderError(InputError):
 _IDLE = "."
 
 
+def _chunks(timeline: Timeline) -> dict[int, tuple[int, int]]:
+    """Stage -> (its chunk index on its rank, how many chunks that rank holds)."""
+    per_rank: dict[int, set[int]] = {}
+    for e in timeline.events:
+        per_rank.setdefault(e.rank, set()).add(e.action.stage)
+    return {
+        stage: (index, len(stages))
+        for stages in per_rank.values()
+        for index, stage in enumerate(sorted(stages))
+    }
+
+
 def _time_unit(events: Sequence[Event]) -> float:
     """The shortest work duration: one grid column per unit when it fits."""
     return min(e.duration for e in events)
@@ -63,6 +75,7 @@ def ascii(timeline: Timeline, width: int = 120) -> str:
     per_unit = min(float(label_width), room * unit / makespan)
     # Squeezed: every box uses the short form, so the grid reads the same everywhere.
     full = per_unit >= label_width
+    chunks = _chunks(timeline)
     scale = per_unit / unit
     columns = max(1, math.ceil(makespan * scale))
     rows = [header, "t".rjust(margin) + "| " + _ruler(makespan, scale, columns)]
@@ -71,8 +84,11 @@ def ascii(timeline: Timeline, width: int = 120) -> str:
         for e in sorted((e for e in work if e.rank == rank), key=lambda e: e.start):
             lo = round((e.start - t0) * scale)
             hi = max(lo + 1, round((e.end - t0) * scale))
-            cells[lo:hi] = list(_box(e.action, hi - lo, full=full))
+            odd = chunks[e.action.stage][0] % 2 == 1
+            cells[lo:hi] = list(_box(e.action, hi - lo, full=full, odd_chunk=odd))
         rows.append(f"r{rank}".rjust(margin) + "| " + "".join(cells[:columns]))
+    if not full and any(n > 1 for _, n in chunks.values()):
+        rows.append("(squeezed: lower case = odd chunks of a rank, e.g. the way back up a V)")
     return "\n".join(rows)
 
 
@@ -91,15 +107,17 @@ def _ruler(makespan: float, scale: float, columns: int) -> str:
     return "".join(line).rstrip()
 
 
-def _box(action: Action, width: int, *, full: bool) -> str:
-    """``width`` characters for one action: its text (or ``F3``), else its kind letter."""
+def _box(action: Action, width: int, *, full: bool, odd_chunk: bool = False) -> str:
+    """``width`` characters for one action: its text (or ``F3``, ``f3`` on an odd chunk,
+    when squeezed), else its kind letter."""
     mb = "" if action.microbatch is None else str(action.microbatch)
-    label = str(action) if full else f"{action.kind.value}{mb}"
+    kind = action.kind.value.lower() if odd_chunk else action.kind.value
+    label = str(action) if full else f"{kind}{mb}"
     if len(label) < width:
         return label + "-" * (width - len(label) - 1) + " "
     if len(label) == width:
         return label
-    return action.kind.value[:width].ljust(width)
+    return kind[:width].ljust(width)
 
 
 # ---------------------------------------------------------------------- Chrome trace
@@ -213,9 +231,17 @@ def _title(tl: Timeline) -> str:
     )
 
 
-def _draw(ax: Any, tl: Timeline, t0: float, makespan: float) -> set[Kind]:
-    """Draw one timeline on ``ax``: ranks top to bottom, idle as a light band."""
+def _tint(colour: str, amount: float) -> str:
+    """``colour`` mixed with white: 0 keeps it, 1 is white."""
+    rgb = [int(colour[i : i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * amount):02X}" for c in rgb)
+
+
+def _draw(ax: Any, tl: Timeline, t0: float, makespan: float) -> tuple[set[Kind], bool]:
+    """Draw one timeline on ``ax``: ranks top to bottom, idle as a light band, a rank's
+    later chunks in lighter shades of their kind's colour."""
     shown: set[Kind] = set()
+    chunks = _chunks(tl)
     height = 0.8
     for rank in range(tl.num_ranks):
         y = tl.num_ranks - 1 - rank
@@ -232,10 +258,12 @@ def _draw(ax: Any, tl: Timeline, t0: float, makespan: float) -> set[Kind]:
                     )
                 continue
             shown.add(kind)
+            index, count = chunks[e.action.stage]
+            light = 0.5 * index / (count - 1) if count > 1 else 0.0
             ax.broken_barh(
                 [(e.start - t0, e.duration)],
                 (y - height / 2, height),
-                facecolor=KIND_COLOURS[kind],
+                facecolor=_tint(KIND_COLOURS[kind], light),
                 edgecolor="white",
                 linewidth=0.6,
             )
@@ -247,7 +275,7 @@ def _draw(ax: Any, tl: Timeline, t0: float, makespan: float) -> set[Kind]:
                     ha="center",
                     va="center",
                     fontsize=7,
-                    color="white",
+                    color="white" if light < 0.3 else "#222222",
                     clip_on=True,
                 )
     ax.set_yticks(range(tl.num_ranks))
@@ -257,10 +285,10 @@ def _draw(ax: Any, tl: Timeline, t0: float, makespan: float) -> set[Kind]:
     ax.set_title(_title(tl), fontsize=9, loc="left")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    return shown
+    return shown, any(count > 1 for _, count in chunks.values())
 
 
-def _legend(fig: Any, shown: set[Kind]) -> None:
+def _legend(fig: Any, shown: set[Kind], chunked: bool) -> None:
     from matplotlib.patches import Patch
 
     comm = {Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
@@ -269,6 +297,8 @@ def _legend(fig: Any, shown: set[Kind]) -> None:
         for label, kind in _LEGEND
         if kind in shown or (kind is Kind.SEND_F and shown & comm)
     ]
+    if chunked:
+        handles.append(Patch(facecolor=_tint(KIND_COLOURS[Kind.F], 0.5), label="later chunk"))
     handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="#CCCCCC", label="idle"))
     fig.legend(
         handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False
@@ -313,9 +343,12 @@ def plot_compare(timelines: Sequence[Timeline], path: str | Path) -> Path:
         gridspec_kw={"height_ratios": [tl.num_ranks for tl in timelines]},
     )[:, 0]
     shown: set[Kind] = set()
+    chunked = False
     for ax, tl, t0 in zip(axes, timelines, starts, strict=True):
-        shown |= _draw(ax, tl, t0, longest)
+        kinds, multi = _draw(ax, tl, t0, longest)
+        shown |= kinds
+        chunked = chunked or multi
     axes[-1].set_xlabel("time")
-    _legend(fig, shown)
+    _legend(fig, shown, chunked)
     fig.savefig(out, dpi=120)
     return out

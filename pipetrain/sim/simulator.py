@@ -183,12 +183,14 @@ def simulate(
     """
     costs = Costs() if costs is None else costs  # the papers' unit costs
     timeline = replay(schedule, scale_costs(costs, batch_scale) if batch_scale != 1 else costs)
-    chunks = dict(schedule.params).get("v")
+    params = dict(schedule.params)
+    # Asynchronous schedules stream several windows of m micro-batches; report m.
+    window = params.get("window", schedule.microbatches)
     return analyse(
         timeline,
         placement=schedule.placement,
-        microbatches=schedule.microbatches * batch_scale,
-        chunks=chunks,
+        microbatches=window * batch_scale,
+        chunks=params.get("v"),
         activation_bytes=activation_bytes,
         weight_bytes=weight_bytes,
         batch_scale=batch_scale,
