@@ -168,13 +168,13 @@ class _Rank:
         self.pending_w.append(Action(stage, Kind.W, k))
         return Action(stage, Kind.I, k)
 
-    def run(self, *actions: Action) -> None:
-        """Each action on its own, one after the other."""
-        self.slots.extend((a,) for a in actions)
+    def run(self, action: Action) -> None:
+        """An action on its own."""
+        self.slots.append((action,))
 
-    def pair(self, forward_chunk: int, backward_chunk: int, split: bool = False) -> None:
-        """An overlapped pair: forward of one chunk with backward of the other."""
-        self.slots.append((self.forward(forward_chunk), self.backward(backward_chunk, split)))
+    def pair(self, forward_chunk: int, backward_chunk: int) -> None:
+        """An overlapped pair: forward of one chunk with a full backward of the other."""
+        self.slots.append((self.forward(forward_chunk), self.backward(backward_chunk)))
 
     def weight(self) -> None:
         self.slots.append((self.pending_w.popleft(),))
