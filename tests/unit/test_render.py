@@ -78,3 +78,18 @@ def test_plot_rejects_an_unknown_suffix(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"use a \.png or \.svg suffix"):
         plot(GPIPE_2_2, tmp_path / "g.jpg")
     assert not (tmp_path / "g.jpg").exists()
+
+
+def test_squeezed_ascii_marks_odd_chunks_in_lower_case() -> None:
+    # Rank 0 holds stages 0 and 3 of a V: 3F0 is its second chunk.
+    tl = timeline(
+        [
+            "0F0@0-1 3F0@3-4 3B0@4-6 0B0@8-10",
+            "1F0@1-2 2F0@2-3 2B0@6-7 1B0@7-8",
+        ]
+    )
+    rows = ascii(tl, width=25).splitlines()
+    assert rows[2] == "r0| F0....f0b0-- ....B0- "
+    assert rows[3] == "r1| ..F0f0.......b0B0...."
+    assert rows[-1].startswith("(squeezed: lower case = odd chunks")
+    assert "0F0" in ascii(tl, width=200) and "(squeezed" not in ascii(tl, width=200)
