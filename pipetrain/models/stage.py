@@ -9,6 +9,7 @@ at a time keeps the peak host memory to one layer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,9 +91,11 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return len(self.spec) - 1 in self.layer_indices
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        # A layer may return several tensors (a tuple): the next layer gets them as arguments.
+        x: Any = inputs if len(inputs) != 1 else inputs[0]
         for layer in self._run:
-            x = layer(x)
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
         return x
 
     def tied_parameters(self) -> dict[str, nn.Parameter]:

@@ -68,6 +68,10 @@ class WeightGradQueue:
 
     def run(self, microbatch: int) -> None:
         """Compute and accumulate the queued weight gradients of one micro-batch (the W)."""
+        with torch.no_grad():
+            self._run(microbatch)
+
+    def _run(self, microbatch: int) -> None:
         for weight, bias, x, grad in self._by_microbatch.pop(microbatch, []):
             grad_weight, grad_bias = _weight_grads(x, grad, bias is not None)
             _accumulate(weight, grad_weight)
@@ -149,7 +153,7 @@ class _Saved:
     """What the backward of one micro-batch needs."""
 
     inputs: tuple[torch.Tensor, ...]  # the stage inputs, leaves that collect the input grads
-    outputs: tuple[torch.Tensor, ...]  # outputs that carry gradient (the loss on a last stage)
+    outputs: tuple[torch.Tensor, ...]  # floating-point outputs (the loss on a last stage)
 
 
 def _as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
@@ -203,7 +207,9 @@ class StageRunner:
             self._add_loss(loss.detach())
             self.saved[microbatch] = _Saved(leaves, (loss,))
             return ()
-        self.saved[microbatch] = _Saved(leaves, tuple(o for o in outputs if o.requires_grad))
+        # The next stage returns a gradient for every floating-point output (zeros for those
+        # that carry none), so all of them are kept to match the gradients by position.
+        self.saved[microbatch] = _Saved(leaves, tuple(o for o in outputs if o.is_floating_point()))
         return outputs
 
     def _loss(
@@ -231,8 +237,12 @@ class StageRunner:
             self._check_grads(microbatch, saved.outputs, grads)
         if self.queue is not None and not weights:
             self.queue.begin(microbatch)
+        outputs: tuple[torch.Tensor, ...] = saved.outputs
+        if grads is not None:
+            pairs = [(o, g) for o, g in zip(saved.outputs, grads, strict=True) if o.requires_grad]
+            outputs, grads = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
         try:
-            torch.autograd.backward(saved.outputs, grads)
+            torch.autograd.backward(outputs, grads)
         finally:
             if self.queue is not None:
                 self.queue.end()
@@ -261,8 +271,8 @@ class StageRunner:
             raise StageMismatchError(
                 f"stage {self.stage + 1} sent gradients {got} for micro-batch {microbatch}, but "
                 f"stage {self.stage} produced outputs {want}: the stages disagree on the "
-                f"boundary; check that stage {self.stage + 1} returns a gradient for every "
-                f"floating-point input"
+                f"boundary; check that stage {self.stage + 1} takes every "
+                f"output of stage {self.stage} as an input"
             )
 
     def reset(self) -> None:

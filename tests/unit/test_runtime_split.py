@@ -1,0 +1,137 @@
+"""Splitting the backward into I and W: same gradients as B, and no work done twice."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from pipetrain.runtime.errors import StageMismatchError
+from pipetrain.runtime.stage import StageRunner, install_split_backward
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def mlp(d: int, h: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.LayerNorm(h), nn.Linear(h, d, bias=False))
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def full_backward(model: nn.Module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    leaf = x.detach().requires_grad_()
+    model(leaf).backward(g)
+    return leaf.grad
+
+
+def split_backward(
+    model: nn.Module, queue, x: torch.Tensor, g: torch.Tensor, mb: int = 0
+) -> torch.Tensor:
+    leaf = x.detach().requires_grad_()
+    out = model(leaf)
+    queue.begin(mb)
+    out.backward(g)
+    queue.end()
+    return leaf.grad
+
+
+def test_w_gives_the_gradient_of_b():
+    model = mlp(32, 64)
+    queue = install_split_backward(model)
+    x, g = torch.randn(4, 8, 32), torch.randn(4, 8, 32)
+    gx_b = full_backward(model, x, g)
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    gx_i = split_backward(model, queue, x, g)
+    torch.testing.assert_close(gx_i, gx_b, rtol=0, atol=0)
+    # After I: the linear weights wait for W; the LayerNorm got its gradient from autograd.
+    assert (
+        model[0].weight.grad is None and model[0].bias.grad is None and model[3].weight.grad is None
+    )
+    assert model[2].weight.grad is not None
+    queue.run(0)
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(grad, ref[name], rtol=1e-6, atol=1e-6)
+        assert not grad.requires_grad
+
+
+def test_w_accumulates_over_microbatches_like_b():
+    model = mlp(16, 16)
+    queue = install_split_backward(model)
+    data = [(torch.randn(2, 3, 16), torch.randn(2, 3, 16)) for _ in range(3)]
+    for x, g in data:
+        full_backward(model, x, g)
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    for mb, (x, g) in enumerate(data):
+        split_backward(model, queue, x, g, mb)
+    for mb in (2, 0, 1):  # W may run in any order after its I
+        queue.run(mb)
+    assert queue.pending == ()
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(grad, ref[name], rtol=1e-6, atol=1e-6)
+
+
+def test_i_plus_w_does_the_flops_of_b_and_not_much_more_time():
+    d, h = 256, 1024
+    model = mlp(d, h)
+    queue = install_split_backward(model)
+    x, g = torch.randn(8, 128, d), torch.randn(8, 128, d)
+
+    def run_b() -> None:
+        model.zero_grad(set_to_none=True)
+        full_backward(model, x, g)
+
+    def run_iw() -> None:
+        model.zero_grad(set_to_none=True)
+        split_backward(model, queue, x, g)
+        queue.run(0)
+
+    counts = []
+    for fn in (run_b, run_iw):
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    run_b(), run_iw()  # warm-up
+    t_b, t_iw = best(run_b), best(run_iw)
+    # Forward included in both; a W that redid the backward would cost about 1.7x.
+    assert t_iw < 1.3 * t_b, (t_iw, t_b)
+
+
+def test_runner_sends_input_grads_at_i_and_checks_gradient_shapes():
+    model = mlp(8, 8)
+    runner = StageRunner(
+        1, model, is_first=False, is_last=False, loss_fn=lambda a, b: a.sum(), split_backward=True
+    )
+    x = torch.randn(2, 3, 8)
+    (out,) = runner.forward(0, (x,), None, 1.0, True)
+    with pytest.raises(StageMismatchError, match="stage 2 sent gradients"):
+        runner.backward(0, (torch.ones(2, 4, 8),), weights=False)
+    runner.forward(1, (x,), None, 1.0, True)
+    (gx,) = runner.backward(1, (torch.ones_like(out),), weights=False)
+    assert gx.shape == x.shape
+    assert model[0].weight.grad is None
+    runner.weight(1)
+    assert model[0].weight.grad is not None
