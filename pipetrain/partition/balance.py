@@ -26,6 +26,8 @@ __all__ = [
     "MemoryModel",
     "Partition",
     "PartitionError",
+    "StageRanks",
+    "holders",
     "make_partition",
     "parse_split",
     "split_by_cost",
@@ -36,6 +38,15 @@ __all__ = [
 
 # Search nodes the memory-coupled search may visit before it gives up (a few seconds).
 _SEARCH_BUDGET = 300_000
+
+
+# Each stage's rank, or the ranks of its replicas.
+StageRanks = Sequence[int | Sequence[int]]
+
+
+def holders(stage_to_rank: StageRanks) -> tuple[tuple[int, ...], ...]:
+    """Normalise a stage -> rank(s) map to a tuple of rank tuples."""
+    return tuple((r,) if isinstance(r, int) else tuple(r) for r in stage_to_rank)
 
 
 class PartitionError(InputError):
@@ -84,7 +95,9 @@ class Partition:
 
     method: str
     stages: tuple[tuple[int, ...], ...]
-    stage_to_rank: tuple[int, ...]
+    # The ranks that hold each stage: one, or several where the schedule runs replicas
+    # (Chimera's two pipelines put model stage j on ranks j and p-1-j).
+    stage_ranks: tuple[tuple[int, ...], ...]
     # Per stage, per sample: forward and backward seconds; parameter count and bytes;
     # activation bytes per sample.
     forward: tuple[float, ...]
@@ -100,8 +113,13 @@ class Partition:
         return len(self.stages)
 
     @property
+    def stage_to_rank(self) -> tuple[int, ...]:
+        """The rank of each stage (of its first replica)."""
+        return tuple(ranks[0] for ranks in self.stage_ranks)
+
+    @property
     def num_ranks(self) -> int:
-        return max(self.stage_to_rank) + 1
+        return max(max(ranks) for ranks in self.stage_ranks) + 1
 
     @property
     def time(self) -> tuple[float, ...]:
@@ -116,9 +134,11 @@ class Partition:
         return max(times) / mean if mean > 0 else 1.0
 
     def rank_time(self) -> tuple[float, ...]:
+        """Per sample, the compute of each rank: its stages, a replica doing its share."""
         totals = [0.0] * self.num_ranks
-        for stage, rank in enumerate(self.stage_to_rank):
-            totals[rank] += self.time[stage]
+        for stage, ranks in enumerate(self.stage_ranks):
+            for rank in ranks:
+                totals[rank] += self.time[stage] / len(ranks)
         return tuple(totals)
 
     def blocks(self, costs: Sequence[LayerCost], stage: int) -> tuple[int, ...]:
@@ -132,7 +152,7 @@ def make_partition(
     method: str,
     costs: Sequence[LayerCost],
     bounds: Sequence[tuple[int, int]],
-    stage_to_rank: Sequence[int],
+    stage_to_rank: StageRanks,
 ) -> Partition:
     """A ``Partition`` from half-open layer ranges, totals summed from ``costs``."""
 
@@ -145,7 +165,7 @@ def make_partition(
     return Partition(
         method=method,
         stages=tuple(tuple(range(s, e)) for s, e in bounds),
-        stage_to_rank=tuple(stage_to_rank),
+        stage_ranks=holders(stage_to_rank),
         forward=per_stage("forward"),
         backward=per_stage("backward"),
         backward_input=per_stage("backward_input"),
@@ -210,7 +230,7 @@ def _bounds_from_block_counts(
 
 
 def split_explicit(
-    costs: Sequence[LayerCost], counts: Sequence[int], stage_to_rank: Sequence[int]
+    costs: Sequence[LayerCost], counts: Sequence[int], stage_to_rank: StageRanks
 ) -> Partition:
     """Blocks per stage as given; the embedding joins the first stage and the head the last."""
     if len(counts) != len(stage_to_rank):
@@ -223,7 +243,7 @@ def split_explicit(
     )
 
 
-def split_uniform(costs: Sequence[LayerCost], stage_to_rank: Sequence[int]) -> Partition:
+def split_uniform(costs: Sequence[LayerCost], stage_to_rank: StageRanks) -> Partition:
     """The same number of blocks on every stage (the first stages take one more if needed)."""
     n_stages = len(stage_to_rank)
     n_blocks = sum(1 for c in costs if c.kind == "block")
@@ -241,14 +261,14 @@ def split_uniform(costs: Sequence[LayerCost], stage_to_rank: Sequence[int]) -> P
 
 # ---------------------------------------------------------------- balanced (exact)
 def split_by_params(
-    costs: Sequence[LayerCost], stage_to_rank: Sequence[int], memory: MemoryModel | None = None
+    costs: Sequence[LayerCost], stage_to_rank: StageRanks, memory: MemoryModel | None = None
 ) -> Partition:
     """Minimise the largest stage parameter count (then even out the rest)."""
     return _balanced("params", costs, [float(c.param_bytes) for c in costs], stage_to_rank, memory)
 
 
 def split_by_cost(
-    costs: Sequence[LayerCost], stage_to_rank: Sequence[int], memory: MemoryModel | None = None
+    costs: Sequence[LayerCost], stage_to_rank: StageRanks, memory: MemoryModel | None = None
 ) -> Partition:
     """Minimise the slowest stage's forward + backward time (then even out the rest)."""
     return _balanced("cost", costs, [c.time for c in costs], stage_to_rank, memory)
@@ -258,10 +278,11 @@ def _balanced(
     method: str,
     costs: Sequence[LayerCost],
     weights: Sequence[float],
-    stage_to_rank: Sequence[int],
+    stage_to_rank: StageRanks,
     memory: MemoryModel | None,
 ) -> Partition:
     n_layers, n_stages = len(costs), len(stage_to_rank)
+    ranks = holders(stage_to_rank)
     if n_stages > n_layers:
         raise PartitionError(
             f"{n_stages} stages but only {n_layers} layers: use fewer stages (--pp, --chunks) or a bigger model"
@@ -277,7 +298,7 @@ def _balanced(
     def seg(i: int, j: int) -> float:
         return prefix[j] - prefix[i]
 
-    ranks_single = len(set(stage_to_rank)) == n_stages
+    ranks_single = all(len(r) == 1 for r in ranks) and len({r[0] for r in ranks}) == n_stages
     fits: Callable[[int, int, int], bool] = lambda s, i, j: True  # noqa: E731
     if memory is not None and ranks_single:
         limit = memory.limit_bytes
@@ -290,9 +311,9 @@ def _balanced(
     if (
         memory is not None
         and not ranks_single
-        and (bounds is None or not _ranks_fit(costs, bounds, stage_to_rank, memory))
+        and (bounds is None or not _ranks_fit(costs, bounds, ranks, memory))
     ):
-        bounds = _coupled_search(costs, n_stages, seg, stage_to_rank, memory)
+        bounds = _coupled_search(costs, n_stages, seg, ranks, memory)
     if bounds is None:
         assert memory is not None  # without a limit every split of >= 1 layer per stage is allowed
         raise PartitionError(
@@ -359,34 +380,35 @@ def _min_squares(
 def _rank_bytes(
     costs: Sequence[LayerCost],
     bounds: Sequence[tuple[int, int]],
-    stage_to_rank: Sequence[int],
+    ranks: Sequence[Sequence[int]],
     memory: MemoryModel,
 ) -> list[float]:
-    totals = [0.0] * (max(stage_to_rank) + 1)
+    totals = [0.0] * (max(max(r) for r in ranks) + 1)
     for s, (i, j) in enumerate(bounds):
-        totals[stage_to_rank[s]] += memory.stage_bytes(costs, s, i, j)
+        for rank in ranks[s]:
+            totals[rank] += memory.stage_bytes(costs, s, i, j)
     return totals
 
 
 def _ranks_fit(
     costs: Sequence[LayerCost],
     bounds: Sequence[tuple[int, int]],
-    stage_to_rank: Sequence[int],
+    ranks: Sequence[Sequence[int]],
     memory: MemoryModel,
 ) -> bool:
-    return all(b <= memory.limit_bytes for b in _rank_bytes(costs, bounds, stage_to_rank, memory))
+    return all(b <= memory.limit_bytes for b in _rank_bytes(costs, bounds, ranks, memory))
 
 
 def _coupled_search(
     costs: Sequence[LayerCost],
     n_stages: int,
     seg: Callable[[int, int], float],
-    stage_to_rank: Sequence[int],
+    ranks: Sequence[Sequence[int]],
     memory: MemoryModel,
 ) -> list[tuple[int, int]] | None:
     """Branch and bound over the cuts when one rank holds several stages under a limit."""
     n_layers = len(costs)
-    n_ranks = max(stage_to_rank) + 1
+    n_ranks = max(max(r) for r in ranks) + 1
     best_value = float("inf")
     best_bounds: list[tuple[int, int]] | None = None
     visited = 0
@@ -410,15 +432,16 @@ def _coupled_search(
             w = seg(i, j)
             if max(heaviest, w) >= best_value:
                 break  # longer segments only weigh more
-            rank = stage_to_rank[s]
             extra = memory.stage_bytes(costs, s, i, j)
-            if used[rank] + extra > memory.limit_bytes:
+            if any(used[rank] + extra > memory.limit_bytes for rank in ranks[s]):
                 break  # and hold more
-            used[rank] += extra
+            for rank in ranks[s]:
+                used[rank] += extra
             path.append((i, j))
             visit(s + 1, j, max(heaviest, w))
             path.pop()
-            used[rank] -= extra
+            for rank in ranks[s]:
+                used[rank] -= extra
 
     visit(0, 0, 0.0)
     return best_bounds

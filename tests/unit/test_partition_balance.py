@@ -44,11 +44,17 @@ def _all_splits(n_layers: int, n_stages: int) -> list[list[tuple[int, int]]]:
 
 
 def _fits(
-    costs: list[LayerCost], split: list[tuple[int, int]], ranks: Sequence[int], memory: MemoryModel
+    costs: list[LayerCost],
+    split: list[tuple[int, int]],
+    ranks: Sequence[int | tuple[int, ...]],
+    memory: MemoryModel,
 ) -> bool:
-    used = [0.0] * (max(ranks) + 1)
+    """Every rank's memory (all stages and replicas it holds) within the limit."""
+    held = [(r,) if isinstance(r, int) else r for r in ranks]
+    used = [0.0] * (max(max(h) for h in held) + 1)
     for s, (i, j) in enumerate(split):
-        used[ranks[s]] += memory.stage_bytes(costs, s, i, j)
+        for rank in held[s]:
+            used[rank] += memory.stage_bytes(costs, s, i, j)
     return all(u <= memory.limit_bytes for u in used)
 
 
@@ -133,7 +139,9 @@ def test_params_balance_is_optimal_against_brute_force(params: list[int], n_stag
     assert max(part.params) == brute
 
 
-placements = st.sampled_from([(0, 1), (0, 1, 2), (0, 1, 0, 1), (0, 1, 1, 0), (0, 1, 2, 2, 1, 0)])
+placements = st.sampled_from(
+    [(0, 1), (0, 1, 2), (0, 1, 0, 1), (0, 1, 1, 0), (0, 1, 2, 2, 1, 0), ((0, 2), (1,), (2, 0))]
+)
 
 
 @settings(max_examples=80, deadline=None)
@@ -178,3 +186,7 @@ def test_rank_time_sums_the_stages_of_each_rank() -> None:
     part = split_by_cost(costs, (0, 1, 1, 0))
     assert part.num_ranks == 2
     assert part.rank_time() == pytest.approx((1.0 + 4.0, 2.0 + 3.0))
+    # Replicas (Chimera): each copy of a stage does half of the micro-batches.
+    part = split_by_cost(costs[:2], ((0, 1), (1, 0)))
+    assert part.stage_to_rank == (0, 1)
+    assert part.rank_time() == pytest.approx((1.5, 1.5))

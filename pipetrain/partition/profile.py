@@ -1,0 +1,171 @@
+"""Measure each pipeline layer on the run's device: times, parameter and activation bytes.
+
+Each layer is built alone (``build_stage`` with one index) and fed the previous layer's
+output for one micro-batch, so the inputs have real shapes and values. Per layer:
+
+- forward: the median of a few timed forwards;
+- backward: on one retained graph, the full backward (input and parameters) and the
+  input-only backward (``torch.autograd.grad`` w.r.t. the input alone); the weight part is
+  the difference, which is what a split backward that does not redo the input work costs;
+- activation bytes: the storages autograd saves for the backward, seen through
+  ``saved_tensors_hooks``, parameters excluded (on CUDA, the larger of that and the growth
+  of allocated memory over the forward).
+
+Everything is divided by the micro-batch size: costs are per sample.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain.models.spec import PipelineSpec
+from pipetrain.models.stage import build_stage
+from pipetrain.partition.balance import LayerCost
+
+__all__ = ["default_device", "profile_layers"]
+
+
+def default_device() -> torch.device:
+    """cuda when there is one, else cpu: chosen at run time, never assumed."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Fastest of ``repeats`` timed calls after one untimed warm-up.
+
+    The minimum, not the mean: on a shared machine the noise only ever adds time.
+    """
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def _saved_bytes(layer: nn.Module, x: torch.Tensor, device: torch.device) -> float:
+    """Bytes of the distinct storages autograd keeps for this layer's backward."""
+    param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    saved = float(sum(seen.values()))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        # The output itself is the next stage's input, sent away: not this layer's memory.
+        grown = torch.cuda.memory_allocated(device) - before - y.untyped_storage().nbytes()
+        saved = max(saved, float(grown))
+    del y
+    return saved
+
+
+def _output_loss(y: torch.Tensor, is_head: bool, generator: torch.Generator) -> torch.Tensor:
+    """What the backward starts from: the LM loss after the head, else a fixed random cotangent."""
+    if is_head and y.dim() == 3:
+        targets = torch.randint(0, y.shape[-1], y.shape[:2], generator=generator).to(y.device)
+        return F.cross_entropy(y.flatten(0, 1).float(), targets.flatten())
+    cotangent = torch.randn(y.shape, generator=generator).to(device=y.device, dtype=y.dtype)
+    return (y * cotangent).sum()
+
+
+def _measure(
+    layer: nn.Module, x_in: torch.Tensor, is_head: bool, seed: int, dev: torch.device, repeats: int
+) -> tuple[float, float, float, float]:
+    """Seconds of forward, full backward and input-only backward, and saved bytes."""
+    params = list(dict.fromkeys(layer.parameters()))
+    with torch.no_grad():
+        forward = _timed(lambda: layer(x_in), dev, repeats)
+    # One forward with a graph, then the backward alone, repeated on the retained graph.
+    loss = _output_loss(layer(x_in), is_head, torch.Generator().manual_seed(seed))
+    wrt = [x_in, *params] if x_in.requires_grad else params
+    full = _timed(
+        lambda: torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True), dev, repeats
+    )
+    b_input = 0.0
+    if x_in.requires_grad:
+        b_input = _timed(lambda: torch.autograd.grad(loss, [x_in], retain_graph=True), dev, repeats)
+        b_input = min(b_input, full)
+    return forward, full, b_input, _saved_bytes(layer, x_in, dev)
+
+
+def profile_layers(
+    spec: PipelineSpec,
+    example_input: torch.Tensor,
+    *,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 3,
+    threads: int | None = None,
+) -> list[LayerCost]:
+    """One ``LayerCost`` per layer of ``spec``, measured with ``example_input`` as one micro-batch.
+
+    ``example_input`` is what the first layer takes (token ids (B, T) for the built-in
+    models); B, the micro-batch size, divides every figure. ``threads`` sets torch's CPU
+    threads while measuring (a pipeline rank on a shared CPU usually gets one) and restores
+    the previous number afterwards.
+    """
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _profile(spec, example_input, seed, device, dtype, repeats)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _profile(
+    spec: PipelineSpec,
+    example_input: torch.Tensor,
+    seed: int,
+    device: torch.device | str | None,
+    dtype: torch.dtype,
+    repeats: int,
+) -> list[LayerCost]:
+    dev = torch.device(device) if device is not None else default_device()
+    samples = example_input.shape[0]
+    x = example_input.to(dev)
+    costs: list[LayerCost] = []
+    for index, layer_spec in enumerate(spec.layers):
+        layer = build_stage(spec, [index], seed=seed, device=dev, dtype=dtype)
+        params = list(dict.fromkeys(layer.parameters()))
+        is_head = index == len(spec) - 1
+        x_in = x.detach().requires_grad_(x.is_floating_point())
+
+        forward, full, b_input, act = _measure(layer, x_in, is_head, seed, dev, repeats)
+        costs.append(
+            LayerCost(
+                name=layer_spec.name,
+                kind=layer_spec.kind,
+                forward=forward / samples,
+                backward=full / samples,
+                backward_input=b_input / samples,
+                backward_weight=(full - b_input) / samples,
+                params=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                activation_bytes_per_sample=act / samples,
+            )
+        )
+        with torch.no_grad():
+            x = layer(x_in)
+    return costs

@@ -1,0 +1,72 @@
+"""Cost estimates and measurements: parameter counts, saved-activation bytes, sane times."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.models import PRESETS, LayerSpec, PipelineSpec, get_model_config, model_spec
+from pipetrain.partition.estimate import estimate_costs
+from pipetrain.partition.profile import profile_layers
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_estimated_parameters_match_the_built_layers(name: str) -> None:
+    config = get_model_config(name)
+    estimated = estimate_costs(config, 64)
+    for layer, cost in zip(model_spec(config).layers, estimated, strict=True):
+        with torch.device("meta"):
+            built = sum(p.numel() for p in layer.build().parameters())
+        assert (cost.name, cost.kind, cost.params) == (layer.name, layer.kind, built)
+        assert cost.param_bytes == 4 * built
+
+
+def test_estimated_head_of_a_large_vocabulary_outweighs_a_block() -> None:
+    costs = estimate_costs(get_model_config("llama3-8b"), 4096)
+    assert costs[-1].forward > costs[1].forward
+    assert costs[0].forward < costs[1].forward / 100
+    assert all(c.backward == pytest.approx(c.backward_input + c.backward_weight) for c in costs)
+
+
+def test_profile_counts_saved_activations_exactly() -> None:
+    # Linear keeps its input (8 floats per sample), tanh its output (16 floats).
+    spec = PipelineSpec.from_layers([lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh())])
+    for batch in (2, 6):
+        (cost,) = profile_layers(spec, torch.randn(batch, 8), device="cpu", repeats=1)
+        assert cost.activation_bytes_per_sample == 4 * (8 + 16)
+        assert (cost.params, cost.param_bytes) == (8 * 16 + 16, 4 * (8 * 16 + 16))
+
+
+def test_profile_times_follow_the_work() -> None:
+    # About 1000 times the FLOPs: the order survives the noise of a shared machine.
+    spec = PipelineSpec.from_layers(
+        [
+            LayerSpec("light", "block", lambda: nn.Linear(256, 8)),
+            LayerSpec(
+                "heavy", "block", lambda: nn.Sequential(nn.Linear(8, 1024), nn.Linear(1024, 1024))
+            ),
+        ]
+    )
+    light, heavy = profile_layers(spec, torch.randn(128, 256), device="cpu", repeats=3, threads=1)
+    assert heavy.forward > 5 * light.forward
+    assert heavy.backward > 5 * light.backward
+    for cost in (light, heavy):
+        assert cost.forward > 0 and cost.backward > 0
+        assert cost.backward == pytest.approx(cost.backward_input + cost.backward_weight)
+        assert 0 < cost.backward_input <= cost.backward
+
+
+def test_profile_of_a_tiny_model_has_one_cost_per_layer() -> None:
+    config = get_model_config("llama-tiny")
+    spec = model_spec(config)
+    costs = profile_layers(spec, torch.randint(0, 256, (2, 16)), device="cpu", repeats=1, threads=1)
+    assert [c.name for c in costs] == [layer.name for layer in spec.layers]
+    assert costs[0].backward_input == 0.0  # token ids have no gradient
+    estimated = estimate_costs(config, 16)
+    for measured, guess in zip(costs, estimated, strict=True):
+        assert measured.params == guess.params
+    # The blocks keep about what the estimate says (same tensors, counted by storage).
+    assert costs[1].activation_bytes_per_sample == pytest.approx(
+        estimated[1].activation_bytes_per_sample, rel=0.5
+    )
