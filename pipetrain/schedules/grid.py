@@ -73,12 +73,13 @@ def format_timeline(timeline: Timeline, unit: float = 1.0) -> str:
         rank 0 | 0F0 0F1 .   .   0B0 0B0 0B1 0B1
         rank 1 | .   1F0 1F1 1B0 1B0 1B1 1B1
     """
-    width = max((len(str(e.action)) for e in timeline.events), default=1)
+    drawn = [e for e in timeline.events if e.end > e.start]
+    width = max((len(str(e.action)) for e in drawn), default=1)
     label_width = len(f"rank {timeline.num_ranks - 1}")
     lines = []
     for rank in range(timeline.num_ranks):
         slots: dict[int, str] = {}
-        for event in timeline.of_rank(rank):
+        for event in (e for e in drawn if e.rank == rank):
             first = round(event.start / unit)
             for slot in range(first, max(first, round(event.end / unit))):
                 slots[slot] = str(event.action)
