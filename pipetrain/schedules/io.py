@@ -1,0 +1,240 @@
+"""Schedules to and from files: CSV (one row per rank) and JSON (everything explicit).
+
+CSV is PyTorch pipelining's layout: row r holds rank r's actions in order, one text form
+per cell (``0F0,0F1,0B0,...``). Spaces around cells and blank cells are ignored, so a
+hand-edited file may align its columns. What CSV leaves out is inferred:
+
+- the placement, from which rank runs each stage: ``linear`` (stage s on rank s),
+  ``looped`` (stage s on rank s mod p, more stages than ranks), ``v`` (rank r holds r and
+  2p-1-r), ``bidirectional`` (the V's map with ``ALLREDUCE`` actions: Chimera's two
+  replicas), else ``custom``; a stage found on two ranks belongs to the one that runs most
+  of its actions, and the validator reports the others;
+- the micro-batch count, as the largest micro-batch number plus one;
+- ``asynchronous``, when there is a ``STEP``;
+- the name, from the file name.
+
+JSON holds ``{"format": 1, "name", "pp", "microbatches", "placement": {"kind",
+"stage_to_rank", "num_model_stages"}, "asynchronous", "actions": [["0F0", ...], ...]}``
+(and optionally ``params``). Loading either always runs the validator; every malformed
+input raises ``ScheduleError`` with one line that says what to fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from pipetrain.schedules.actions import Action, ActionParseError, Kind, parse_action
+from pipetrain.schedules.placement import Placement
+from pipetrain.schedules.schedule import Schedule, ScheduleError
+from pipetrain.schedules.validate import validate
+
+__all__ = ["FORMAT", "dump_csv", "dump_json", "load_csv", "load_json"]
+
+FORMAT = 1
+
+
+def _read(path: str | Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ScheduleError(
+            f"cannot read schedule file {str(path)!r}: {reason}: check the path"
+        ) from exc
+
+
+def _write(path: str | Path, text: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ScheduleError(
+            f"cannot write schedule file {str(path)!r}: {exc.strerror}: check the directory"
+        ) from exc
+
+
+# ----------------------------------------------------------------------------- CSV
+def dump_csv(schedule: Schedule, path: str | Path) -> None:
+    """Write one row per rank, one action text per cell."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for row in schedule.actions:
+        writer.writerow([str(a) for a in row])
+    _write(path, out.getvalue())
+
+
+def load_csv(
+    path: str | Path,
+    *,
+    num_ranks: int | None = None,
+    name: str | None = None,
+    microbatches: int | None = None,
+) -> Schedule:
+    """Read and validate a CSV schedule (see the module doc for what is inferred).
+
+    ``num_ranks`` (e.g. the ``--pp`` a user asked for) must match the number of rows;
+    ``microbatches`` overrides the inferred count (the validator then demands exactly that
+    many).
+    """
+    text = _read(path)
+    rows: list[list[Action]] = []
+    for line_no, cells in enumerate(csv.reader(io.StringIO(text)), start=1):
+        row = []
+        for col, cell in enumerate(cells, start=1):
+            if not cell.strip():
+                continue
+            try:
+                row.append(parse_action(cell))
+            except (ActionParseError, ValueError) as exc:
+                raise ScheduleError(f"{path} row {line_no}, column {col}: {exc}") from exc
+        rows.append(row)
+    while rows and not rows[-1]:
+        rows.pop()
+    if not rows:
+        raise ScheduleError(
+            f"{path} has no actions: write one row of actions per rank, e.g. 0F0,0B0"
+        )
+    if num_ranks is not None and len(rows) != num_ranks:
+        raise ScheduleError(
+            f"{path} has {len(rows)} rows but {num_ranks} ranks were asked for: give one row "
+            "per rank or change --pp"
+        )
+    placement = _infer_placement(rows, path)
+    mbs = [a.microbatch for row in rows for a in row if a.microbatch is not None]
+    schedule = Schedule.build(
+        name or Path(path).stem,
+        placement,
+        microbatches if microbatches is not None else max(mbs, default=0) + 1,
+        rows,
+        asynchronous=any(a.kind is Kind.STEP for row in rows for a in row),
+    )
+    validate(schedule)
+    return schedule
+
+
+def _infer_placement(rows: list[list[Action]], path: str | Path) -> Placement:
+    p = len(rows)
+    # Each stage belongs to the rank that runs most of its actions (the lowest on a tie).
+    counts: dict[int, Counter[int]] = defaultdict(Counter)
+    for rank, row in enumerate(rows):
+        for action in row:
+            counts[action.stage][rank] += 1
+    owner = {s: min(c, key=lambda r: (-c[r], r)) for s, c in counts.items()}
+    missing = sorted(set(range(max(owner) + 1)) - set(owner))
+    if missing:
+        raise ScheduleError(
+            f"{path}: stage {missing[0]} never appears, but stage {max(owner)} does: number the "
+            "stages 0, 1, 2, ... without gaps"
+        )
+    stage_to_rank = tuple(owner[s] for s in range(len(owner)))
+    n = len(stage_to_rank)
+    has_allreduce = any(a.kind is Kind.ALLREDUCE for row in rows for a in row)
+    candidates = [Placement.linear(p)]
+    if n % p == 0 and n > p:
+        candidates.append(Placement.looped(p, n // p))
+    if n == 2 * p:
+        candidates.append(Placement.bidirectional(p) if has_allreduce else Placement.v_shape(p))
+    for candidate in candidates:
+        if candidate.stage_to_rank == stage_to_rank:
+            return candidate
+    return Placement.custom(stage_to_rank, num_ranks=p)
+
+
+# ----------------------------------------------------------------------------- JSON
+def dump_json(schedule: Schedule, path: str | Path) -> None:
+    """Write the schedule with its placement and parameters spelled out."""
+    placement = schedule.placement
+    document = {
+        "format": FORMAT,
+        "name": schedule.name,
+        "pp": schedule.num_ranks,
+        "microbatches": schedule.microbatches,
+        "placement": {
+            "kind": placement.kind,
+            "stage_to_rank": list(placement.stage_to_rank),
+            "num_model_stages": placement.num_model_stages,
+        },
+        "asynchronous": schedule.asynchronous,
+        "params": dict(schedule.params),
+        "actions": [[str(a) for a in row] for row in schedule.actions],
+    }
+    _write(path, json.dumps(document, indent=1) + "\n")
+
+
+def _field(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in doc:
+        raise ScheduleError(f"{where}: missing field {key!r}: add it (see pipetrain.schedules.io)")
+    value = doc[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ScheduleError(f"{where}: field {key!r} must be {names}, got {value!r}")
+    return value
+
+
+def load_json(path: str | Path, *, num_ranks: int | None = None) -> Schedule:
+    """Read and validate a JSON schedule."""
+    try:
+        doc = json.loads(_read(path))
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(
+            f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+        ) from exc
+    where = str(path)
+    if not isinstance(doc, dict):
+        raise ScheduleError(f"{where}: expected a JSON object with 'format', 'pp', 'actions', ...")
+    version = _field(doc, "format", int, where)
+    if version != FORMAT:
+        raise ScheduleError(
+            f"{where}: format {version} is not supported: this version reads format {FORMAT}"
+        )
+    pp = _field(doc, "pp", int, where)
+    if num_ranks is not None and pp != num_ranks:
+        raise ScheduleError(
+            f"{where} is for pp={pp} but {num_ranks} ranks were asked for: change --pp"
+        )
+    placement = _load_placement(_field(doc, "placement", dict, where), pp, where)
+    rows = _field(doc, "actions", list, where)
+    if len(rows) != pp:
+        raise ScheduleError(
+            f"{where}: 'actions' has {len(rows)} rows for pp={pp}: give one row per rank"
+        )
+    actions = []
+    for r, row in enumerate(rows):
+        if not isinstance(row, list):
+            raise ScheduleError(f"{where}: actions row {r} must be a list of action texts")
+        parsed = []
+        for i, text in enumerate(row):
+            try:
+                parsed.append(parse_action(str(text)))
+            except (ActionParseError, ValueError) as exc:
+                raise ScheduleError(f"{where}: actions row {r}, item {i}: {exc}") from exc
+        actions.append(parsed)
+    params = doc.get("params", {})
+    if not isinstance(params, dict) or not all(isinstance(v, int) for v in params.values()):
+        raise ScheduleError(f"{where}: 'params' must map names to integers, got {params!r}")
+    schedule = Schedule.build(
+        _field(doc, "name", str, where),
+        placement,
+        _field(doc, "microbatches", int, where),
+        actions,
+        asynchronous=_field(doc, "asynchronous", bool, where),
+        params=params,
+    )
+    validate(schedule)
+    return schedule
+
+
+def _load_placement(doc: dict[str, Any], pp: int, where: str) -> Placement:
+    at = f"{where}: placement"
+    kind = _field(doc, "kind", str, at)
+    stage_to_rank = _field(doc, "stage_to_rank", list, at)
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in stage_to_rank):
+        raise ScheduleError(f"{at}: 'stage_to_rank' must list one rank number per stage")
+    try:
+        return Placement(kind, pp, tuple(stage_to_rank), _field(doc, "num_model_stages", int, at))
+    except ValueError as exc:
+        raise ScheduleError(f"{at}: {exc}") from exc

@@ -1,0 +1,109 @@
+"""CSV and JSON files: round trips, hand-edited files, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipetrain.schedules import ScheduleError
+from pipetrain.schedules.io import dump_csv, dump_json, load_csv, load_json
+from pipetrain.schedules.lowering import lower
+from pipetrain.schedules.registry import SCHEDULE_NAMES, build_schedule
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_round_trips_of_every_schedule(name: str, tmp_path: Path) -> None:
+    schedule = build_schedule(name, 4, 8)
+    dump_json(schedule, tmp_path / "s.json")
+    assert load_json(tmp_path / "s.json") == schedule
+    dump_csv(schedule, tmp_path / f"{name}.csv")
+    loaded = load_csv(tmp_path / f"{name}.csv")
+    assert loaded.actions == schedule.actions
+    assert loaded.placement == schedule.placement  # linear, looped, v, bidirectional
+    assert loaded.microbatches == schedule.microbatches
+    assert loaded.asynchronous == schedule.asynchronous
+    assert loaded.name == name
+
+
+def test_lowered_schedule_round_trips(tmp_path: Path) -> None:
+    schedule = lower(build_schedule("interleaved-1f1b", 2, 4))
+    dump_csv(schedule, tmp_path / "s.csv")
+    assert load_csv(tmp_path / "s.csv").actions == schedule.actions
+    dump_json(schedule, tmp_path / "s.json")
+    assert load_json(tmp_path / "s.json") == schedule
+
+
+def test_csv_layout_is_pytorch_like(tmp_path: Path) -> None:
+    dump_csv(build_schedule("gpipe", 2, 2), tmp_path / "g.csv")
+    assert (tmp_path / "g.csv").read_text() == "0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n"
+
+
+def test_hand_edited_csv_with_spaces_and_blank_cells(tmp_path: Path) -> None:
+    path = tmp_path / "mine.csv"
+    path.write_text(" 0F0, 0F1 ,  ,0B0,0B1,,\n1F0 ,1F1,1B0,   1B1\n\n\n")
+    schedule = load_csv(path)
+    assert schedule.actions == build_schedule("gpipe", 2, 2).actions
+    assert schedule.placement.kind == "linear"
+    assert schedule.name == "mine"
+
+
+def test_custom_placement_is_inferred(tmp_path: Path) -> None:
+    path = tmp_path / "c.csv"
+    path.write_text("0F0,1F0,1B0,0B0\n2F0,2B0\n")
+    schedule = load_csv(path)
+    assert schedule.placement.kind == "custom"
+    assert schedule.placement.stage_to_rank == (0, 0, 1)
+
+
+def errors(path: Path, text: str, **kwargs: int) -> str:
+    path.write_text(text)
+    load = load_json if path.suffix == ".json" else load_csv
+    with pytest.raises(ScheduleError) as info:
+        load(path, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_csv_errors(tmp_path: Path) -> None:
+    csv = tmp_path / "s.csv"
+    assert "row 2, column 3: 'OB1' is not an action" in errors(csv, "0F0,0B0\n1F0,1B0,OB1\n")
+    assert "has no actions" in errors(csv, "\n, ,\n")
+    assert "2 rows but 4 ranks were asked for" in errors(csv, "0F0,0B0\n1F0,1B0\n", num_ranks=4)
+    assert "stage 1 never appears" in errors(csv, "0F0,0B0\n2F0,2B0\n")
+    # Loading validates: a stage on two ranks is reported with its position.
+    message = errors(csv, "0F0,0B0,1F1\n1F0,1B0\n")
+    assert "rank 0, position 2 (1F1)" in message and "two ranks" in message
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(ScheduleError, match=r"cannot read schedule file .*: check the path"):
+        load_csv(tmp_path / "missing.csv")
+    with pytest.raises(ScheduleError, match="cannot read schedule file"):
+        load_json(tmp_path)  # a directory
+
+
+def test_json_errors(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    dump_json(build_schedule("1f1b", 2, 2), good)
+    doc = json.loads(good.read_text())
+    bad = tmp_path / "bad.json"
+
+    def variant(**changes: object) -> str:
+        return json.dumps({**doc, **changes})
+
+    assert "not valid JSON" in errors(bad, "{")
+    assert "format 2 is not supported" in errors(bad, variant(format=2))
+    assert "'actions' has 1 rows for pp=2" in errors(bad, variant(actions=doc["actions"][:1]))
+    assert "is for pp=2 but 3 ranks" in errors(bad, good.read_text(), num_ranks=3)
+    assert "field 'pp' must be int" in errors(bad, variant(pp="2"))
+    assert "actions row 1, item 0" in errors(bad, variant(actions=[doc["actions"][0], ["x"]]))
+    placement = {**doc["placement"], "stage_to_rank": [0, 5]}
+    assert "placement: stage 1 is placed on rank 5" in errors(bad, variant(placement=placement))
+    missing = {k: v for k, v in doc.items() if k != "microbatches"}
+    assert "missing field 'microbatches'" in errors(bad, json.dumps(missing))
+    assert "deadlocks" in errors(
+        bad, variant(actions=[["0F0", "0B0", "0F1", "0B1"], ["1F1", "1F0", "1B0", "1B1"]])
+    )
