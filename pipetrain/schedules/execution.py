@@ -130,6 +130,28 @@ class _Replay:
         self.end: dict[Action, float] = {}
         self.events: list[list[Event]] = [[] for _ in range(self.num_ranks)]
         self.waiters: dict[Action, list[int]] = {}
+        # What each action waits for, resolved once: (dependency or None for "never",
+        # delay after it ends), and how long the action itself takes.
+        transfer = costs.transfer()
+        self.needs = [
+            [
+                tuple(
+                    (self.resolve(req), transfer if req.transfer else 0.0)
+                    for req in requirements(a, self.placement, lowered=self.lowered)
+                )
+                for a in row
+            ]
+            for row in schedule.actions
+        ]
+        self.duration = [
+            [
+                0.0
+                if a.is_comm or a.stage >= self.placement.num_stages
+                else costs.compute(a.kind, self.placement.model_stage(a.stage))
+                for a in row
+            ]
+            for row in schedule.actions
+        ]
 
     def head(self, rank: int) -> Action | None:
         row = self.schedule.actions[rank]
@@ -167,20 +189,17 @@ class _Replay:
                     self.record(r, start, start + self.costs.allreduce)
                 woken.extend(r for r in group if r != rank)
                 continue
-            ready = 0.0
-            for req in requirements(action, self.placement, lowered=self.lowered):
-                dep = self.resolve(req)
+            pos = self.position[rank]
+            start = self.free_at[rank]
+            for dep, delay in self.needs[rank][pos]:
                 if dep is None:
                     return woken
-                if dep not in self.end:
+                end = self.end.get(dep)
+                if end is None:
                     self.waiters.setdefault(dep, []).append(rank)
                     return woken
-                ready = max(ready, self.end[dep] + (self.costs.transfer() if req.transfer else 0.0))
-            start = max(self.free_at[rank], ready)
-            duration = 0.0
-            if not action.is_comm:
-                duration = self.costs.compute(action.kind, self.placement.model_stage(action.stage))
-            self.record(rank, start, start + duration)
+                start = max(start, end + delay)
+            self.record(rank, start, start + self.duration[rank][pos])
             woken.extend(self.waiters.pop(action, ()))
         return woken
 
