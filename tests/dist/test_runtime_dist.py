@@ -1,0 +1,92 @@
+"""The runtime across processes (gloo): one launch per world size runs every schedule.
+
+Launching costs seconds and a step on llama-tiny milliseconds, so each world size is one
+launch (a module fixture) and the tests read its per-rank reports.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from runtime_launch import launch
+
+pytestmark = pytest.mark.dist
+
+RTOL = 1e-5
+SCHEDULES = (
+    "naive",
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "looped-bfs",
+    "zb-h1",
+    "zb-h2",
+    "zb-v",
+    "dualpipe-v",
+)
+
+
+def run_equal(world: int, tmp: Path) -> list[dict[str, dict[str, object]]]:
+    result = launch(world, ["equal", str(tmp)])
+    assert result.returncodes == (0,) * world, "\n".join(result.stderr)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return run_equal(2, tmp_path_factory.mktemp("runtime2"))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return run_equal(4, tmp_path_factory.mktemp("runtime4"))
+
+
+def check_one_step(reports, name: str) -> None:
+    for rank, report in enumerate(reports):
+        res = report[name]
+        assert res["loss_rel"] < RTOL, (rank, res)
+        assert res["grad_rel"] < RTOL, (rank, res)
+        assert res["params"] > 0
+        # Same bits as the single-process debug mode, loss included.
+        assert res["bitwise"] and res["loss_bitwise"], (rank, res)
+        assert res["events"] == res["actions"]
+
+
+@pytest.mark.parametrize("name", (*SCHEDULES, "chimera"))
+def test_two_ranks_equal_one_process(two, name):
+    check_one_step(two, name)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_four_ranks_equal_one_process(four, name):
+    check_one_step(four, name)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_two_pipelines_side_by_side(four, name):
+    check_one_step(four, "pair-" + name)
+
+
+@pytest.mark.parametrize("name", ("adamw-zb-h1", "adamw-chimera"))
+def test_adamw_steps_equal_one_process(two, name):
+    for report in two:
+        res = report[name]
+        assert res["params_bitwise"] and res["loss_bitwise"], res
+        assert res["loss_rel"] < RTOL, res
+        # AdamW divides by sqrt(v): 1e-7 gradient noise moves parameters by a few 1e-6.
+        assert res["param_abs"] < 2e-5, res
+
+
+def test_a_killed_rank_stops_every_other_rank(tmp_path):
+    result = launch(3, ["kill", str(tmp_path)], timeout_s=90.0)
+    assert result.seconds < 60, result
+    assert result.returncodes[1] != 0
+    for rank in (0, 2):
+        assert result.returncodes[rank] == 1, result.stderr[rank]
+        assert re.search(r"step 1, .*peer rank 1 was lost", result.stderr[rank]), result.stderr[
+            rank
+        ]
