@@ -237,47 +237,58 @@ def _tint(colour: str, amount: float) -> str:
     return "#" + "".join(f"{round(c + (255 - c) * amount):02X}" for c in rgb)
 
 
-def _draw(ax: Any, tl: Timeline, t0: float, makespan: float) -> tuple[set[Kind], bool]:
+def _draw(
+    ax: Any, tl: Timeline, t0: float, makespan: float, px_per_unit: float
+) -> tuple[set[Kind], bool]:
     """Draw one timeline on ``ax``: ranks top to bottom, idle as a light band, a rank's
-    later chunks in lighter shades of their kind's colour."""
+    later chunks in lighter shades of their kind's colour. All boxes of a panel go into
+    one collection: one artist per box makes a large comparison take many seconds."""
+    from matplotlib.collections import PolyCollection
+
     shown: set[Kind] = set()
     chunks = _chunks(tl)
-    height = 0.8
-    for rank in range(tl.num_ranks):
-        y = tl.num_ranks - 1 - rank
-        # Idle is the band behind the boxes, up to this timeline's own end.
-        ax.broken_barh([(0.0, tl.makespan)], (y - height / 2, height), color=_IDLE_COLOUR, lw=0)
-        for e in tl.of_rank(rank):
-            kind = e.action.kind
-            if e.duration <= 0:
-                # A free optimizer step still matters (a new weight version): a tick.
-                if kind in (Kind.STEP, Kind.ALLREDUCE):
-                    shown.add(kind)
-                    ax.vlines(
-                        e.start - t0, y - height / 2, y + height / 2, color=KIND_COLOURS[kind], lw=2
-                    )
-                continue
-            shown.add(kind)
-            index, count = chunks[e.action.stage]
-            light = 0.5 * index / (count - 1) if count > 1 else 0.0
-            ax.broken_barh(
-                [(e.start - t0, e.duration)],
-                (y - height / 2, height),
-                facecolor=_tint(KIND_COLOURS[kind], light),
-                edgecolor="white",
-                linewidth=0.6,
+    half = 0.4
+    boxes: list[list[tuple[float, float]]] = []
+    colours: list[str] = []
+    ticks: list[tuple[float, int, str]] = []
+    for e in tl.events:
+        y = tl.num_ranks - 1 - e.rank
+        kind = e.action.kind
+        x = e.start - t0
+        if e.duration <= 0:
+            # A free optimizer step still matters (a new weight version): a tick.
+            if kind in (Kind.STEP, Kind.ALLREDUCE):
+                shown.add(kind)
+                ticks.append((x, y, KIND_COLOURS[kind]))
+            continue
+        shown.add(kind)
+        index, count = chunks[e.action.stage]
+        light = 0.5 * index / (count - 1) if count > 1 else 0.0
+        boxes.append(
+            [(x, y - half), (x + e.duration, y - half), (x + e.duration, y + half), (x, y + half)]
+        )
+        colours.append(_tint(KIND_COLOURS[kind], light))
+        label = "" if e.action.microbatch is None else str(e.action.microbatch)
+        # Numbers only where they fit: about 6 pixels per digit at this font size.
+        if label and e.duration * px_per_unit >= 6 * len(label) + 3:
+            ax.text(
+                x + e.duration / 2,
+                y,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if light < 0.3 else "#222222",
             )
-            if e.action.microbatch is not None:
-                ax.text(
-                    e.start - t0 + e.duration / 2,
-                    y,
-                    str(e.action.microbatch),
-                    ha="center",
-                    va="center",
-                    fontsize=7,
-                    color="white" if light < 0.3 else "#222222",
-                    clip_on=True,
-                )
+    # Idle is the band behind the boxes, up to this timeline's own end.
+    bands = [
+        [(0.0, y - half), (tl.makespan, y - half), (tl.makespan, y + half), (0.0, y + half)]
+        for y in range(tl.num_ranks)
+    ]
+    ax.add_collection(PolyCollection(bands, facecolors=_IDLE_COLOUR, linewidths=0))
+    ax.add_collection(PolyCollection(boxes, facecolors=colours, edgecolors="white", linewidths=0.6))
+    for tick_x, tick_y, colour in ticks:
+        ax.vlines(tick_x, tick_y - half, tick_y + half, color=colour, lw=2)
     ax.set_yticks(range(tl.num_ranks))
     ax.set_yticklabels([f"rank {tl.num_ranks - 1 - y}" for y in range(tl.num_ranks)])
     ax.set_ylim(-0.6, tl.num_ranks - 0.4)
@@ -301,7 +312,12 @@ def _legend(fig: Any, shown: set[Kind], chunked: bool) -> None:
         handles.append(Patch(facecolor=_tint(KIND_COLOURS[Kind.F], 0.5), label="later chunk"))
     handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="#CCCCCC", label="idle"))
     fig.legend(
-        handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False
+        handles=handles,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 0.0),
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
     )
 
 
@@ -312,7 +328,7 @@ def _figure(width: float, height: float) -> Any:
         raise RenderError(
             "drawing a PNG or SVG needs matplotlib: pip install 'pipetrain[plot]'"
         ) from exc
-    return Figure(figsize=(width, height), layout="constrained")
+    return Figure(figsize=(width, height))
 
 
 def _span(timelines: Sequence[Timeline]) -> tuple[list[float], float]:
@@ -326,6 +342,15 @@ def plot(timeline: Timeline, path: str | Path) -> Path:
     return plot_compare([timeline], path)
 
 
+# Layout in inches, fixed rather than computed by a layout engine, which would render
+# every label twice.
+_ROW_IN = 0.32  # one rank
+_TITLE_IN = 0.45  # a panel's title and the gap above it
+_BOTTOM_IN = 0.8  # time axis label and legend
+_LEFT_IN, _RIGHT_IN = 0.85, 0.25
+_DPI = 120
+
+
 def plot_compare(timelines: Sequence[Timeline], path: str | Path) -> Path:
     """Several timelines stacked on one shared time axis, one panel each."""
     out = _check_path(path)
@@ -334,7 +359,9 @@ def plot_compare(timelines: Sequence[Timeline], path: str | Path) -> Path:
     starts, longest = _span(timelines)
     rows = sum(tl.num_ranks for tl in timelines)
     width = min(18.0, max(8.0, 0.12 * longest + 3.0))
-    fig = _figure(width, 0.9 + 0.32 * rows + 0.55 * len(timelines))
+    panels_in = _ROW_IN * rows + _TITLE_IN * len(timelines)
+    height = panels_in + _BOTTOM_IN
+    fig = _figure(width, height)
     axes = fig.subplots(
         len(timelines),
         1,
@@ -342,13 +369,22 @@ def plot_compare(timelines: Sequence[Timeline], path: str | Path) -> Path:
         squeeze=False,
         gridspec_kw={"height_ratios": [tl.num_ranks for tl in timelines]},
     )[:, 0]
+    mean_axes_in = _ROW_IN * rows / len(timelines)
+    fig.subplots_adjust(
+        left=_LEFT_IN / width,
+        right=1 - _RIGHT_IN / width,
+        bottom=_BOTTOM_IN / height,
+        top=1 - _TITLE_IN / height,
+        hspace=_TITLE_IN / mean_axes_in,
+    )
+    px_per_unit = (width - _LEFT_IN - _RIGHT_IN) * _DPI / longest
     shown: set[Kind] = set()
     chunked = False
     for ax, tl, t0 in zip(axes, timelines, starts, strict=True):
-        kinds, multi = _draw(ax, tl, t0, longest)
+        kinds, multi = _draw(ax, tl, t0, longest, px_per_unit)
         shown |= kinds
         chunked = chunked or multi
     axes[-1].set_xlabel("time")
     _legend(fig, shown, chunked)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=_DPI)
     return out

@@ -54,10 +54,16 @@ class SimResult:
     peak_activation_bytes: tuple[float, ...] | None = None
     # Bytes of every weight version held at once, summed over the rank's stages.
     weight_bytes: tuple[float, ...] | None = None
+    # Optimizer steps the timeline covers: asynchronous schedules stream several.
+    steps: int = 1
 
     @property
     def schedule(self) -> str:
         return self.timeline.name
+
+    @property
+    def time_per_step(self) -> float:
+        return self.makespan / self.steps
 
     @property
     def num_ranks(self) -> int:
@@ -71,6 +77,8 @@ class SimResult:
             "microbatches": self.microbatches,
             "chunks": self.chunks,
             "makespan": self.makespan,
+            "steps": self.steps,
+            "time_per_step": self.time_per_step,
             "bubble": {
                 "idle_fraction": self.bubble.idle_fraction,
                 "over_ideal": self.bubble.over_ideal,
@@ -114,8 +122,10 @@ def analyse(
     activation_bytes: float | Sequence[float] | None = None,
     weight_bytes: float | Sequence[float] | None = None,
     batch_scale: int = 1,
+    steps: int = 1,
 ) -> SimResult:
-    """The accounting of ``timeline``, simulated or measured.
+    """The accounting of ``timeline``, simulated or measured, covering ``steps`` optimizer
+    steps.
 
     ``activation_bytes`` and ``weight_bytes`` are per model stage (or one number for all):
     the activations one micro-batch leaves on a stage, and the stage's parameters.
@@ -147,6 +157,7 @@ def analyse(
         weight_versions=weight_versions(timeline),
         peak_activation_bytes=act_bytes,
         weight_bytes=held,
+        steps=steps,
     )
 
 
@@ -194,4 +205,5 @@ def simulate(
         activation_bytes=activation_bytes,
         weight_bytes=weight_bytes,
         batch_scale=batch_scale,
+        steps=params.get("steps", 1),
     )

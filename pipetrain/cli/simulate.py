@@ -1,0 +1,417 @@
+"""``pipetrain simulate``: time, bubble and memory of a schedule, and pictures of it.
+
+    pipetrain simulate --schedule 1f1b --pp 4 --microbatches 8 [--ascii] [--json]
+    pipetrain simulate --schedule-file mine.csv [--plot mine.png] [--trace mine.json]
+    pipetrain simulate --compare --pp 4 --microbatches 8 [--plot all.png]
+
+Imports no torch: everything here is pure schedule arithmetic (matplotlib only for
+``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pipetrain.cli.errors import UsageError
+from pipetrain.schedules.execution import Costs
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.sim.render import ascii, plot, plot_compare, write_chrome_trace
+from pipetrain.sim.simulator import SimResult, simulate
+
+__all__ = ["add_parser", "parse_costs", "run"]
+
+# Show the grid without --ascii only when the full-width grid fits a terminal.
+_AUTO_GRID_WIDTH = 160
+
+_COST_KEYS = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward_input",
+    "W": "backward_weight",
+    "ALLREDUCE": "allreduce",
+    "STEP": "step",
+}
+_PER_STAGE_KEYS = {"F", "B", "I", "W"}
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate a schedule: makespan, bubble, memory; ASCII, PNG/SVG, Chrome trace",
+        description="Simulate a pipeline schedule with per-stage costs and report its "
+        "makespan, the bubble under three definitions, peak live activations and weight "
+        "versions per rank.",
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--schedule", metavar="NAME", help="a built-in schedule, e.g. 1f1b, zb-v")
+    what.add_argument(
+        "--schedule-file", metavar="FILE", help="a schedule saved as CSV or JSON (one row per rank)"
+    )
+    what.add_argument(
+        "--compare",
+        action="store_true",
+        help="every built-in schedule that fits --pp/--microbatches",
+    )
+    p.add_argument("--pp", type=int, metavar="P", help="pipeline ranks")
+    p.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per step")
+    p.add_argument("--chunks", type=int, metavar="V", help="stages per rank (interleaved, looped)")
+    p.add_argument(
+        "--costs",
+        default="",
+        metavar="F=1,B=2,I=1,W=1",
+        help="durations of F, B, I, W (and ALLREDUCE, STEP) for one micro-batch. One number is "
+        "the time of one rank's share of the model (1/pp of it): a schedule with v stages per "
+        "rank (interleaved, V, looped) spends 1/v of it per stage, so schedules compare on "
+        "one model. Numbers joined by '/' give each model stage's own time, e.g. F=1/1/2/1. "
+        "B alone sets I = W = B/2; I and W alone set B = I + W. Default: F=I=W=1, B=2",
+    )
+    p.add_argument("--latency", type=float, default=0.0, help="time per message (default 0)")
+    p.add_argument(
+        "--bandwidth", type=float, default=None, help="bytes per time unit (default: infinite)"
+    )
+    p.add_argument("--message-bytes", type=float, default=0.0, help="bytes per message")
+    p.add_argument(
+        "--activation-bytes",
+        type=float,
+        default=None,
+        help="activation bytes per stage and micro-batch",
+    )
+    p.add_argument("--weight-bytes", type=float, default=None, help="parameter bytes per stage")
+    p.add_argument("--plot", metavar="FILE", help="Gantt chart, .png or .svg")
+    p.add_argument("--trace", metavar="FILE", help="Chrome trace JSON (Perfetto, chrome://tracing)")
+    p.add_argument("--ascii", action="store_true", help="print the time-aligned grid")
+    p.add_argument("--width", type=int, default=120, help="grid width in characters (default 120)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (a list with --compare)"
+    )
+    p.set_defaults(run=run)
+
+
+# ----------------------------------------------------------------------------- costs
+def _cost_value(key: str, text: str) -> float | tuple[float, ...]:
+    parts = text.split("/")
+    if len(parts) > 1 and key not in _PER_STAGE_KEYS:
+        raise UsageError(f"--costs {key}={text}: {key} takes one number, not one per stage")
+    values = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            raise UsageError(
+                f"--costs {key}={text}: {part!r} is not a number; write e.g. {key}=1.5"
+            ) from None
+        if not math.isfinite(value) or value < 0:
+            raise UsageError(f"--costs {key}={text}: durations must be finite and >= 0")
+        values.append(value)
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _halve(value: float | tuple[float, ...]) -> float | tuple[float, ...]:
+    return tuple(v / 2 for v in value) if isinstance(value, tuple) else value / 2
+
+
+def _width(value: float | tuple[float, ...]) -> int:
+    return len(value) if isinstance(value, tuple) else 1
+
+
+def _add(a: float | tuple[float, ...], b: float | tuple[float, ...]) -> float | tuple[float, ...]:
+    if not isinstance(a, tuple) and not isinstance(b, tuple):
+        return a + b
+    n = max(_width(a), _width(b))
+    left = a if isinstance(a, tuple) else (a,) * n
+    right = b if isinstance(b, tuple) else (b,) * n
+    if len(left) != len(right):
+        raise UsageError("--costs: I and W give different numbers of stages; give as many of each")
+    return tuple(x + y for x, y in zip(left, right, strict=True))
+
+
+def parse_costs(
+    text: str,
+    *,
+    latency: float = 0.0,
+    bandwidth: float | None = None,
+    message_bytes: float = 0.0,
+) -> Costs:
+    """``"F=1,B=2,I=1,W=1"`` -> ``Costs``. Missing keys keep the unit defaults."""
+    given: dict[str, float | tuple[float, ...]] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        raw_key, sep, text_value = item.partition("=")
+        key = raw_key.strip().upper()
+        if not sep or key not in _COST_KEYS:
+            raise UsageError(
+                f"--costs {item!r}: write KEY=NUMBER pairs separated by commas, "
+                f"keys {', '.join(_COST_KEYS)}, e.g. --costs F=1,B=2,I=1,W=1"
+            )
+        if key in given:
+            raise UsageError(f"--costs: {key} is given twice")
+        given[key] = _cost_value(key, text_value.strip())
+    # Keep B = I + W unless the user sets all three: the papers' split of one backward.
+    if "B" in given and "I" not in given and "W" not in given:
+        given["I"] = given["W"] = _halve(given["B"])
+    elif "B" not in given and "I" in given and "W" in given:
+        given["B"] = _add(given["I"], given["W"])
+    for flag, amount in (("--latency", latency), ("--message-bytes", message_bytes)):
+        if not math.isfinite(amount) or amount < 0:
+            raise UsageError(f"{flag} {amount:g}: give a finite number >= 0")
+    if bandwidth is not None and (not math.isfinite(bandwidth) or bandwidth <= 0):
+        raise UsageError(f"--bandwidth {bandwidth:g}: give a number > 0 (bytes per time unit)")
+    fields: dict[str, Any] = {_COST_KEYS[k]: v for k, v in given.items()}
+    return Costs(latency=latency, bandwidth=bandwidth, message_bytes=message_bytes, **fields)
+
+
+# -------------------------------------------------------------------------- helpers
+@dataclass(frozen=True)
+class _Case:
+    """One schedule to simulate and how to weigh it against the others."""
+
+    schedule: Schedule
+    batch_scale: int
+
+
+def _need(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) is None:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} is required with --schedule and --compare, e.g. {flag} 4")
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for name in ("pp", "microbatches", "chunks"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name} {value}: give a whole number >= 1")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
+        raise UsageError(f"--plot {args.plot}: use a .png or .svg file name")
+    if args.width < 20:
+        raise UsageError(f"--width {args.width}: give at least 20 characters")
+
+
+def _builtin(args: argparse.Namespace, name: str) -> _Case:
+    from pipetrain.schedules import registry
+
+    if name not in registry.SCHEDULE_NAMES:
+        raise UsageError(
+            f"--schedule {name!r} is not a known schedule; use one of: "
+            + ", ".join(registry.SCHEDULE_NAMES)
+        )
+    spec = registry.get_spec(name)
+    schedule = registry.build_schedule(name, args.pp, args.microbatches, args.chunks)
+    return _Case(schedule, args.microbatches if spec.whole_batch else 1)
+
+
+def _from_file(args: argparse.Namespace) -> _Case:
+    from pipetrain.schedules import io
+    from pipetrain.schedules.validate import validate
+
+    path = Path(args.schedule_file)
+    loaders = {".csv": io.load_csv, ".json": io.load_json}
+    loader = loaders.get(path.suffix.lower())
+    if loader is None:
+        raise UsageError(f"--schedule-file {path}: use a .csv or .json file")
+    if not path.is_file():
+        raise UsageError(f"--schedule-file {path}: no such file")
+    schedule = loader(path)
+    validate(schedule)
+    if args.pp is not None and args.pp != schedule.num_ranks:
+        raise UsageError(
+            f"--pp {args.pp} but {path} has {schedule.num_ranks} ranks: drop --pp or fix the file"
+        )
+    if args.microbatches is not None and args.microbatches != schedule.microbatches:
+        raise UsageError(
+            f"--microbatches {args.microbatches} but {path} has {schedule.microbatches}: "
+            "drop --microbatches or fix the file"
+        )
+    return _Case(schedule, 1)
+
+
+def _check_stage_costs(costs: Costs, schedule: Schedule) -> None:
+    stages = schedule.placement.num_model_stages
+    for key, field in _COST_KEYS.items():
+        value = getattr(costs, field)
+        if isinstance(value, tuple) and len(value) != stages:
+            raise UsageError(
+                f"--costs {key}: {len(value)} numbers for {stages} model stages of "
+                f"{schedule.name}; give one number or {stages} joined by '/'"
+            )
+
+
+def _stage_costs(costs: Costs, schedule: Schedule) -> Costs:
+    """One-number costs are a rank's share of the model; spread them over its stages."""
+    factor = schedule.num_ranks / schedule.placement.num_model_stages
+    if factor == 1:
+        return costs
+    fields = {
+        field: getattr(costs, field) * factor
+        for key, field in _COST_KEYS.items()
+        if key in _PER_STAGE_KEYS and not isinstance(getattr(costs, field), tuple)
+    }
+    return replace(costs, **fields)
+
+
+def _run_case(case: _Case, costs: Costs, args: argparse.Namespace) -> SimResult:
+    _check_stage_costs(costs, case.schedule)
+    return simulate(
+        case.schedule,
+        _stage_costs(costs, case.schedule),
+        activation_bytes=args.activation_bytes,
+        weight_bytes=args.weight_bytes,
+        batch_scale=case.batch_scale,
+    )
+
+
+def _ranks(values: tuple[float, ...] | tuple[int, ...]) -> str:
+    return " ".join(f"{v:g}" for v in values)
+
+
+def _summary(r: SimResult) -> str:
+    b = r.bubble
+    lines = [
+        f"{r.schedule}: pp={r.num_ranks} microbatches={r.microbatches} chunks={r.chunks}",
+        f"  makespan            {r.makespan:g}"
+        + (f" for {r.steps} optimizer steps ({r.time_per_step:g} per step)" if r.steps > 1 else ""),
+        f"  bubble              {b.idle_fraction:.2%} of rank time (GPipe), "
+        f"{b.over_ideal:.2%} over ideal compute (Megatron)",
+        f"  worst rank span     {b.per_rank_span_time:g} idle = "
+        f"{b.per_rank_span_fraction:.2%} of its span (Zero Bubble)",
+        f"  idle per rank       {_ranks(r.idle)}",
+        f"  peak activations    {_ranks(r.peak_activations)} (stage x micro-batch units)",
+        f"  weight versions     {_ranks(r.weight_versions)}",
+    ]
+    if r.peak_activation_bytes is not None:
+        lines.append(f"  activation bytes    {_ranks(r.peak_activation_bytes)}")
+    if r.weight_bytes is not None:
+        lines.append(f"  weight bytes        {_ranks(r.weight_bytes)}")
+    return "\n".join(lines)
+
+
+def _grid_fits(r: SimResult) -> bool:
+    return len(ascii(r.timeline, width=10**6).splitlines()[-1]) <= _AUTO_GRID_WIDTH
+
+
+# ------------------------------------------------------------------------------ run
+def run(args: argparse.Namespace) -> int:
+    _check_counts(args)
+    _check_outputs(args)
+    costs = parse_costs(
+        args.costs,
+        latency=args.latency,
+        bandwidth=args.bandwidth,
+        message_bytes=args.message_bytes,
+    )
+    if args.compare:
+        return _compare(args, costs)
+    if args.schedule_file:
+        case = _from_file(args)
+    else:
+        _need(args, "pp", "microbatches")
+        case = _builtin(args, args.schedule)
+    result = _run_case(case, costs, args)
+    if args.plot:
+        plot(result.timeline, args.plot)
+    if args.trace:
+        write_chrome_trace(result.timeline, args.trace)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    print(_summary(result))
+    if args.ascii or _grid_fits(result):
+        print()
+        print(ascii(result.timeline, width=args.width))
+    elif not args.plot:
+        print("  (grid too wide for the terminal: --ascii squeezes it, --plot draws it)")
+    for path in (args.plot, args.trace):
+        if path:
+            print(f"wrote {path}")
+    return 0
+
+
+def _compare(args: argparse.Namespace, costs: Costs) -> int:
+    from pipetrain.schedules import registry
+
+    _need(args, "pp", "microbatches")
+    results: list[SimResult] = []
+    skipped: list[tuple[str, str]] = []
+    fits = set(registry.fitting(args.pp, args.microbatches, args.chunks))
+    for name in registry.SCHEDULE_NAMES:
+        if name not in fits:
+            reason = registry.get_spec(name).check(args.pp, args.microbatches, args.chunks)
+            skipped.append((name, reason or "does not fit"))
+            continue
+        results.append(_run_case(_builtin(args, name), costs, args))
+    if not results:
+        raise UsageError(
+            f"no schedule fits --pp {args.pp} --microbatches {args.microbatches}: "
+            "try --microbatches equal to a multiple of --pp"
+        )
+    if args.plot:
+        plot_compare([r.timeline for r in results], args.plot)
+    if args.trace:
+        write_chrome_trace([r.timeline for r in results], args.trace)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "results": [r.to_json() for r in results],
+                    "skipped": [{"schedule": n, "reason": why} for n, why in skipped],
+                }
+            )
+        )
+        return 0
+    sys.stdout.write(_table(results) + "\n")
+    print(
+        "  costs: one rank's share of the model per micro-batch, split over its stages; "
+        "naive runs the whole batch at once\n"
+        "  idle: share of ranks x makespan; over ideal: idle over work; span idle: worst "
+        "rank's idle time inside its own span\n"
+        "  peak activations: stage x micro-batch units (a stage is 1/v of a rank's share)"
+    )
+    for name, why in skipped:
+        print(f"  not fitting: {name}: {why}")
+    for path in (args.plot, args.trace):
+        if path:
+            print(f"wrote {path}")
+    return 0
+
+
+def _table(results: list[SimResult]) -> str:
+    head = (
+        "schedule",
+        "makespan",
+        "per step",
+        "idle",
+        "over ideal",
+        "span idle",
+        "peak activations",
+        "weight versions",
+    )
+    rows = [
+        (
+            r.schedule,
+            f"{r.makespan:g}",
+            f"{r.time_per_step:g}",
+            f"{r.bubble.idle_fraction:.1%}",
+            f"{r.bubble.over_ideal:.1%}",
+            f"{r.bubble.per_rank_span_time:g}",
+            _ranks(r.peak_activations),
+            _ranks(r.weight_versions),
+        )
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in (head, *rows)
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""``pipetrain simulate`` end to end: through main(argv), and once as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import main
+from pipetrain.schedules import registry
+
+pytestmark = pytest.mark.e2e
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["simulate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_object_for_1f1b(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["schedule"] == "1f1b"
+    assert (data["pp"], data["microbatches"], data["chunks"]) == (4, 8, 1)
+    assert data["makespan"] == 33
+    assert data["bubble"]["idle_fraction"] == pytest.approx(3 / 11)
+    assert data["bubble"]["over_ideal"] == pytest.approx(3 / 8)
+    assert data["bubble"]["per_rank_span"] == pytest.approx(9 / 33)
+    assert data["bubble"]["per_rank_span_time"] == 9
+    assert data["peak_activations"] == [4, 3, 2, 1]
+    assert data["weight_versions"] == [1, 1, 1, 1]
+
+
+def test_default_output_is_a_summary_and_a_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "--schedule", "gpipe", "--pp", "2", "--microbatches", "2")
+    assert code == 0
+    assert "makespan            9" in out
+    assert "33.33% of rank time" in out
+    assert "r0| 0F0 0F1 ............0B0---- 0B1---- " in out
+
+
+def test_costs_latency_and_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--pp", "2", "--microbatches", "4", "--json"]
+    _, out, _ = cli(capsys, "--schedule", "1f1b", *base, "--costs", "F=2,B=4")
+    assert json.loads(out)["makespan"] == 5 * 6
+    _, out, _ = cli(capsys, "--schedule", "1f1b", *base, "--latency", "0.5")
+    assert json.loads(out)["makespan"] > 15
+    _, out, _ = cli(capsys, "--schedule", "interleaved-1f1b", *base, "--chunks", "2")
+    data = json.loads(out)
+    assert data["chunks"] == 2
+    assert data["bubble"]["over_ideal"] == pytest.approx(1 / 8)
+
+
+def test_one_number_is_a_rank_share_and_a_list_is_per_stage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["--schedule", "zb-v", "--pp", "4", "--microbatches", "8", "--json"]
+    _, out, _ = cli(capsys, *args)
+    data = json.loads(out)
+    # Two stages per rank, each half of a rank's share: 51 unit-cost chunk slots of 1/2.
+    assert (data["chunks"], data["makespan"]) == (2, 25.5)
+    assert data["bubble"]["per_rank_span_time"] == 0
+    _, out, _ = cli(
+        capsys, *args, "--costs", "F=" + "/".join(["1"] * 8) + ",B=" + "/".join(["2"] * 8)
+    )
+    assert json.loads(out)["makespan"] == 51
+    code, _, err = cli(capsys, *args, "--costs", "F=1/2")
+    assert code == 2 and "2 numbers for 8 model stages of zb-v" in err
+
+
+def test_asynchronous_schedules_report_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = cli(capsys, "--schedule", "pipedream", "--pp", "4", "--microbatches", "8", "--json")
+    data = json.loads(out)
+    assert (data["microbatches"], data["steps"]) == (8, 2)
+    assert data["time_per_step"] == data["makespan"] / 2
+    assert data["weight_versions"] == [4, 3, 2, 1]
+
+
+def test_pictures_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png, svg, trace = tmp_path / "z.png", tmp_path / "z.svg", tmp_path / "z.json"
+    args = ["--schedule", "zb-h1", "--pp", "4", "--microbatches", "8"]
+    code, out, _ = cli(capsys, *args, "--plot", str(png), "--trace", str(trace), "--ascii")
+    assert code == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1, 2, 3}
+    assert "r3|" in out and f"wrote {png}" in out
+    assert cli(capsys, *args, "--plot", str(svg))[0] == 0
+    assert "<svg" in svg.read_text()
+
+
+def test_compare_table_picture_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "all.png"
+    code, out, _ = cli(capsys, "--compare", "--pp", "4", "--microbatches", "4", "--plot", str(png))
+    assert code == 0
+    fits = registry.fitting(4, 4)
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["schedule", "makespan", "per", "step"]
+    table = {line.split()[0] for line in lines[2:] if line and not line.startswith((" ", "wrote "))}
+    assert table == set(fits)
+    # zb-h2 needs m >= 2p-1: listed with its reason.
+    assert any(line.startswith("  not fitting: zb-h2: ") for line in lines)
+    assert png.stat().st_size > 0
+    _, out, _ = cli(capsys, "--compare", "--pp", "4", "--microbatches", "4", "--json")
+    data = json.loads(out)
+    assert [r["schedule"] for r in data["results"]] == [
+        n for n in registry.SCHEDULE_NAMES if n in fits
+    ]
+    assert {s["schedule"] for s in data["skipped"]} == set(registry.SCHEDULE_NAMES) - set(fits)
+    naive = next(r for r in data["results"] if r["schedule"] == "naive")
+    assert naive["microbatches"] == 4 and naive["peak_activations"] == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--schedule", "1f1b", "--pp", "4", "--microbatches", "2"], "microbatches"),
+        (["--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--costs", "F=x"], "--costs"),
+        (["--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--costs", "Q=1"], "--costs"),
+        (["--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--plot", "a.jpg"], "--plot"),
+        (["--schedule", "gpipe", "--pp", "2"], "--microbatches"),
+        (["--schedule", "gpipe", "--pp", "0", "--microbatches", "2"], "--pp"),
+        (["--schedule-file", "nowhere.csv"], "nowhere.csv"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, out, err = cli(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and message in err
+
+
+def test_a_real_process_exits_2_with_one_line_and_no_traceback() -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipetrain.cli",
+            "simulate",
+            "--schedule",
+            "nope",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1
+    assert "Traceback" not in proc.stderr
+    assert "'nope' is not a known schedule" in proc.stderr
+    assert all(name in proc.stderr for name in registry.SCHEDULE_NAMES)
