@@ -1,0 +1,102 @@
+"""``pipetrain generate``: text from a checkpoint, through the model cut into stages.
+
+    pipetrain generate --checkpoint DIR --prompt TEXT [--max-new-tokens N]
+                       [--temperature T] [--pp P] [--seed S] [--device auto|cpu|cuda]
+
+DIR is a checkpoint or a checkpoint directory (its newest valid checkpoint). ``--pp P``
+splits the model into P stages run one after the other in this process; started by
+torchrun (``torchrun --nproc-per-node P -m pipetrain.cli generate ...``), each rank holds
+one stage and hidden states travel between the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from pipetrain.cli.errors import UsageError
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text from a checkpoint through the pipeline stages",
+        description="Generate text from a checkpoint, running the model as pipeline stages.",
+    )
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint (directory)")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="default 100")
+    p.add_argument(
+        "--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default 0.8)"
+    )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=None,
+        metavar="P",
+        help="pipeline stages (default 1, or the number of ranks under torchrun)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens is {args.max_new_tokens}: use 0 or more")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature is {args.temperature}: use 0 (greedy) or more")
+    if args.pp is not None and args.pp < 1:
+        raise UsageError(f"--pp is {args.pp}: use 1 or more stages")
+
+    import torch
+    import torch.distributed as dist
+
+    from pipetrain.checkpoint.generate import generate_tokens, load_pipeline_model
+    from pipetrain.cli.ckpt import resolve_checkpoint
+    from pipetrain.train.data import load_tokenizer
+
+    path = resolve_checkpoint(args.checkpoint)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world > 1 and args.pp not in (None, world):
+        raise UsageError(
+            f"--pp {args.pp} but torchrun started {world} ranks: pass --pp {world} or leave it out"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is available: use --device cpu")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = (
+        torch.device("cuda", local_rank % torch.cuda.device_count())
+        if use_cuda
+        else torch.device("cpu")
+    )
+    group = None
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        group = dist.group.WORLD
+    try:
+        stages = world if world > 1 else (args.pp or 1)
+        model = load_pipeline_model(path, pp=stages, device=device, group=group)
+        data = dict(model.manifest.config.get("data", {}))
+        tokenizer = load_tokenizer(str(data.get("tokenizer", "")))
+        context = int(data["seq_len"]) if "seq_len" in data else None
+        result = generate_tokens(
+            model,
+            tokenizer.encode(args.prompt),
+            new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            device=device,
+            context=context,
+        )
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank has the text; one prints it
+        sys.stdout.write(args.prompt + tokenizer.decode(result.tokens) + "\n")
+    return 0
