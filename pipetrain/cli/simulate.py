@@ -211,27 +211,22 @@ def _builtin(args: argparse.Namespace, name: str) -> _Case:
 
 
 def _from_file(args: argparse.Namespace) -> _Case:
+    """A user's schedule; the loaders run the same validator as the built-in ones."""
     from pipetrain.schedules import io
-    from pipetrain.schedules.validate import validate
 
     path = Path(args.schedule_file)
-    loaders = {".csv": io.load_csv, ".json": io.load_json}
-    loader = loaders.get(path.suffix.lower())
-    if loader is None:
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        schedule = io.load_csv(path, num_ranks=args.pp, microbatches=args.microbatches)
+    elif suffix == ".json":
+        schedule = io.load_json(path, num_ranks=args.pp)
+        if args.microbatches is not None and args.microbatches != schedule.microbatches:
+            raise UsageError(
+                f"--microbatches {args.microbatches} but {path} has {schedule.microbatches}: "
+                "drop --microbatches or fix the file"
+            )
+    else:
         raise UsageError(f"--schedule-file {path}: use a .csv or .json file")
-    if not path.is_file():
-        raise UsageError(f"--schedule-file {path}: no such file")
-    schedule = loader(path)
-    validate(schedule)
-    if args.pp is not None and args.pp != schedule.num_ranks:
-        raise UsageError(
-            f"--pp {args.pp} but {path} has {schedule.num_ranks} ranks: drop --pp or fix the file"
-        )
-    if args.microbatches is not None and args.microbatches != schedule.microbatches:
-        raise UsageError(
-            f"--microbatches {args.microbatches} but {path} has {schedule.microbatches}: "
-            "drop --microbatches or fix the file"
-        )
     return _Case(schedule, 1)
 
 

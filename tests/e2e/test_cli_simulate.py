@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import main
-from pipetrain.schedules import registry
+from pipetrain.schedules import io, registry
 
 pytestmark = pytest.mark.e2e
 
@@ -115,6 +115,36 @@ def test_compare_table_picture_and_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert {s["schedule"] for s in data["skipped"]} == set(registry.SCHEDULE_NAMES) - set(fits)
     naive = next(r for r in data["results"] if r["schedule"] == "naive")
     assert naive["microbatches"] == 4 and naive["peak_activations"] == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".json"])
+def test_schedule_file_simulates_like_the_builtin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str
+) -> None:
+    built = registry.build_schedule("zb-h1", 4, 8)
+    path = tmp_path / f"mine{suffix}"
+    (io.dump_csv if suffix == ".csv" else io.dump_json)(built, path)
+    _, expected, _ = cli(
+        capsys, "--schedule", "zb-h1", "--pp", "4", "--microbatches", "8", "--json"
+    )
+    code, out, err = cli(capsys, "--schedule-file", str(path), "--json")
+    assert code == 0, err
+    mine, ref = json.loads(out), json.loads(expected)
+    assert mine.pop("schedule") == ("mine" if suffix == ".csv" else "zb-h1")
+    ref.pop("schedule")
+    assert mine == ref
+
+
+def test_schedule_file_that_deadlocks_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n")
+    code, out, err = cli(capsys, "--schedule-file", str(path))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "bad" in err
+    code, _, err = cli(capsys, "--schedule-file", str(path), "--pp", "3")
+    assert code == 2 and "2 rows but 3 ranks" in err
 
 
 @pytest.mark.parametrize(
