@@ -80,15 +80,23 @@ def add_parser(subparsers: Any) -> None:
         "--activation-bytes",
         type=float,
         default=None,
-        help="activation bytes per stage and micro-batch",
+        help="activation bytes one micro-batch leaves on one rank's share of the model "
+        "(split over its stages like --costs)",
     )
-    p.add_argument("--weight-bytes", type=float, default=None, help="parameter bytes per stage")
+    p.add_argument(
+        "--weight-bytes",
+        type=float,
+        default=None,
+        help="parameter bytes of one rank's share of the model (split like --costs)",
+    )
     p.add_argument("--plot", metavar="FILE", help="Gantt chart, .png or .svg")
     p.add_argument("--trace", metavar="FILE", help="Chrome trace JSON (Perfetto, chrome://tracing)")
     p.add_argument("--ascii", action="store_true", help="print the time-aligned grid")
     p.add_argument("--width", type=int, default=120, help="grid width in characters (default 120)")
     p.add_argument(
-        "--json", action="store_true", help="print one JSON object (a list with --compare)"
+        "--json",
+        action="store_true",
+        help="print one JSON object (with --compare: {results: [...], skipped: [...]})",
     )
     p.set_defaults(run=run)
 
@@ -241,9 +249,14 @@ def _check_stage_costs(costs: Costs, schedule: Schedule) -> None:
             )
 
 
+def _share(schedule: Schedule) -> float:
+    """The part of a rank's share of the model that one stage holds: 1/v."""
+    return schedule.num_ranks / schedule.placement.num_model_stages
+
+
 def _stage_costs(costs: Costs, schedule: Schedule) -> Costs:
     """One-number costs are a rank's share of the model; spread them over its stages."""
-    factor = schedule.num_ranks / schedule.placement.num_model_stages
+    factor = _share(schedule)
     if factor == 1:
         return costs
     fields = {
@@ -256,11 +269,12 @@ def _stage_costs(costs: Costs, schedule: Schedule) -> Costs:
 
 def _run_case(case: _Case, costs: Costs, args: argparse.Namespace) -> SimResult:
     _check_stage_costs(costs, case.schedule)
+    share = _share(case.schedule)
     return simulate(
         case.schedule,
         _stage_costs(costs, case.schedule),
-        activation_bytes=args.activation_bytes,
-        weight_bytes=args.weight_bytes,
+        activation_bytes=None if args.activation_bytes is None else args.activation_bytes * share,
+        weight_bytes=None if args.weight_bytes is None else args.weight_bytes * share,
         batch_scale=case.batch_scale,
     )
 

@@ -74,6 +74,27 @@ def test_one_number_is_a_rank_share_and_a_list_is_per_stage(
     assert code == 2 and "2 numbers for 8 model stages of zb-v" in err
 
 
+@pytest.mark.parametrize(
+    ("name", "activations", "weights"),
+    [
+        ("1f1b", [4000, 3000, 2000, 1000], [100] * 4),
+        # p stage-equivalents on a V; Chimera holds two replicas; PipeDream stashes p-r.
+        ("zb-v", [4000] * 4, [100] * 4),
+        ("chimera", [4000] * 4, [200] * 4),
+        ("pipedream", [4000, 3000, 2000, 1000], [400, 300, 200, 100]),
+    ],
+)
+def test_bytes_are_a_rank_share_too(
+    capsys: pytest.CaptureFixture[str], name: str, activations: list[int], weights: list[int]
+) -> None:
+    args = ["--pp", "4", "--microbatches", "8", "--json"]
+    sizes = ["--activation-bytes", "1000", "--weight-bytes", "100"]
+    _, out, _ = cli(capsys, "--schedule", name, *args, *sizes)
+    data = json.loads(out)
+    assert data["peak_activation_bytes"] == activations
+    assert data["weight_bytes"] == weights
+
+
 def test_asynchronous_schedules_report_steps(capsys: pytest.CaptureFixture[str]) -> None:
     _, out, _ = cli(capsys, "--schedule", "pipedream", "--pp", "4", "--microbatches", "8", "--json")
     data = json.loads(out)
