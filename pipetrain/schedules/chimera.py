@@ -8,15 +8,19 @@ fills it: the bubble shrinks from 1F1B's ``(p-1)(F+B)`` to about ``(p/2-1)(F+B)`
 
 How micro-batches split: the first ``ceil(m/2)`` go down, the rest go up.
 
-How a rank interleaves its two stages: each pipeline alone would run 1F1B (``p-1-j``
-warm-up forwards on model stage j); rank r merges its two 1F1B programs in the order of the
-start times they would have alone (unit costs), a forward before a backward at equal times,
-the down pipeline first after that. The all-reduces come last, the higher model stage
-first (its gradients are complete earlier), the same order on both replicas' ranks.
+How a rank interleaves its two stages: each pipeline alone runs 1F1B, except that a stage
+in the first half of the model (j < p/2) warms up with one forward fewer (``p-2-j``
+instead of ``p-1-j``), so that the two stages of a rank together hold at most p
+micro-batches' activations (plain 1F1B on both would reach p+1). Rank r merges its two
+programs in the order of the start times they would have alone (unit costs), a forward
+before a backward at equal times, the down pipeline first after that. The all-reduces
+come last, the higher model stage first (its gradients are complete earlier), the same
+order on both replicas' ranks.
 
-Measured with unit costs (F = 1, B = 2): makespan ``m(F+B) + (p/2-1)(F+B) + (p/2-1)F``
-for even ``m >= 2p`` (``p/2`` F more for ``m = p``); peak activations up to ``p+1``
-micro-batches on a rank (``p-j`` for the down stage, ``j+1`` for the up one, summed).
+Measured with unit costs (F = 1, B = 2), m >= p: makespan
+``m(F+B) + (p/2-1)(F+B) + (p/2)F`` for p >= 4 (p = 2: ``m(F+B)``, no bubble at all); peak
+activations from ``p/2+1`` on the end ranks to ``p`` in the middle for ``m = p``, ``p`` on
+every rank for larger m.
 """
 
 from __future__ import annotations
@@ -45,9 +49,14 @@ def check_chimera(p: int, m: int, v: int = 1) -> str | None:
     return None
 
 
+def _order(p: int, j: int, n: int) -> list[tuple[Kind, int]]:
+    """Model stage j's order over its pipeline's n micro-batches (see the module doc)."""
+    return one_f_one_b_order(p, j, n, warmup=max(0, p - 1 - j - (j < p // 2)))
+
+
 def _alone_start_times(p: int, n: int) -> dict[tuple[Kind, int, int], float]:
-    """Start time of (kind, model stage, k-th micro-batch) in 1F1B on p ranks, n micro-batches."""
-    rows = [[Action(j, kind, k) for kind, k in one_f_one_b_order(p, j, n)] for j in range(p)]
+    """Start time of (kind, model stage, k-th micro-batch) for one pipeline alone."""
+    rows = [[Action(j, kind, k) for kind, k in _order(p, j, n)] for j in range(p)]
     timeline = replay(Schedule.build("1f1b", Placement.linear(p), n, rows))
     return {
         (e.action.kind, e.action.stage, e.action.microbatch or 0): e.start for e in timeline.events
@@ -82,7 +91,7 @@ def chimera(p: int, m: int) -> Schedule:
         keyed = []
         for replica, group in enumerate(groups):
             j = r if replica == 0 else p - 1 - r
-            for kind, k in one_f_one_b_order(p, j, len(group)):
+            for kind, k in _order(p, j, len(group)):
                 start = alone[replica][(kind, j, k)]
                 action = Action(replica * p + j, kind, group[k])
                 keyed.append(((start, kind is Kind.B, replica), action))

@@ -32,12 +32,15 @@ def check_one_f_one_b(p: int, m: int, v: int = 1) -> str | None:
     return basic
 
 
-def one_f_one_b_order(p: int, rank: int, m: int) -> list[tuple[Kind, int]]:
+def one_f_one_b_order(
+    p: int, rank: int, m: int, warmup: int | None = None
+) -> list[tuple[Kind, int]]:
     """Rank ``rank``'s 1F1B order of ``(F or B, micro-batch)`` over ``m`` micro-batches.
 
-    Shared with the asynchronous PipeDream schedules, which stream the same order.
+    ``warmup`` forwards (default ``p-1-rank``) precede the first backward. Shared with
+    PipeDream, which streams the same order, and Chimera, which warms up less.
     """
-    warmup = min(p - 1 - rank, m)
+    warmup = min(p - 1 - rank if warmup is None else warmup, m)
     order = [(Kind.F, k) for k in range(warmup)]
     for k in range(m - warmup):
         order += [(Kind.F, warmup + k), (Kind.B, k)]

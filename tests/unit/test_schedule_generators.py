@@ -194,10 +194,22 @@ def test_pipedream_2bw_steps_once_per_window() -> None:
         assert steps == [Action(r, Kind.STEP, k) for k in (3, 7, 11)]
 
 
-def test_chimera_basic_unit_bubble() -> None:
-    # m = 2p: makespan m(F+B) + (p/2-1)(F+B) + (p/2-1)F, as documented.
-    for p in (2, 4, 6, 8):
-        assert replay(chimera(p, 2 * p)).makespan == 6 * p + 4 * (p // 2 - 1)
+@pytest.mark.parametrize("p", [2, 4, 6, 8])
+def test_chimera_makespan_and_memory(p: int) -> None:
+    for m in (p, 2 * p, 4 * p):
+        schedule = chimera(p, m)
+        # As documented: m(F+B) + (p/2-1)(F+B) + (p/2)F with unit costs (p = 2: m(F+B)).
+        extra = 3 * (p // 2 - 1) + p // 2 if p >= 4 else 0
+        assert replay(schedule).makespan == 3 * m + extra
+        peaks = []
+        for row in schedule.actions:
+            live = peak = 0
+            for a in row:
+                live += {Kind.F: 1, Kind.B: -1}.get(a.kind, 0)
+                peak = max(peak, live)
+            peaks.append(peak)
+        assert max(peaks) == p  # the two stages of a rank together: at most p
+        assert min(peaks) == (p // 2 + 1 if m == p else p)
 
 
 @pytest.mark.parametrize(
