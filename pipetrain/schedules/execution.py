@@ -154,6 +154,8 @@ class _Replay:
         ]
 
     def head(self, rank: int) -> Action | None:
+        if rank >= self.num_ranks:  # a placement with more ranks than rows: never arrives
+            return None
         row = self.schedule.actions[rank]
         return row[self.position[rank]] if self.position[rank] < len(row) else None
 

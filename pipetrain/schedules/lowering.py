@@ -13,10 +13,11 @@ idempotent and a hand-placed send or receive survives.
 
 Order of messages: between a pair of ranks, sends leave in the sender's compute order and
 receives are posted in the receiver's compute order. On a link that carries only
-activations of one stage pair the two orders agree (GPipe, 1F1B). They can differ when one
-link carries several kinds or stage pairs: with looped or V placements rank 0 and rank 1
-exchange activations of several chunks and gradients in both directions, and the receiver
-may post a gradient receive before the activation that the sender issued first. The
+activations one way and gradients the other (GPipe, 1F1B, interleaved 1F1B as generated
+here) the two orders agree. They can differ when one link carries both in the same
+direction, as on a V placement: with p = 2, rank 0 sends rank 1 the activations of stage 0
+and the gradients of stage 3, and may send ``0F1``'s activation before ``3B0``'s gradient
+while rank 1 runs ``2B0`` (receiving that gradient) before ``1F1`` (ZB-V does this). The
 runtime therefore matches messages by ``(stage, kind, micro-batch)``, never by order.
 """
 

@@ -151,6 +151,18 @@ def test_lowering_skips_same_rank_edges_and_keeps_hand_placed_messages() -> None
     assert lower(hand) == hand
 
 
+def test_lowered_message_order_can_differ_between_sender_and_receiver() -> None:
+    # V placement, p = 2: link 0 -> 1 carries 0's activations and 3's gradients.
+    placement = Placement.v_shape(2)
+    rows = ["0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1", "1F0 2F0 2B0 1F1 2F1 2B1 1B0 1B1"]
+    lowered = lower(sched(rows, placement))
+    sent = [str(a) for a in lowered.actions[0] if a.kind in (Kind.SEND_F, Kind.SEND_B)]
+    posted = [str(a) for a in lowered.actions[1] if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+    assert sent == ["0SEND_F0", "0SEND_F1", "3SEND_B0", "3SEND_B1"]
+    assert posted == ["1RECV_F0", "2RECV_B0", "1RECV_F1", "2RECV_B1"]
+    assert replay(lowered).makespan == replay(sched(rows, placement)).makespan
+
+
 def test_format_grid_context_window() -> None:
     schedule = gpipe(2, 20)
     text = format_grid(schedule, {(1, 20)}, context=2)
