@@ -248,7 +248,7 @@ class _Replay:
                     return _Blocked(rank, pos, action, f"{req}, which no rank runs")
                 dep_rank, dep_pos = self.where[dep]
                 return _Blocked(rank, pos, action, f"{dep} (rank {dep_rank}, position {dep_pos})")
-        return _Blocked(rank, pos, action, "nothing (internal error)")
+        return _Blocked(rank, pos, action, "nothing it lacks (a bug in replay: please report it)")
 
     def describe_allreduce(self, action: Action) -> str:
         if action.stage >= self.placement.num_stages:

@@ -168,11 +168,15 @@ def _check_stage_coverage(
     rank = schedule.placement.rank_of(stage)
     has = {kind for kind in (Kind.F, Kind.B, Kind.I, Kind.W) if Action(stage, kind, mb) in where}
 
-    def missing(text: str) -> ScheduleError:
-        return _error(schedule, f"rank {rank} never runs {text} of stage {stage}, micro-batch {mb}")
+    def missing(kind: Kind, what: str, fix: str) -> ScheduleError:
+        action = Action(stage, kind, mb)
+        return _error(
+            schedule,
+            f"rank {rank} never runs {action} ({what} of stage {stage}, micro-batch {mb}): {fix}",
+        )
 
     if Kind.F not in has:
-        raise missing(f"{Action(stage, Kind.F, mb)}: the forward; add it")
+        raise missing(Kind.F, "the forward", "add it")
     if Kind.B in has and has & {Kind.I, Kind.W}:
         split = next(Action(stage, k, mb) for k in (Kind.I, Kind.W) if k in has)
         raise _error(
@@ -184,11 +188,11 @@ def _check_stage_coverage(
     if Kind.B in has:
         return
     if Kind.I in has and Kind.W not in has:
-        raise missing(f"{Action(stage, Kind.W, mb)}: the weight backward; add it after the I")
+        raise missing(Kind.W, "the weight backward", "add it after the I")
     if Kind.W in has and Kind.I not in has:
-        raise missing(f"{Action(stage, Kind.I, mb)}: the input backward; add it before the W")
+        raise missing(Kind.I, "the input backward", "add it before the W")
     if not has & {Kind.I, Kind.W}:
-        raise missing(f"{Action(stage, Kind.B, mb)} (or I and W): the backward; add it")
+        raise missing(Kind.B, "the backward", "add it, or an I and a W")
 
 
 def _check_order(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:
@@ -217,7 +221,7 @@ def _check_order(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> No
                 raise _error(
                     schedule,
                     f"{_order_problem(action, dep)}: it needs {dep} (position {dep_pos}) "
-                    "earlier on the same rank; move it after",
+                    f"earlier on the same rank; move it after {dep}",
                     (rank, pos),
                     action,
                 )
@@ -242,7 +246,9 @@ def _order_problem(action: Action, dep: Action) -> str:
         return "STEP before the backward it follows"
     if action.is_comm:
         return "send before the compute it sends"
-    return "comes too early"
+    if dep.is_comm:
+        return "compute before its receive"
+    return "comes before an action it needs"
 
 
 def _check_messages(schedule: Schedule, where: dict[Action, tuple[int, int]]) -> None:

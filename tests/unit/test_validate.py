@@ -53,7 +53,11 @@ def test_missing_forward() -> None:
 
 
 def test_missing_backward() -> None:
-    rejects(sched(["0F0 0F1 0B0", "1F0 1F1 1B0 1B1"]), "rank 0 never runs 0B1", "I and W")
+    rejects(
+        sched(["0F0 0F1 0B0", "1F0 1F1 1B0 1B1"]),
+        "rank 0 never runs 0B1 (the backward",
+        "an I and a W",
+    )
 
 
 def test_micro_batch_that_never_runs() -> None:
