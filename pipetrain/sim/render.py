@@ -72,7 +72,10 @@ def ascii(timeline: Timeline, width: int = 120) -> str:
     margin = max(len(f"r{timeline.num_ranks - 1}"), 1)
     room = max(width - margin - 2, 10)
     # Characters per time unit: room for a label in the shortest box, fewer if needed.
-    per_unit = min(float(label_width), room * unit / makespan)
+    fit = room * unit / makespan
+    # Whole characters per unit when squeezed, so equal durations get equal boxes; below
+    # two characters that would waste up to half the width, so fractions are kept.
+    per_unit = min(float(label_width), float(math.floor(fit)) if fit >= 2 else fit)
     # Squeezed: every box uses the short form, so the grid reads the same everywhere.
     full = per_unit >= label_width
     chunks = _chunks(timeline)

@@ -26,7 +26,8 @@ def test_ascii_squeezes_to_the_width_and_keeps_short_labels() -> None:
     text = ascii(PIPEDREAM_2, width=40)
     rows = text.splitlines()[2:]
     assert all(len(row) <= 40 for row in rows)
-    assert rows[0].startswith("r0| F0F1 ..")
+    # Two characters per unit: every F box is "F3", every B box "B3- ".
+    assert rows[0] == "r0| F0F1....B0- F2B1- F3B2- ..B3- "
     assert "B3" in rows[1]
     # Zero-length steps are not drawn; the two ranks' rows have the same length.
     assert "STEP" not in text
@@ -89,7 +90,7 @@ def test_squeezed_ascii_marks_odd_chunks_in_lower_case() -> None:
         ]
     )
     rows = ascii(tl, width=25).splitlines()
-    assert rows[2] == "r0| F0....f0b0-- ....B0- "
-    assert rows[3] == "r1| ..F0f0.......b0B0...."
+    assert rows[2] == "r0| F0....f0b0- ....B0- "
+    assert rows[3] == "r1| ..F0f0......b0B0...."
     assert rows[-1].startswith("(squeezed: lower case = odd chunks")
     assert "0F0" in ascii(tl, width=200) and "(squeezed" not in ascii(tl, width=200)
