@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from pipetrain.schedules import Action, Kind, Placement, Schedule, ScheduleError, parse_action
@@ -174,3 +177,14 @@ def test_format_timeline_shows_idle_time() -> None:
         "rank 0 | 0F0 0F1 .   .   .   0B0 0B0 0B1 0B1",
         "rank 1 | .   1F0 1F1 1B0 1B0 1B1 1B1",
     ]
+
+
+def test_schedule_package_imports_no_torch() -> None:
+    code = (
+        "import pkgutil, importlib, sys, pipetrain.schedules as s\n"
+        "for m in pkgutil.iter_modules(s.__path__):\n"
+        "    importlib.import_module(f'pipetrain.schedules.{m.name}')\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipetrain.errors import InputError
 from pipetrain.schedules import Placement, Schedule, ScheduleError, parse_action
+from pipetrain.schedules.execution import replay
 from pipetrain.schedules.gpipe import gpipe
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.one_f_one_b import one_f_one_b
+from pipetrain.schedules.registry import build_schedule
 from pipetrain.schedules.validate import validate
 
 
@@ -203,3 +207,46 @@ def test_generated_schedules_pass(build: object) -> None:
         schedule = build(p, 2 * p)  # type: ignore[operator]
         validate(schedule)
         validate(lower(schedule))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "chimera", "pipedream"]),
+    lowered=st.booleans(),
+    edits=st.lists(
+        st.tuples(st.sampled_from(["drop", "copy", "swap", "move"]), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=3,
+    ),
+)
+def test_any_edit_is_accepted_or_rejected_in_one_line(
+    name: str, lowered: bool, edits: list[tuple[str, int]]
+) -> None:
+    schedule = build_schedule(name, 2, 4)
+    if lowered:
+        schedule = lower(schedule)
+    rows = [list(row) for row in schedule.actions]
+    for edit, seed in edits:
+        r = seed % len(rows)
+        if not rows[r]:
+            continue
+        i = seed // len(rows) % len(rows[r])
+        if edit == "drop":
+            rows[r].pop(i)
+        elif edit == "copy":
+            rows[r].insert(seed % (len(rows[r]) + 1), rows[r][i])
+        elif edit == "swap":
+            j = (i + 1 + seed % 3) % len(rows[r])
+            rows[r][i], rows[r][j] = rows[r][j], rows[r][i]
+        else:
+            rows[(r + 1) % len(rows)].insert(0, rows[r].pop(i))
+    edited = Schedule.build(
+        name, schedule.placement, schedule.microbatches, rows, asynchronous=schedule.asynchronous
+    )
+    try:
+        validate(edited)
+    except ScheduleError as exc:
+        assert "\n" not in str(exc)
+        assert exc.grid.count("\n") == len(rows) - 1
+    else:
+        replay(edited)  # whatever validates also replays to the end
