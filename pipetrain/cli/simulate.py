@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -351,11 +350,10 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
     _need(args, "pp", "microbatches")
     results: list[SimResult] = []
     skipped: list[tuple[str, str]] = []
-    fits = set(registry.fitting(args.pp, args.microbatches, args.chunks))
     for name in registry.SCHEDULE_NAMES:
-        if name not in fits:
-            reason = registry.get_spec(name).check(args.pp, args.microbatches, args.chunks)
-            skipped.append((name, reason or "does not fit"))
+        reason = registry.get_spec(name).check(args.pp, args.microbatches, args.chunks)
+        if reason is not None:
+            skipped.append((name, reason))
             continue
         results.append(_run_case(_builtin(args, name), costs, args))
     if not results:
@@ -377,7 +375,7 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
             )
         )
         return 0
-    sys.stdout.write(_table(results) + "\n")
+    print(_table(results))
     print(
         "  costs: one rank's share of the model per micro-batch, split over its stages; "
         "naive runs the whole batch at once\n"
