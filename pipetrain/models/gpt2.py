@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.models.config import ModelConfig, ModelConfigError
+from pipetrain.models.embedding import Embedding
 from pipetrain.models.init import BASE_STD, normal_, ones_, residual_std, zeros_
 
 __all__ = ["GPT2Block", "GPT2Embedding", "GPT2Head"]
@@ -24,8 +25,8 @@ class GPT2Embedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.max_seq_len = config.max_seq_len
-        self.tok = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos = nn.Embedding(config.max_seq_len, config.d_model)
+        self.tok = Embedding(config.vocab_size, config.d_model)
+        self.pos = Embedding(config.max_seq_len, config.d_model)
 
     def init_weights(self, generator: torch.Generator) -> None:
         normal_(self.tok.weight, BASE_STD, generator)

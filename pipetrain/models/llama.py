@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.models.config import ModelConfig
+from pipetrain.models.embedding import Embedding
 from pipetrain.models.init import BASE_STD, normal_, ones_, residual_std
 
 __all__ = ["LlamaBlock", "LlamaEmbedding", "LlamaHead", "RMSNorm", "apply_rotary", "rotary_tables"]
@@ -56,7 +57,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LlamaEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.tok = nn.Embedding(config.vocab_size, config.d_model)
+        self.tok = Embedding(config.vocab_size, config.d_model)
 
     def init_weights(self, generator: torch.Generator) -> None:
         normal_(self.tok.weight, BASE_STD, generator)

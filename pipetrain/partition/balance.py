@@ -27,6 +27,7 @@ __all__ = [
     "Partition",
     "PartitionError",
     "StageRanks",
+    "format_bytes",
     "holders",
     "make_partition",
     "parse_split",
@@ -317,7 +318,7 @@ def _balanced(
     if bounds is None:
         assert memory is not None  # without a limit every split of >= 1 layer per stage is allowed
         raise PartitionError(
-            f"no split into {n_stages} stages fits the memory limit of {_fmt_bytes(memory.limit_bytes)} per rank "
+            f"no split into {n_stages} stages fits the memory limit of {format_bytes(memory.limit_bytes)} per rank "
             f"at micro-batch size {memory.microbatch_size}: raise --memory-limit, use more ranks (--pp), or "
             "a smaller micro-batch (--microbatches)"
         )
@@ -447,7 +448,8 @@ def _coupled_search(
     return best_bounds
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"

@@ -46,14 +46,25 @@ def _block_flops(config: ModelConfig, seq_len: int) -> tuple[float, float]:
 def _block_activation_bytes(config: ModelConfig, seq_len: int) -> float:
     """Bytes a block keeps for its backward, per sequence, fp32.
 
-    Per token: the norm inputs and outputs, q, k, v and the attention output, the MLP's
-    hidden tensors (SwiGLU keeps gate, up, their activation and product; GELU keeps two),
-    plus one row of attention probabilities per head where the kernel materialises them.
+    Counted from what autograd saves in these modules (the profiler's figure for the tiny
+    presets, exactly): per token, the residual input, the norm outputs and the views the
+    linears keep, q, k, v (k and v after the GQA repeat), the attention output; the MLP's
+    hidden tensors (SwiGLU keeps gate, up, their activation and product; GELU keeps two);
+    the norm statistics, one log-sum-exp per head (memory-efficient attention keeps no
+    T x T matrix), and for Llama the rotary tables.
     """
-    d, f, kv = config.d_model, config.ffn_hidden, config.kv_dim
-    hidden = 4 * f if config.family == "llama" else 2 * f
-    per_token = 6 * d + 2 * kv + hidden + config.n_heads * seq_len
+    d, f, h = config.d_model, config.ffn_hidden, config.n_heads
+    if config.family == "llama":
+        per_token = 11 * d + 4 * f + h + 2 + config.head_dim
+    else:
+        per_token = 8 * d + 2 * f + h + 4
     return float(per_token * seq_len * _FP32)
+
+
+def _head_activation_bytes(config: ModelConfig, seq_len: int) -> float:
+    """The head keeps its norm's input and output; the loss its log-softmax (V) and targets."""
+    norm = 3 * config.d_model + 1 if config.family == "llama" else 2 * config.d_model + 2
+    return float((norm + config.vocab_size + 2) * seq_len * _FP32)
 
 
 def estimate_costs(
@@ -73,7 +84,9 @@ def estimate_costs(
         )
 
     # The lookup and its scatter-add backward move T x C numbers: memory-bound, a few FLOPs each.
-    layers = [cost("embed", "embedding", 2.0 * t * d, 0.0, 2.0 * t * d, embed_p, float(t * 8))]
+    # It keeps the token ids (int64), and GPT-2 its position ids too.
+    ids = t * 8 * (1 if config.family == "llama" else 2)
+    layers = [cost("embed", "embedding", 2.0 * t * d, 0.0, 2.0 * t * d, embed_p, float(ids))]
     matmul, attention = _block_flops(config, t)
     act = _block_activation_bytes(config, t)
     for i in range(config.n_layers):
@@ -90,8 +103,5 @@ def estimate_costs(
             )
         )
     head = 2.0 * t * d * v
-    # The head keeps its normalised input and the logits with their softmax for the loss.
-    layers.append(
-        cost("head", "head", head, head, head, head_p, float(t * (2 * d + 2 * v) * _FP32))
-    )
+    layers.append(cost("head", "head", head, head, head, head_p, _head_activation_bytes(config, t)))
     return layers

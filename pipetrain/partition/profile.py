@@ -53,8 +53,13 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
     return min(samples)
 
 
-def _saved_bytes(layer: nn.Module, x: torch.Tensor, device: torch.device) -> float:
-    """Bytes of the distinct storages autograd keeps for this layer's backward."""
+def _saved_bytes(
+    layer: nn.Module, x: torch.Tensor, device: torch.device, is_head: bool, seed: int
+) -> float:
+    """Bytes of the distinct storages autograd keeps for this layer's backward.
+
+    After the head the loss is included: its log-softmax lives on the last stage too.
+    """
     param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     seen: dict[int, int] = {}
 
@@ -69,13 +74,14 @@ def _saved_bytes(layer: nn.Module, x: torch.Tensor, device: torch.device) -> flo
         before = torch.cuda.memory_allocated(device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(x)
+        loss = _output_loss(y, True, torch.Generator().manual_seed(seed)) if is_head else None
     saved = float(sum(seen.values()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         # The output itself is the next stage's input, sent away: not this layer's memory.
         grown = torch.cuda.memory_allocated(device) - before - y.untyped_storage().nbytes()
         saved = max(saved, float(grown))
-    del y
+    del y, loss
     return saved
 
 
@@ -105,7 +111,7 @@ def _measure(
     if x_in.requires_grad:
         b_input = _timed(lambda: torch.autograd.grad(loss, [x_in], retain_graph=True), dev, repeats)
         b_input = min(b_input, full)
-    return forward, full, b_input, _saved_bytes(layer, x_in, dev)
+    return forward, full, b_input, _saved_bytes(layer, x_in, dev, is_head, seed)
 
 
 def profile_layers(
@@ -149,7 +155,7 @@ def _profile(
     for index, layer_spec in enumerate(spec.layers):
         layer = build_stage(spec, [index], seed=seed, device=dev, dtype=dtype)
         params = list(dict.fromkeys(layer.parameters()))
-        is_head = index == len(spec) - 1
+        is_head = layer_spec.kind == "head"
         x_in = x.detach().requires_grad_(x.is_floating_point())
 
         forward, full, b_input, act = _measure(layer, x_in, is_head, seed, dev, repeats)

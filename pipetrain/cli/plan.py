@@ -1,0 +1,292 @@
+"""``pipetrain plan``: where to cut a model for a schedule, what each rank holds, which micro-batch.
+
+    pipetrain plan --model llama-default --pp 3 [--schedule 1f1b] [--chunks V]
+                   [--split 4,3,5 | --balance uniform|params|profile]
+                   [--batch-size 32] [--seq-len 128] [--microbatches 8]
+                   [--memory-limit 16GiB] [--json]
+
+Without ``--balance profile`` the times are estimated from FLOPs (and say so); with it
+each layer is measured on this machine's device, which needs torch, imported only then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from pipetrain.cli.errors import UsageError
+from pipetrain.models.config import ModelConfig, get_model_config
+from pipetrain.partition.balance import LayerCost, parse_split
+from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
+from pipetrain.partition.planner import Overheads, Plan, make_plan
+from pipetrain.schedules.registry import SCHEDULE_NAMES, get_spec
+
+__all__ = ["add_parser", "parse_size", "run"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> float:
+    """``"16GiB"`` -> 17179869184.0; decimal (GB) and binary (GiB) units, or plain bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise UsageError(f"--memory-limit {text!r} is not a size: write e.g. 16GiB, 512MiB or 2e9")
+    return float(match.group(1)) * _UNITS[unit]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="split a model into pipeline stages for a schedule; memory and micro-batch advice",
+        description="Split a model into pipeline stages for a schedule and report, per stage, "
+        "its rank, layers, parameters, time and activation memory; per rank the totals; and "
+        "the micro-batch size and count to use.",
+    )
+    p.add_argument(
+        "--model", required=True, metavar="NAME", help="a preset, e.g. llama-default, llama3-8b"
+    )
+    p.add_argument("--pp", type=int, required=True, metavar="P", help="pipeline ranks")
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        metavar="NAME",
+        help=f"the schedule the split is for (default 1f1b; one of {', '.join(SCHEDULE_NAMES)})",
+    )
+    p.add_argument("--chunks", type=int, metavar="V", help="stages per rank for looped schedules")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument(
+        "--split", metavar="4,3,5", help="blocks per stage; embedding first, head last"
+    )
+    how.add_argument(
+        "--balance",
+        choices=("uniform", "params", "profile"),
+        default="uniform",
+        help="even blocks, even parameters, or even measured time (default uniform)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=32, metavar="B", help="sequences per step (default 32)"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        metavar="T",
+        help="tokens per sequence (default: the model's max_seq_len)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=8,
+        metavar="M",
+        help="micro-batches per step (default 8)",
+    )
+    p.add_argument(
+        "--memory-limit", metavar="SIZE", help="memory per rank, e.g. 16GiB (default: no limit)"
+    )
+    p.add_argument(
+        "--flops",
+        type=float,
+        default=DEFAULT_FLOPS,
+        metavar="FLOP/S",
+        help=f"throughput assumed for estimated times (default {DEFAULT_FLOPS:.0e})",
+    )
+    p.add_argument(
+        "--overhead-ms",
+        type=float,
+        default=0.05,
+        metavar="MS",
+        help="fixed time per layer per forward or backward piece, any micro-batch size (default 0.05)",
+    )
+    p.add_argument(
+        "--latency-ms", type=float, default=0.1, metavar="MS", help="time per message (default 0.1)"
+    )
+    p.add_argument(
+        "--device",
+        metavar="DEV",
+        help="device to profile on (default: cuda if available, else cpu)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CPU threads while profiling (default 1)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="weights and inputs of the profile (default 0)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=run)
+
+
+def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
+    for name in ("pp", "batch_size", "microbatches", "threads"):
+        value = getattr(args, name)
+        if value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.chunks is not None and args.chunks < 1:
+        raise UsageError(f"--chunks must be >= 1, got {args.chunks}")
+    if args.flops <= 0 or args.overhead_ms < 0 or args.latency_ms < 0:
+        raise UsageError("--flops must be > 0 and --overhead-ms, --latency-ms >= 0")
+    seq_len: int = args.seq_len if args.seq_len is not None else config.max_seq_len
+    if not 1 <= seq_len <= config.max_seq_len:
+        raise UsageError(
+            f"--seq-len {seq_len} is outside 1..{config.max_seq_len} (the model's max_seq_len)"
+        )
+    return seq_len
+
+
+def _costs(
+    args: argparse.Namespace, config: ModelConfig, seq_len: int
+) -> tuple[list[LayerCost], str]:
+    if args.balance != "profile" or args.split is not None:
+        source = (
+            f"estimated from FLOPs at {args.flops:.3g} FLOP/s (use --balance profile to measure)"
+        )
+        return estimate_costs(config, seq_len, flops_per_second=args.flops), source
+    import torch  # only a measured plan needs torch
+
+    from pipetrain.models.spec import model_spec
+    from pipetrain.partition.profile import default_device, profile_layers
+
+    if args.batch_size % args.microbatches:
+        raise UsageError(
+            f"--batch-size {args.batch_size} is not a multiple of --microbatches {args.microbatches}"
+        )
+    mb = args.batch_size // args.microbatches
+    device = torch.device(args.device) if args.device else default_device()
+    ids = torch.randint(
+        0, config.vocab_size, (mb, seq_len), generator=torch.Generator().manual_seed(args.seed)
+    )
+    costs = profile_layers(
+        model_spec(config), ids, seed=args.seed, device=device, threads=args.threads
+    )
+    threads = f", {args.threads} thread(s)" if device.type == "cpu" else ""
+    return costs, f"measured on {device}{threads} at micro-batch {mb} x {seq_len}"
+
+
+def run(args: argparse.Namespace) -> int:
+    config = get_model_config(args.model)
+    seq_len = _check_args(args, config)
+    spec = get_spec(args.schedule)
+    split = parse_split(args.split) if args.split is not None else None
+    memory_limit = parse_size(args.memory_limit) if args.memory_limit is not None else None
+    # Fail on the schedule's constraints before any profiling.
+    problem = spec.check(args.pp, args.microbatches, args.chunks)
+    if problem is not None:
+        raise UsageError(problem)
+    costs, source = _costs(args, config, seq_len)
+    plan = make_plan(
+        costs,
+        schedule_for=lambda m: spec.build(args.pp, m, args.chunks),
+        batch_size=args.batch_size,
+        microbatches=args.microbatches,
+        method="explicit" if split is not None else args.balance,
+        split=split,
+        memory_limit=memory_limit,
+        time_source=source,
+        overheads=Overheads(
+            per_layer=args.overhead_ms / 1e3,
+            latency=args.latency_ms / 1e3,
+            message_bytes_per_sample=4.0 * seq_len * config.d_model,
+        ),
+        whole_batch=spec.whole_batch,
+    )
+    if args.json:
+        out = plan.to_json()
+        out.update(model=config.name, seq_len=seq_len)
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    else:
+        sys.stdout.write(render(plan, config.name, seq_len))
+    return 0
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def render(plan: Plan, model: str, seq_len: int) -> str:
+    """The plan as tables for a terminal."""
+    lines = [
+        f"{model}: {plan.schedule} on {plan.pp} ranks, {plan.partition.num_stages} stages "
+        f"({plan.partition.method} split), batch {plan.batch_size} x {seq_len} tokens in "
+        f"{plan.microbatches} micro-batches of {plan.microbatch_size}",
+        f"times: {plan.time_source}; per micro-batch",
+        "",
+        f"{'stage':>5} {'rank':>5}  {'layers':<24} {'params':>8} {'fwd ms':>9} {'bwd ms':>9} "
+        f"{'act/mb':>10} {'live':>4} {'peak act':>10}",
+    ]
+    for s in plan.stages:
+        ranks = ",".join(map(str, s.ranks))
+        span = s.first if s.first == s.last else f"{s.first} .. {s.last}"
+        lines.append(
+            f"{s.stage:>5} {ranks:>5}  {span:<24} {_count(s.params):>8} {_ms(s.forward):>9} "
+            f"{_ms(s.backward):>9} {_bytes(s.activation_bytes):>10} {s.live:>4} "
+            f"{_bytes(s.peak_activation_bytes):>10}"
+        )
+    lines += [
+        "",
+        f"{'rank':>5} {'compute/step s':>15} {'params+grads+adamw':>19} {'peak activations':>17} {'total':>10}",
+    ]
+    for r in range(plan.pp):
+        lines.append(
+            f"{r:>5} {plan.rank_time[r]:>15.3f} {_bytes(plan.rank_static_bytes[r]):>19} "
+            f"{_bytes(plan.rank_peak_activation_bytes[r]):>17} {_bytes(plan.rank_bytes[r]):>10}"
+        )
+    lines += [
+        "",
+        f"imbalance (slowest stage / mean): {plan.imbalance:.3f}",
+        f"simulated step time: {plan.step_time:.3f} s",
+    ]
+    if plan.memory_limit is not None:
+        fit = plan.max_microbatch_size
+        lines.append(
+            f"memory limit {_bytes(plan.memory_limit)} per rank: largest micro-batch that fits: "
+            f"{fit if fit else 'none'}"
+        )
+    lines.append("micro-batch counts by simulated step time:")
+    for o in sorted(plan.options, key=lambda o: o.step_time):
+        note = "" if o.fits else "  (over the memory limit)"
+        lines.append(
+            f"  m={o.microbatches:<4} micro-batch {o.microbatch_size:<4} {o.step_time:>8.3f} s  "
+            f"peak {_bytes(o.peak_bytes)}{note}"
+        )
+    best = plan.recommended
+    lines.append(
+        "recommended: none fits the memory limit"
+        if best is None
+        else f"recommended: --microbatches {best.microbatches} (micro-batch size {best.microbatch_size})"
+    )
+    return "\n".join(lines) + "\n"

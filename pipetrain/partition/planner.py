@@ -1,0 +1,396 @@
+"""A pipeline plan: the split for a schedule, its memory per rank, and the micro-batch choice.
+
+Torch-free: it takes per-layer costs (estimated or measured) and a function that builds the
+schedule for a number of micro-batches, and asks the simulator for step times and peak
+live activations. The micro-batch advice follows what one would do by hand: memory per
+sample from the costs, minus parameters, gradients and optimizer state, gives the largest
+micro-batch that fits the limit under the schedule's peak of live activations; then the
+candidate micro-batch counts are ranked by simulated step time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipetrain.partition.balance import (
+    LayerCost,
+    MemoryModel,
+    Partition,
+    PartitionError,
+    format_bytes,
+    split_by_cost,
+    split_by_params,
+    split_explicit,
+    split_uniform,
+)
+from pipetrain.schedules.actions import Kind
+from pipetrain.schedules.execution import Costs
+from pipetrain.schedules.schedule import Schedule, ScheduleError
+from pipetrain.sim.simulator import SimResult, simulate
+
+__all__ = [
+    "METHODS",
+    "MicrobatchOption",
+    "Overheads",
+    "Plan",
+    "ScheduleFactory",
+    "StagePlan",
+    "make_plan",
+    "stage_live_peaks",
+]
+
+METHODS = ("explicit", "uniform", "params", "profile", "cost")
+ScheduleFactory = Callable[[int], Schedule]  # micro-batches -> the schedule to plan for
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What does not scale with the micro-batch size; without it smaller is always faster.
+
+    ``per_layer``: seconds each layer adds to every F, I and W (twice to a B): kernel
+    launches and Python dispatch. Messages between ranks take ``latency`` plus their bytes
+    (``message_bytes_per_sample`` times the micro-batch size) over ``bandwidth`` (bytes/s).
+    """
+
+    per_layer: float = 0.0
+    latency: float = 0.0
+    bandwidth: float | None = None
+    message_bytes_per_sample: float = 0.0
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One model stage. Times are seconds per micro-batch; bytes per micro-batch."""
+
+    stage: int
+    ranks: tuple[int, ...]  # one rank, or one per replica
+    layers: tuple[int, ...]
+    first: str
+    last: str
+    blocks: tuple[int, ...]  # among the transformer blocks, 0-based
+    embedding: bool
+    head: bool
+    params: int
+    forward: float
+    backward: float
+    activation_bytes: float  # one micro-batch's activations on this stage
+    live: int  # the schedule's peak of live micro-batches on this stage
+
+    @property
+    def peak_activation_bytes(self) -> float:
+        return self.activation_bytes * self.live
+
+
+@dataclass(frozen=True)
+class MicrobatchOption:
+    microbatches: int
+    microbatch_size: int
+    step_time: float  # simulated seconds per optimizer step
+    peak_bytes: float  # the fullest rank: parameters, gradients, optimizer state, activations
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    schedule: str
+    pp: int
+    batch_size: int
+    microbatches: int
+    time_source: str  # how the times were obtained, printed with them
+    partition: Partition
+    stages: tuple[StagePlan, ...]
+    rank_time: tuple[float, ...]  # compute per step
+    rank_static_bytes: tuple[float, ...]  # parameters + gradients + optimizer state
+    rank_peak_activation_bytes: tuple[float, ...]
+    step_time: float
+    memory_limit: float | None
+    max_microbatch_size: int | None  # the largest that fits the limit (None: no limit)
+    options: tuple[MicrobatchOption, ...]
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+    @property
+    def imbalance(self) -> float:
+        return self.partition.imbalance
+
+    @property
+    def rank_bytes(self) -> tuple[float, ...]:
+        return tuple(
+            s + a
+            for s, a in zip(self.rank_static_bytes, self.rank_peak_activation_bytes, strict=True)
+        )
+
+    @property
+    def recommended(self) -> MicrobatchOption | None:
+        fitting = [o for o in self.options if o.fits]
+        return min(fitting, key=lambda o: (o.step_time, o.microbatches)) if fitting else None
+
+    def to_json(self) -> dict[str, Any]:
+        best = self.recommended
+        return {
+            "schedule": self.schedule,
+            "pp": self.pp,
+            "method": self.partition.method,
+            "time_source": self.time_source,
+            "batch_size": self.batch_size,
+            "microbatches": self.microbatches,
+            "microbatch_size": self.microbatch_size,
+            "stages": [
+                {
+                    "stage": s.stage,
+                    "rank": s.ranks[0],
+                    "ranks": list(s.ranks),
+                    "layers": list(s.layers),
+                    "first": s.first,
+                    "last": s.last,
+                    "blocks": list(s.blocks),
+                    "embedding": s.embedding,
+                    "head": s.head,
+                    "params": s.params,
+                    "forward": s.forward,
+                    "backward": s.backward,
+                    "time": s.forward + s.backward,
+                    "activation_bytes": s.activation_bytes,
+                    "live_microbatches": s.live,
+                    "peak_activation_bytes": s.peak_activation_bytes,
+                }
+                for s in self.stages
+            ],
+            "ranks": [
+                {
+                    "rank": r,
+                    "time": self.rank_time[r],
+                    "static_bytes": self.rank_static_bytes[r],
+                    "peak_activation_bytes": self.rank_peak_activation_bytes[r],
+                    "peak_bytes": self.rank_bytes[r],
+                }
+                for r in range(self.pp)
+            ],
+            "imbalance": self.imbalance,
+            "step_time": self.step_time,
+            "memory_limit": self.memory_limit,
+            "max_microbatch_size": self.max_microbatch_size,
+            "options": [
+                {
+                    "microbatches": o.microbatches,
+                    "microbatch_size": o.microbatch_size,
+                    "step_time": o.step_time,
+                    "peak_bytes": o.peak_bytes,
+                    "fits": o.fits,
+                }
+                for o in self.options
+            ],
+            "recommended": None
+            if best is None
+            else {"microbatches": best.microbatches, "microbatch_size": best.microbatch_size},
+        }
+
+
+def stage_live_peaks(schedule: Schedule) -> tuple[int, ...]:
+    """Per virtual stage, the most micro-batches whose activations are held at once.
+
+    A micro-batch's activations on a stage live from its F to its B (or to its W when the
+    backward is split: W still needs the saved inputs). One rank runs its actions in
+    order, so the count follows the order alone, whatever the timing.
+    """
+    peaks = [0] * schedule.placement.num_stages
+    live = [0] * schedule.placement.num_stages
+    split = schedule.splits_backward
+    release = Kind.W if split else Kind.B
+    for rank_actions in schedule.actions:
+        for action in rank_actions:
+            if action.kind is Kind.F:
+                live[action.stage] += 1
+                peaks[action.stage] = max(peaks[action.stage], live[action.stage])
+            elif action.kind is release or (split and action.kind is Kind.B):
+                live[action.stage] -= 1
+    return tuple(peaks)
+
+
+def _model_stage_ranks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    placement = schedule.placement
+    return tuple(
+        tuple(placement.rank_of(v) for v in placement.replicas_of(j))
+        for j in range(placement.num_model_stages)
+    )
+
+
+def _model_stage_live(schedule: Schedule) -> tuple[int, ...]:
+    per_virtual = stage_live_peaks(schedule)
+    placement = schedule.placement
+    return tuple(
+        max(per_virtual[v] for v in placement.replicas_of(j))
+        for j in range(placement.num_model_stages)
+    )
+
+
+def _sim(
+    schedule: Schedule, partition: Partition, mb: int, overheads: Overheads, batch_scale: int
+) -> SimResult:
+    fixed = [overheads.per_layer * len(layers) for layers in partition.stages]
+
+    def per_action(values: Sequence[float], times: float) -> tuple[float, ...]:
+        return tuple(v * mb + times * f for v, f in zip(values, fixed, strict=True))
+
+    costs = Costs(
+        forward=per_action(partition.forward, 1),
+        backward=per_action(partition.backward, 2),
+        backward_input=per_action(partition.backward_input, 1),
+        backward_weight=per_action(partition.backward_weight, 1),
+        latency=overheads.latency,
+        bandwidth=overheads.bandwidth,
+        message_bytes=overheads.message_bytes_per_sample * mb,
+    )
+    activations = tuple(a * mb for a in partition.activation_bytes_per_sample)
+    return simulate(schedule, costs, activation_bytes=activations, batch_scale=batch_scale)
+
+
+def _static_bytes(partition: Partition, state_factor: float) -> tuple[float, ...]:
+    totals = [0.0] * partition.num_ranks
+    for stage, ranks in enumerate(partition.stage_ranks):
+        for rank in ranks:
+            totals[rank] += state_factor * partition.param_bytes[stage]
+    return tuple(totals)
+
+
+def _split(
+    method: str,
+    costs: Sequence[LayerCost],
+    stage_ranks: tuple[tuple[int, ...], ...],
+    split: Sequence[int] | None,
+    memory: MemoryModel | None,
+) -> Partition:
+    if split is not None:
+        return split_explicit(costs, split, stage_ranks)
+    if method == "uniform":
+        return split_uniform(costs, stage_ranks)
+    if method == "params":
+        return split_by_params(costs, stage_ranks, memory)
+    if method in ("profile", "cost"):
+        return split_by_cost(costs, stage_ranks, memory)
+    raise PartitionError(f"--balance {method!r} is unknown: use one of uniform, params, profile")
+
+
+def make_plan(
+    costs: Sequence[LayerCost],
+    *,
+    schedule_for: ScheduleFactory,
+    batch_size: int,
+    microbatches: int,
+    method: str = "uniform",
+    split: Sequence[int] | None = None,
+    memory_limit: float | None = None,
+    state_factor: float = 4.0,
+    time_source: str = "estimated",
+    overheads: Overheads = Overheads(),
+    whole_batch: bool = False,
+) -> Plan:
+    """Split ``costs`` for the schedule at ``microbatches`` and rank the micro-batch counts.
+
+    ``whole_batch``: the schedule does not micro-batch (naive model parallel); each of its
+    actions carries all ``microbatches`` micro-batches.
+    """
+    if batch_size < 1 or microbatches < 1 or batch_size % microbatches:
+        raise PartitionError(
+            f"--batch-size {batch_size} is not a whole number of --microbatches {microbatches}: "
+            "pick a micro-batch count that divides the batch size"
+        )
+    schedule = schedule_for(microbatches)
+    mb = batch_size // microbatches
+    stage_ranks = _model_stage_ranks(schedule)
+    live = _model_stage_live(schedule)
+    memory = None if memory_limit is None else MemoryModel(memory_limit, mb, live, state_factor)
+    partition = _split(method, costs, stage_ranks, split, memory)
+    sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1)
+    static = _static_bytes(partition, state_factor)
+    peaks = sim.peak_activation_bytes or tuple(0.0 for _ in static)
+    if memory_limit is not None:
+        over = [r for r in range(len(static)) if static[r] + peaks[r] > memory_limit]
+        if over:
+            r = over[0]
+            raise PartitionError(
+                f"rank {r} needs {format_bytes(static[r] + peaks[r])} with this {partition.method} "
+                f"split, over the memory limit of {format_bytes(memory_limit)} per rank: use "
+                "--balance params or profile, more ranks (--pp), more micro-batches, or a higher "
+                "--memory-limit"
+            )
+    stages = tuple(
+        StagePlan(
+            stage=s,
+            ranks=partition.stage_ranks[s],
+            layers=layers,
+            first=costs[layers[0]].name,
+            last=costs[layers[-1]].name,
+            blocks=partition.blocks(costs, s),
+            embedding=any(costs[i].kind == "embedding" for i in layers),
+            head=any(costs[i].kind == "head" for i in layers),
+            params=partition.params[s],
+            forward=partition.forward[s] * mb,
+            backward=partition.backward[s] * mb,
+            activation_bytes=partition.activation_bytes_per_sample[s] * mb,
+            live=live[s],
+        )
+        for s, layers in enumerate(partition.stages)
+    )
+    return Plan(
+        schedule=schedule.name,
+        pp=schedule.num_ranks,
+        batch_size=batch_size,
+        microbatches=microbatches,
+        time_source=time_source,
+        partition=partition,
+        stages=stages,
+        rank_time=tuple(t * batch_size for t in partition.rank_time()),
+        rank_static_bytes=static,
+        rank_peak_activation_bytes=peaks,
+        step_time=sim.makespan,
+        memory_limit=memory_limit,
+        max_microbatch_size=_max_microbatch(static, peaks, mb, memory_limit),
+        options=_options(
+            schedule_for, partition, batch_size, static, memory_limit, overheads, whole_batch
+        ),
+    )
+
+
+def _max_microbatch(
+    static: Sequence[float], peaks: Sequence[float], mb: int, limit: float | None
+) -> int | None:
+    """Activations grow with the micro-batch size; the static part does not."""
+    if limit is None:
+        return None
+    best = math.inf
+    for fixed, activations in zip(static, peaks, strict=True):
+        per_sample = activations / mb
+        if per_sample > 0:
+            best = min(best, (limit - fixed) / per_sample)
+    return None if best == math.inf else max(0, math.floor(best))
+
+
+def _options(
+    schedule_for: ScheduleFactory,
+    partition: Partition,
+    batch_size: int,
+    static: Sequence[float],
+    limit: float | None,
+    overheads: Overheads,
+    whole_batch: bool,
+) -> tuple[MicrobatchOption, ...]:
+    options = []
+    for m in range(1, batch_size + 1):
+        if batch_size % m:
+            continue
+        try:
+            schedule = schedule_for(m)
+        except ScheduleError:
+            continue  # this schedule does not run with m micro-batches (e.g. 1F1B needs m >= p)
+        mb = batch_size // m
+        sim = _sim(schedule, partition, mb, overheads, m if whole_batch else 1)
+        peaks = sim.peak_activation_bytes or tuple(0.0 for _ in static)
+        peak = max(s + a for s, a in zip(static, peaks, strict=True))
+        options.append(MicrobatchOption(m, mb, sim.makespan, peak, limit is None or peak <= limit))
+    return tuple(options)
