@@ -124,10 +124,11 @@ def _infer_placement(rows: list[list[Action]], path: str | Path) -> Placement:
         for action in row:
             counts[action.stage][rank] += 1
     owner = {s: min(c, key=lambda r: (-c[r], r)) for s, c in counts.items()}
-    missing = sorted(set(range(max(owner) + 1)) - set(owner))
-    if missing:
+    # Stages 0..n-1 without gaps, else the first gap lies below n (never build range(max)).
+    gap = next((s for s in range(len(owner)) if s not in owner), None)
+    if gap is not None:
         raise ScheduleError(
-            f"{path}: stage {missing[0]} never appears, but stage {max(owner)} does: number the "
+            f"{path}: stage {gap} never appears, but stage {max(owner)} does: number the "
             "stages 0, 1, 2, ... without gaps"
         )
     stage_to_rank = tuple(owner[s] for s in range(len(owner)))

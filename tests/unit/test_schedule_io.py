@@ -73,6 +73,10 @@ def test_csv_errors(tmp_path: Path) -> None:
     assert "has no actions" in errors(csv, "\n, ,\n")
     assert "2 rows but 4 ranks were asked for" in errors(csv, "0F0,0B0\n1F0,1B0\n", num_ranks=4)
     assert "stage 1 never appears" in errors(csv, "0F0,0B0\n2F0,2B0\n")
+    assert "stage 1 never appears, but stage 99999999999 does" in errors(
+        csv, "0F0,0B0\n99999999999F0,99999999999B0\n"
+    )
+    assert "micro-batch 1 never runs" in errors(csv, "0F0,0B0,0F99999999999\n1F0,1B0\n")
     # Loading validates: a stage on two ranks is reported with its position.
     message = errors(csv, "0F0,0B0,1F1\n1F0,1B0\n")
     assert "rank 0, position 2 (1F1)" in message and "two ranks" in message
