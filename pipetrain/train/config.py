@@ -144,6 +144,9 @@ class RunConfig:
     out_dir: str = "runs"
     # Metrics JSONL file ("" = <run dir>/metrics.jsonl).
     metrics: str = ""
+    # Evaluate at the start, at the end and every run.eval_every steps; false: never
+    # (`pipetrain tune` measures throughput only).
+    evaluate: bool = True
     # Evaluate every this many optimizer steps (and always at the start and the end); 0 = only then.
     eval_every: int = 20
     # Write TensorBoard logs to <run dir>/tensorboard (needs the tensorboard package).
@@ -154,6 +157,8 @@ class RunConfig:
     sample_tokens: int = 200
     # Sampling temperature of that text; 0 = greedy.
     sample_temperature: float = 0.8
+    # Text the sample starts from.
+    sample_prompt: str = "def "
 
 
 @dataclass(frozen=True)

@@ -180,16 +180,15 @@ class RunSummary:
 
     def format(self) -> str:
         """A few lines for the end of the run log."""
-        drop = (
-            1.0 - self.final_eval_loss / self.first_eval_loss
-            if self.first_eval_loss > 0
-            else math.nan
-        )
         lines = [
             f"trained {self.steps} steps, {self.tokens:,} tokens in {format_duration(self.wall_s)} "
             f"({self.wall_s:.1f} s): {self.tokens_per_s:,.0f} tokens/s",
-            f"eval loss {self.first_eval_loss:.4f} -> {self.final_eval_loss:.4f} ({drop:.0%} lower)",
         ]
+        if math.isfinite(self.first_eval_loss) and math.isfinite(self.final_eval_loss):
+            drop = 1.0 - self.final_eval_loss / self.first_eval_loss
+            lines.append(
+                f"eval loss {self.first_eval_loss:.4f} -> {self.final_eval_loss:.4f} ({drop:.0%} lower)"
+            )
         if self.measured_bubble is not None:
             simulated = "n/a" if self.simulated_bubble is None else f"{self.simulated_bubble:.1%}"
             lines.append(f"bubble: measured {self.measured_bubble:.1%}, simulated {simulated}")

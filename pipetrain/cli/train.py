@@ -1,0 +1,142 @@
+"""``pipetrain train``: train a model through the pipeline, from one command.
+
+    pipetrain train                                  # the main job: llama-default, 3 stages, 1F1B
+    pipetrain train --pp 4 --schedule zb-h1 --steps 20
+    pipetrain train --config configs/default.toml --set optim.warmup_steps=5
+    torchrun --nnodes 2 --nproc-per-node 2 ... -m pipetrain.cli train --pp 4   # many nodes
+
+Every config field can be set in the TOML file and overridden by the flags below or by
+``--set SECTION.FIELD=VALUE``. torch is imported only once the config is valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pipetrain.train.config import TrainConfig, load_config, parse_override
+
+__all__ = ["FLAGS", "add_config_flags", "add_parser", "config_from_args", "run"]
+
+# Flag -> (config key, type, help). A flag that is not given leaves the file's value.
+FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--model": ("model.name", str, "model preset (llama-default, llama-tiny, gpt2-tiny, ...)"),
+    "--pp": ("pipeline.pp", int, "pipeline ranks (processes); 1 = one stage in this process"),
+    "--chunks": ("pipeline.chunks", int, "stages per rank (interleaved and looped schedules)"),
+    "--schedule": (
+        "pipeline.schedule",
+        str,
+        "schedule name (1f1b, gpipe, interleaved, zb-h1, ...)",
+    ),
+    "--microbatches": ("pipeline.microbatches", int, "micro-batches per pipeline step"),
+    "--batch-size": ("data.batch_size", int, "sequences per pipeline step"),
+    "--seq-len": ("data.seq_len", int, "tokens per sequence"),
+    "--steps": ("run.steps", int, "optimizer steps"),
+    "--lr": ("optim.lr", float, "peak learning rate"),
+    "--seed": ("run.seed", int, "seed of weights and batch order"),
+    "--data": (
+        "data.path",
+        str,
+        "text file, folder of text files or .jsonl (default: Python's stdlib source)",
+    ),
+    "--tokenizer": ("data.tokenizer", str, "local tokenizer.json (default: bytes)"),
+    "--metrics": ("run.metrics", str, "metrics JSONL file (default: runs/<name>/metrics.jsonl)"),
+    "--precision": ("pipeline.precision", str, "fp32 or bf16 (autocast, fp32 master weights)"),
+    "--device": ("pipeline.device", str, "auto, cpu or cuda"),
+    "--name": ("run.name", str, "run directory name under runs/"),
+    "--grad-accum": ("optim.grad_accum", int, "pipeline steps per optimizer step"),
+    "--eval-every": ("run.eval_every", int, "evaluate every N steps (0: start and end only)"),
+    "--timeline": ("run.timeline", str, "draw the measured timeline of the last step to this PNG"),
+}
+SWITCHES: dict[str, tuple[str, str]] = {
+    "--recompute": ("pipeline.recompute", "recompute each block's activations in backward"),
+    "--compile": ("pipeline.compile", "torch.compile each stage"),
+    "--single-process": ("pipeline.single_process", "run every rank in this process (debug mode)"),
+    "--tensorboard": ("run.tensorboard", "write TensorBoard logs (needs tensorboard)"),
+}
+
+
+def _dest(flag: str) -> str:
+    return "cfg_" + flag.lstrip("-").replace("-", "_")
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of every config field a user sets often, plus --config and --set."""
+    p.add_argument("--config", metavar="FILE", help="TOML config file (flags override it)")
+    for flag, (key, kind, text) in FLAGS.items():
+        p.add_argument(flag, dest=_dest(flag), type=kind, default=None, help=f"{text} [{key}]")
+    for flag, (key, text) in SWITCHES.items():
+        p.add_argument(
+            flag, dest=_dest(flag), action="store_true", default=None, help=f"{text} [{key}]"
+        )
+    p.add_argument(
+        "--set",
+        dest="cfg_set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="set any config field, e.g. --set optim.warmup_steps=5 (repeatable)",
+    )
+
+
+def config_from_args(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then --config, then --set, then the flags, then ``extra``."""
+    overrides: dict[str, Any] = dict(parse_override(text) for text in args.cfg_set)
+    for flag, (key, _, _) in FLAGS.items():
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            overrides[key] = value
+    for flag, (key, _) in SWITCHES.items():
+        if getattr(args, _dest(flag)):
+            overrides[key] = True
+    overrides.update(extra or {})
+    return load_config(args.config, overrides)
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a model through the pipeline (default: the 12-layer main job)",
+        description="Train a model through the pipeline. Without flags: llama-default on 3 "
+        "stages x 4 blocks, batch 32 in 8 micro-batches of 4, seq 128, 1F1B, on the Python "
+        "standard library's source. --pp P starts P local processes; under torchrun the "
+        "processes come from torchrun.",
+    )
+    add_config_flags(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    return run_config(config)
+
+
+def run_config(config: TrainConfig) -> int:
+    """Train with a resolved config in the right kind of process(es); the exit status."""
+    from pipetrain.runtime import PipelineError
+    from pipetrain.train.data import load_tokenizer
+    from pipetrain.train.launch import LaunchFailed, launch_local, role_from_env
+    from pipetrain.train.loop import ProcessRole, announce, train
+    from pipetrain.train.optim import TrainingDiverged
+    from pipetrain.train.plan import plan_run
+
+    role = role_from_env()
+    try:
+        if role is not None:
+            train(config, role)
+            return 0
+        # Everything checkable is checked before any process starts.
+        plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
+        if config.pipeline.pp == 1 or config.pipeline.single_process:
+            train(config, ProcessRole())
+            return 0
+        announce(config, sys.stdout)
+        launch_local(config.run_dir / "config.toml", config.pipeline.pp)
+        return 0
+    except (TrainingDiverged, PipelineError) as exc:
+        sys.stderr.write(f"pipetrain train: {exc}\n")
+        return 1
+    except LaunchFailed as exc:
+        sys.stderr.write(f"pipetrain train: {exc}\n")
+        return exc.exit_code

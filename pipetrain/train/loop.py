@@ -1,0 +1,435 @@
+"""The training run of one process: build this rank's stages, train, evaluate, report.
+
+The same function runs every case: ``--pp 1`` (one stage, no process group), the
+single-process debug mode (every rank's stages in this process), and one rank of a
+process group started by ``launch`` or by torchrun. Only rank 0 reports; every rank
+knows the loss, so every rank takes the same decisions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.errors import InputError
+from pipetrain.models import build_full_model, model_spec
+from pipetrain.runtime import Pipeline, build_pipeline
+from pipetrain.schedules import Kind
+from pipetrain.schedules.execution import Costs, Timeline
+from pipetrain.train.config import ConfigError, TrainConfig, config_to_toml
+from pipetrain.train.data import (
+    Batch,
+    Corpus,
+    eval_batches,
+    load_corpus,
+    load_tokenizer,
+    train_batch,
+)
+from pipetrain.train.metrics import (
+    MetricsFile,
+    Progress,
+    RunSummary,
+    TensorBoard,
+    measured_bubble,
+    peak_memory_bytes,
+)
+from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
+from pipetrain.train.plan import RunPlan, plan_run, threads_per_process
+from pipetrain.train.sample import gather_state_dict, generate
+from pipetrain.train.stage_options import StageOptionError, apply_stage_options
+
+__all__ = ["ProcessRole", "announce", "resolve_device", "train"]
+
+# Steps left out of the timing averages: the first runs allocations (and compilation).
+_WARMUP_STEPS = 1
+
+
+@dataclass(frozen=True)
+class ProcessRole:
+    """Where this process sits: its rank in the pipeline group and its neighbours on the node."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def reporter(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(setting: str, local_rank: int) -> torch.device:
+    """``cuda:<local rank>`` when asked for (or ``auto`` and present), else the CPU."""
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu"
+            )
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def announce(config: TrainConfig, out: IO[str]) -> None:
+    """Print the resolved config and save it with the run (rank 0, once per run)."""
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = config_to_toml(config)
+    (run_dir / "config.toml").write_text(text, encoding="utf-8")
+    out.write(f"# resolved config, saved to {run_dir / 'config.toml'}\n{text}\n")
+    out.flush()
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def _holds(pipeline: Pipeline) -> tuple[bool, bool]:
+    """Whether this process holds a first stage (needs inputs) and a last one (targets)."""
+    placement = pipeline.schedule.placement
+    return (
+        any(placement.is_first(s) for s in pipeline.stages),
+        any(placement.is_last(s) for s in pipeline.stages),
+    )
+
+
+def _gradients(pipeline: Pipeline) -> Gradients:
+    """This process's parameters; tied copies and replicas after the first are not counted."""
+    placement = pipeline.schedule.placement
+    params: list[torch.Tensor] = []
+    extra: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
+        for name, param in module.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            params.append(param)
+            if name in pipeline.tied_names or placement.replica(stage) > 0:
+                extra.append(param)
+    return Gradients.of(params, not_counted=extra)
+
+
+def _simulated_bubble(plan: RunPlan, timelines: list[Timeline]) -> float | None:
+    """Bubble of the simulator for this schedule, fed with the measured action times."""
+    from pipetrain.sim import simulate
+
+    placement = plan.schedule.placement
+    durations: dict[tuple[Kind, int], list[float]] = defaultdict(list)
+    for timeline in timelines:
+        for event in timeline.events:
+            if event.action.is_compute:
+                durations[(event.action.kind, placement.model_stage(event.action.stage))].append(
+                    event.duration
+                )
+    if not durations:
+        return None
+    stages = range(placement.num_model_stages)
+
+    def per_stage(kind: Kind) -> tuple[float, ...]:
+        return tuple(
+            statistics.median(durations[(kind, s)]) if durations[(kind, s)] else 0.0 for s in stages
+        )
+
+    costs = Costs(
+        forward=per_stage(Kind.F),
+        backward=per_stage(Kind.B),
+        backward_input=per_stage(Kind.I),
+        backward_weight=per_stage(Kind.W),
+    )
+    return simulate(plan.schedule, costs).bubble.idle_fraction
+
+
+def _peak_memory(role: ProcessRole, device: torch.device) -> tuple[int, ...]:
+    peak = peak_memory_bytes(str(device))
+    if not role.distributed:
+        return (peak,)
+    everyone: list[Any] = [None] * role.world_size
+    dist.all_gather_object(everyone, peak)
+    return tuple(int(p) for p in everyone)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def train(
+    config: TrainConfig, role: ProcessRole, *, out: IO[str] | None = None, announced: bool = False
+) -> RunSummary | None:
+    """Train as one process of the run; returns the summary on rank 0 (None elsewhere).
+
+    ``announced``: the launcher already printed and saved the resolved config.
+    """
+    out = sys.stdout if out is None else out
+    started = time.perf_counter()
+    p = config.pipeline
+    if role.distributed and role.world_size != p.pp:
+        raise ConfigError(
+            f"{role.world_size} processes were started but pipeline.pp is {p.pp}: start {p.pp} "
+            f"processes in all (torchrun --nnodes x --nproc-per-node) or pass --pp {role.world_size}"
+        )
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    plan = plan_run(config, vocab_size=tokenizer.vocab_size)
+    device = resolve_device(p.device, role.local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
+    if role.reporter and not announced:
+        announce(config, out)
+
+    group: Any = None
+    if role.distributed:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                timeout=datetime.timedelta(seconds=p.timeout_s),
+            )
+        group = dist.group.WORLD
+    try:
+        return _train(config, role, plan, device, group, out, started)
+    finally:
+        if role.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(
+    config: TrainConfig,
+    role: ProcessRole,
+    plan: RunPlan,
+    device: torch.device,
+    group: Any,
+    out: IO[str],
+    started: float,
+) -> RunSummary | None:
+    p, d, r = config.pipeline, config.data, config.run
+    spec = model_spec(plan.model)
+    pipeline = build_pipeline(
+        spec,
+        schedule=plan.schedule,
+        microbatches=p.microbatches,
+        group=group,
+        ranks=None if group is not None else p.pp,
+        device=device,
+        seed=r.seed,
+        split=plan.split,
+        timeout_s=p.timeout_s,
+    )
+    for module in pipeline.modules:
+        apply_stage_options(
+            module,
+            device=device,
+            precision=p.precision,
+            recompute=p.recompute,
+            compile_stage=p.compile,
+        )
+    first, last = _holds(pipeline)
+    corpus: Corpus | None = load_corpus(d) if first or last else None
+    evals: list[Batch] | None = None
+    if corpus is not None:
+        evals = eval_batches(
+            corpus, batch_size=d.batch_size, seq_len=d.seq_len, count=d.eval_batches
+        )
+
+    optimizer = build_optimizer(pipeline.named_parameters(), config.optim)
+    update = GuardedUpdate(optimizer, config.optim, total_steps=r.steps, group=group)
+    grads = _gradients(pipeline)
+
+    progress = Progress(r.steps, out) if role.reporter else None
+    metrics = MetricsFile(config.metrics_path) if role.reporter else None
+    board = TensorBoard(config.run_dir / "tensorboard") if role.reporter and r.tensorboard else None
+
+    def report(record: dict[str, Any]) -> None:
+        if metrics is not None:
+            metrics.write(record)
+        if board is not None:
+            board.write(record)
+
+    def say(text: str) -> None:
+        if progress is not None:
+            progress.message(text)
+
+    if role.reporter and corpus is not None:
+        n_params = sum(param.numel() for param in pipeline.parameters())
+        say(f"data: {corpus.description}")
+        say(
+            f"model {plan.model.name}: {plan.model.n_layers} blocks, d_model {plan.model.d_model}; "
+            f"schedule {plan.schedule.name} on {p.pp} ranks, split {[len(s) for s in plan.split]} layers, "
+            f"{n_params:,} parameters in this process, device {device}"
+        )
+
+    def evaluate(step: int) -> float:
+        if not r.evaluate:
+            return math.nan
+        losses = []
+        for i in range(d.eval_batches):
+            batch = evals[i] if evals is not None else None
+            losses.append(
+                pipeline.eval_loss(
+                    batch.inputs if batch is not None and first else None,
+                    batch.targets if batch is not None and last else None,
+                )
+            )
+        value = sum(losses) / len(losses)
+        report({"step": step, "eval_loss": value})
+        say(f"eval loss after {step} steps: {value:.4f}")
+        return value
+
+    first_eval = evaluate(0)
+    last_eval = first_eval
+    accum = config.optim.grad_accum
+    timelines: list[Timeline] = []
+    bubbles: list[float] = []
+    train_time = 0.0
+    timed_tokens = 0
+    train_tokens = 0
+    skipped = 0
+    last_timeline: Timeline | None = None
+    for step in range(r.steps):
+        t0 = time.perf_counter()
+        losses: list[float] = []
+        tokens = 0
+        for micro in range(accum):
+            batch = (
+                train_batch(
+                    corpus,
+                    step * accum + micro,
+                    seed=r.seed,
+                    batch_size=d.batch_size,
+                    seq_len=d.seq_len,
+                )
+                if corpus is not None
+                else None
+            )
+            inputs = batch.inputs if batch is not None and first else None
+            targets = batch.targets if batch is not None and last else None
+            result = _first_step_guard(
+                pipeline, inputs, targets, compiled=p.compile and step == 0 and micro == 0
+            )
+            losses.append(result.loss)
+            tokens += result.tokens
+            last_timeline = result.timeline
+        loss = sum(losses) / len(losses)
+        outcome = update.apply(step, grads, loss, accumulated=accum)
+        elapsed = time.perf_counter() - t0
+        assert last_timeline is not None
+        bubble = measured_bubble(last_timeline)
+        if step >= _WARMUP_STEPS or r.steps <= _WARMUP_STEPS:
+            timelines.append(last_timeline)
+            bubbles.append(bubble)
+            train_time += elapsed
+            timed_tokens += tokens
+        train_tokens += tokens
+        skipped += int(outcome.skipped)
+        tokens_per_s = tokens / elapsed if elapsed > 0 else math.nan
+        report(
+            {
+                "step": step + 1,
+                "loss": loss,
+                "lr": outcome.lr,
+                "grad_norm": outcome.grad_norm,
+                "clip_factor": outcome.clip_factor,
+                "skipped": outcome.skipped,
+                "tokens": tokens,
+                "tokens_per_s": tokens_per_s,
+                "step_time_s": elapsed,
+                "bubble": bubble,
+            }
+        )
+        if progress is not None:
+            note = (
+                f"skipped: non-finite loss or gradient ({outcome.bad_in_row} in a row)"
+                if outcome.skipped
+                else ""
+            )
+            progress.update(
+                step,
+                loss=loss,
+                tokens_per_s=tokens_per_s,
+                elapsed_s=time.perf_counter() - started,
+                note=note,
+            )
+        if r.eval_every and (step + 1) % r.eval_every == 0 and step + 1 < r.steps:
+            last_eval = evaluate(step + 1)
+    last_eval = evaluate(r.steps)
+
+    if r.timeline and role.reporter and last_timeline is not None:
+        from pipetrain.sim.render import plot
+
+        plot(last_timeline, r.timeline)
+        say(f"measured timeline of the last step drawn to {r.timeline}")
+    peaks = _peak_memory(role, device)
+    summary = RunSummary(
+        steps=r.steps,
+        wall_s=time.perf_counter() - started,
+        tokens=train_tokens,
+        tokens_per_s=timed_tokens / train_time if train_time > 0 else math.nan,
+        measured_bubble=statistics.mean(bubbles) if p.pp > 1 and bubbles else None,
+        simulated_bubble=_simulated_bubble(plan, timelines) if p.pp > 1 else None,
+        first_eval_loss=first_eval,
+        final_eval_loss=last_eval,
+        peak_memory=peaks,
+        skipped_steps=skipped,
+    )
+    if role.reporter:
+        say(summary.format())
+    if r.sample_tokens:
+        _sample(config, plan, pipeline, group, corpus, say)
+    if metrics is not None:
+        metrics.write(summary.to_json())
+        metrics.close()
+    if board is not None:
+        board.close()
+    return summary if role.reporter else None
+
+
+def _first_step_guard(pipeline: Pipeline, inputs: Any, targets: Any, *, compiled: bool) -> Any:
+    """Run a step; a failure of torch.compile (it compiles on the first call) becomes one line."""
+    if not compiled:
+        return pipeline.step(inputs, targets)
+    try:
+        return pipeline.step(inputs, targets)
+    except InputError:
+        raise
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise StageOptionError(
+            f"pipeline.compile: torch.compile failed on this machine ({type(exc).__name__}: {first_line}): "
+            f"drop --compile"
+        ) from None
+
+
+def _sample(
+    config: TrainConfig,
+    plan: RunPlan,
+    pipeline: Pipeline,
+    group: Any,
+    corpus: Corpus | None,
+    say: Any,
+) -> None:
+    """Rank 0 prints text generated by the model assembled from every stage's weights."""
+    state = gather_state_dict(pipeline.modules, group)
+    if state is None or corpus is None:
+        return
+    r = config.run
+    model = build_full_model(model_spec(plan.model), seed=r.seed, device="cpu")
+    model.load_state_dict(state)
+    model.eval()
+    tokenizer = corpus.tokenizer
+    ids = generate(
+        model,
+        tokenizer.encode(r.sample_prompt),
+        new_tokens=r.sample_tokens,
+        context=min(plan.model.max_seq_len, config.data.seq_len),
+        temperature=r.sample_temperature,
+        seed=r.seed,
+    )
+    say(f"sample (temperature {r.sample_temperature}):\n{r.sample_prompt}{tokenizer.decode(ids)}\n")

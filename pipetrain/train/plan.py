@@ -1,0 +1,103 @@
+"""Everything a run can check before it starts a process: model, schedule, split, device.
+
+``plan_run`` is cheap (no torch, no weights) so that ``pipetrain train --pp 4`` rejects a
+bad setting with one line before it launches anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pipetrain.errors import InputError
+from pipetrain.models.config import ModelConfig, get_model_config
+from pipetrain.schedules import Schedule
+from pipetrain.train.config import ConfigError, TrainConfig
+
+__all__ = ["RunPlan", "block_split", "plan_run", "threads_per_process"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The model, schedule and split a config resolves to."""
+
+    model: ModelConfig
+    # The schedule before lowering (the runtime validates and lowers it).
+    schedule: Schedule
+    # Layer indices of each model stage: blocks spread evenly, the embedding on the first
+    # stage and the head on the last.
+    split: tuple[tuple[int, ...], ...]
+
+
+def block_split(n_blocks: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
+    """Pipeline layers (embedding 0, blocks 1..n, head n+1) per stage, blocks spread evenly.
+
+    12 blocks on 3 stages: (0..4), (5..8), (9..13): 4 blocks each, not 5, 5, 4 layers.
+    """
+    base, extra = divmod(n_blocks, num_stages)
+    split: list[tuple[int, ...]] = []
+    start = 1
+    for stage in range(num_stages):
+        end = start + base + (1 if stage < extra else 0)
+        first = 0 if stage == 0 else start
+        last = n_blocks + 2 if stage == num_stages - 1 else end
+        split.append(tuple(range(first, last)))
+        start = end
+    return tuple(split)
+
+
+def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
+    """Resolve and check model, schedule and split; ``ConfigError`` names what to change."""
+    try:
+        model = get_model_config(config.model.name, vocab_size=vocab_size)
+    except InputError as exc:
+        raise ConfigError(f"model.name: {exc}") from None
+    if config.data.seq_len > model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len {config.data.seq_len} is longer than the {model.max_seq_len} positions of "
+            f"model {model.name}: use --seq-len {model.max_seq_len} or less"
+        )
+    p = config.pipeline
+    from pipetrain.schedules.registry import build_schedule, get_spec
+
+    try:
+        family = get_spec(p.schedule)
+    except InputError as exc:
+        raise ConfigError(f"pipeline.schedule: {exc}") from None
+    if p.chunks > 1 and not family.uses_chunks:
+        raise ConfigError(
+            f"pipeline.chunks {p.chunks} needs a schedule with several stages per rank "
+            f"(interleaved-1f1b, looped-bfs); {p.schedule} has one: drop --chunks"
+        )
+    if family.asynchronous:
+        raise ConfigError(
+            f"pipeline.schedule {p.schedule!r} is asynchronous (weights change inside a step): "
+            f"pipetrain train runs synchronous schedules; choose e.g. 1f1b or zb-h1"
+        )
+    try:
+        schedule = build_schedule(
+            p.schedule, p.pp, p.microbatches, p.chunks if p.chunks > 1 else None
+        )
+    except InputError as exc:
+        raise ConfigError(f"pipeline: {exc}") from None
+    stages = schedule.placement.num_model_stages
+    if stages > model.n_layers:
+        raise ConfigError(
+            f"schedule {p.schedule!r} on {p.pp} ranks has {stages} model stages but model {model.name} "
+            f"has {model.n_layers} blocks: use fewer --pp/--chunks or a model with more blocks"
+        )
+    if p.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
+            )
+    return RunPlan(model, schedule, block_split(model.n_layers, stages))
+
+
+def threads_per_process(setting: int, local_processes: int) -> int:
+    """Torch threads for each of ``local_processes`` on this machine (``setting`` 0 = share)."""
+    if setting > 0:
+        return setting
+    return max(1, (os.cpu_count() or 1) // max(1, local_processes))

@@ -1,0 +1,74 @@
+"""Text from the trained model: the stages' weights assembled into one model, then sampled.
+
+Parameters have global names on every stage, so the state dicts of the stages merge into
+the state dict of the whole model without renaming.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["gather_state_dict", "generate"]
+
+
+def _local_state(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for name, tensor in module.state_dict().items():
+            # Replicas (Chimera) repeat names with equal values: keep the first.
+            state.setdefault(name, tensor.detach().to("cpu"))
+    return state
+
+
+def gather_state_dict(modules: Sequence[nn.Module], group: Any) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict on rank 0 of ``group`` (None elsewhere).
+
+    ``group`` None: every stage is in this process. Meant for models small enough for one
+    process (the sample at the end of a run); large ones go through checkpoints.
+    """
+    local = _local_state(modules)
+    if group is None:
+        return local
+    gathered: list[dict[str, torch.Tensor] | None] | None = (
+        [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    )
+    dist.gather_object(local, gathered, dst=dist.get_global_rank(group, 0), group=group)
+    if gathered is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        for name, tensor in (part or {}).items():
+            merged.setdefault(name, tensor)
+    return merged
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt: Sequence[int],
+    *,
+    new_tokens: int,
+    context: int,
+    temperature: float,
+    seed: int,
+) -> list[int]:
+    """``new_tokens`` tokens after ``prompt``: greedy at temperature 0, else sampled."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], dtype=torch.int64, device=device)  # (1, T)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    out: list[int] = []
+    for _ in range(new_tokens):
+        logits = model(ids[:, -context:])[0, -1].float().cpu()  # (V,)
+        if temperature <= 0:
+            token = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
+    return out

@@ -1,0 +1,83 @@
+"""Per-stage options applied to built stages: bf16 autocast, recomputation, torch.compile.
+
+They wrap each layer's ``forward`` on the instance, so parameters keep their global names
+and the runtime runs the stage unchanged. Recomputation is per layer: a block keeps only
+its input for backward and runs its forward again when the gradient arrives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipetrain.models import StageModule
+from pipetrain.train.config import ConfigError
+
+__all__ = ["StageOptionError", "apply_stage_options", "autocast_dtype"]
+
+
+class StageOptionError(ConfigError):
+    """An option the stage or this torch build cannot honour."""
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a precision setting (None: plain fp32)."""
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def _wrap(layer: nn.Module, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    inner = layer.forward
+    # An instance attribute shadows the class's forward; nn.Module.__call__ finds it.
+    layer.forward = functools.wraps(inner)(wrapper(inner))
+
+
+def _autocast(
+    device_type: str, dtype: torch.dtype
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrapper(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any) -> Any:
+            with torch.autocast(device_type=device_type, dtype=dtype):
+                return inner(*args)
+
+        return forward
+
+    return wrapper
+
+
+def _recompute(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(*args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args)
+        # Non-reentrant checkpointing restores the autocast and RNG state of the forward.
+        return checkpoint(inner, *args, use_reentrant=False)
+
+    return forward
+
+
+def apply_stage_options(
+    module: StageModule,
+    *,
+    device: torch.device,
+    precision: str,
+    recompute: bool,
+    compile_stage: bool,
+) -> None:
+    """Apply the options to every layer of ``module`` in place (``compile`` to the stage)."""
+    dtype = autocast_dtype(precision)
+    for index, name in zip(module.layer_indices, module.layer_names, strict=True):
+        layer = module.get_submodule(name)
+        if dtype is not None:
+            _wrap(layer, _autocast(device.type, dtype))
+        if recompute and module.spec.layers[index].kind == "block":
+            _wrap(layer, _recompute)
+    if compile_stage:
+        if not hasattr(torch, "compile"):
+            raise StageOptionError(
+                "pipeline.compile needs torch.compile (torch >= 2.0): drop --compile"
+            )
+        module.compile()

@@ -1,0 +1,38 @@
+"""One process of a launched run: ``python -m pipetrain.train.worker CONFIG.toml``.
+
+Started by ``launch.launch_local`` with torch.distributed's environment set. Errors are
+one line on stderr naming the rank; exit status 2 for bad input, 1 for a failed run.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from pipetrain.errors import InputError
+from pipetrain.runtime import PipelineError
+from pipetrain.train.config import load_config
+from pipetrain.train.launch import role_from_env
+from pipetrain.train.loop import ProcessRole, train
+from pipetrain.train.optim import TrainingDiverged
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    role = role_from_env() or ProcessRole()
+    try:
+        config = load_config(args[0])
+        train(config, role, announced=True)
+    except InputError as exc:
+        sys.stderr.write(f"pipetrain train (rank {role.rank}): error: {exc}\n")
+        return 2
+    except (TrainingDiverged, PipelineError) as exc:
+        sys.stderr.write(f"pipetrain train (rank {role.rank}): {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
