@@ -38,6 +38,7 @@ from pipetrain.checkpoint.store import (
     resume_checkpoint,
     save_checkpoint,
 )
+from pipetrain.checkpoint.trainer import CheckpointPolicy, RunCheckpoints, StopSignal
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -46,12 +47,15 @@ __all__ = [
     "CheckpointError",
     "CheckpointIncompatibleError",
     "CheckpointList",
+    "CheckpointPolicy",
     "ExportResult",
     "Layout",
     "LoadResult",
     "Manifest",
     "ResumeChoice",
+    "RunCheckpoints",
     "SaveResult",
+    "StopSignal",
     "Verification",
     "choose_resume",
     "export_checkpoint",

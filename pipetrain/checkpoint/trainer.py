@@ -1,0 +1,172 @@
+"""The training loop's side of checkpoints: resume, periodic saves, and a graceful stop.
+
+The loop makes three calls: ``resume()`` once before the first step (the step to start
+from), ``after_step(step)`` after every optimizer step (True: stop now), and ``close()``.
+SIGTERM or SIGINT only sets a flag; at the end of the step in progress every rank learns
+whether any rank got one (an all-reduce of the flag), all save together and stop, so a
+preempted job loses at most the step it was in. A second SIGINT interrupts at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.checkpoint.errors import CheckpointError
+from pipetrain.checkpoint.manifest import Layout
+from pipetrain.checkpoint.store import LoadResult, resume_checkpoint, save_checkpoint
+
+__all__ = ["CheckpointPolicy", "RunCheckpoints", "StopSignal"]
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    directory: str = ""  # "" = no checkpoints
+    every: int = 0  # save every this many optimizer steps (0: only at a stop and at the end)
+    keep: int = 0  # complete checkpoints to keep (0: all)
+    resume: bool = False  # continue from the newest valid checkpoint in ``directory``
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise CheckpointError(f"checkpoint_every is {self.every}: use 0 (off) or more steps")
+        if self.keep < 0:
+            raise CheckpointError(f"keep is {self.keep}: use 0 (keep all) or more")
+        if (self.resume or self.every) and not self.directory:
+            what = "--resume" if self.resume else "--checkpoint-every"
+            raise CheckpointError(f"{what} needs a directory: add --checkpoint-dir DIR")
+
+
+class StopSignal:
+    """SIGTERM/SIGINT set a flag instead of killing the process, while installed."""
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed from the main thread
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._flag and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: do not wait for the step to end
+        self._flag = True
+
+    @property
+    def local(self) -> bool:
+        return self._flag
+
+    def agreed(self, group: Any, device: torch.device) -> bool:
+        """True on every rank when any rank of ``group`` was signalled (collective)."""
+        if group is None:
+            return self._flag
+        flag = torch.tensor([1.0 if self._flag else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        self._flag = bool(flag.item())
+        return self._flag
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class RunCheckpoints:
+    """Checkpoints of one training run, as seen by one rank."""
+
+    def __init__(
+        self,
+        policy: CheckpointPolicy,
+        *,
+        modules: Iterable[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        model: Mapping[str, Any],
+        layout: Layout,
+        config: Mapping[str, Any],
+        total_steps: int,
+        group: Any,
+        device: torch.device,
+        say: Callable[[str], None] = lambda text: None,
+        state: Callable[[int], Mapping[str, Any]] = lambda step: {},
+    ) -> None:
+        """``state(step)`` gives the JSON-able trainer state after ``step`` steps (data
+        position, ...) to store with the checkpoint; ``say`` prints on the reporting rank."""
+        self.policy = policy
+        self._modules = tuple(modules)
+        self._optimizer = optimizer
+        self._model = dict(model)
+        self._layout = layout
+        self._config = dict(config)
+        self._total = total_steps
+        self._group = group
+        self._device = device
+        self._say = say
+        self._state = state
+        self._last_saved = -1
+        self.stop = StopSignal()
+        self.stopped = False
+
+    def resume(self) -> int:
+        """The step to start from: 0, or that of the checkpoint loaded."""
+        if not self.policy.resume:
+            return 0
+        result: LoadResult | None = resume_checkpoint(
+            self.policy.directory,
+            modules=self._modules,
+            optimizer=self._optimizer,
+            model=self._model,
+            group=self._group,
+        )
+        if result is None:
+            self._say(f"no checkpoint in {self.policy.directory} yet: starting from step 0")
+            return 0
+        self._last_saved = result.step
+        saved = result.manifest.layout
+        self._say(
+            f"resumed from {result.path} at step {result.step} in {result.seconds:.2f} s "
+            f"(saved with pp={saved.pp} chunks={saved.chunks} schedule={saved.schedule})"
+        )
+        return result.step
+
+    def after_step(self, step: int) -> bool:
+        """After ``step`` optimizer steps: save when due, and on a stop signal (then True)."""
+        stop = self.stop.agreed(self._group, self._device)
+        due = bool(self.policy.every) and step % self.policy.every == 0
+        final = step == self._total
+        if self.policy.directory and (due or stop or final) and step != self._last_saved:
+            self.save(step)
+        if stop:
+            self.stopped = True
+            self._say(f"stop signal: finished step {step} and stopped")
+        return stop
+
+    def save(self, step: int) -> Path:
+        result = save_checkpoint(
+            self.policy.directory,
+            step,
+            modules=self._modules,
+            optimizer=self._optimizer,
+            model=self._model,
+            layout=self._layout,
+            config=self._config,
+            trainer=self._state(step),
+            keep=self.policy.keep or None,
+            group=self._group,
+        )
+        self._last_saved = step
+        self._say(
+            f"saved checkpoint {result.path} ({result.bytes / 1e6:.1f} MB in {result.seconds:.2f} s)"
+        )
+        return result.path
+
+    def close(self) -> None:
+        self.stop.close()

@@ -1,0 +1,118 @@
+"""The loop's side of checkpoints in one process: when saves happen, resume, the stop
+signal (SIGTERM finishes the step, saves, stops; a second SIGINT interrupts), policy errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.checkpoint import CheckpointError, Layout, list_checkpoints, read_manifest
+from pipetrain.checkpoint.trainer import CheckpointPolicy, RunCheckpoints, StopSignal
+
+
+def _run(
+    tmp_path: Path, policy: CheckpointPolicy, total: int = 5
+) -> tuple[RunCheckpoints, nn.Linear, list[str]]:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    said: list[str] = []
+    run = RunCheckpoints(
+        policy,
+        modules=[model],
+        optimizer=opt,
+        model={"d": 3},
+        layout=Layout(pp=1),
+        config={"run": {"steps": total}},
+        total_steps=total,
+        group=None,
+        device=torch.device("cpu"),
+        say=said.append,
+        state=lambda step: {"data_position": step * 2},
+    )
+    return run, model, said
+
+
+def _step(model: nn.Linear, run: RunCheckpoints) -> None:
+    model.weight.grad = torch.ones_like(model.weight)
+    model.bias.grad = torch.ones_like(model.bias)
+    run._optimizer.step()
+
+
+def test_saves_every_k_steps_and_at_the_end_keeping_n(tmp_path: Path) -> None:
+    policy = CheckpointPolicy(str(tmp_path), every=2, keep=2)
+    run, model, _ = _run(tmp_path, policy, total=5)
+    try:
+        for step in range(1, 6):
+            _step(model, run)
+            assert run.after_step(step) is False
+    finally:
+        run.close()
+    assert [s for s, _ in list_checkpoints(tmp_path).complete] == [4, 5]
+    manifest = read_manifest(tmp_path / "step_000005")
+    assert manifest.trainer == {"data_position": 10}
+    assert manifest.config == {"run": {"steps": 5}}
+
+
+def test_resume_starts_from_the_newest_checkpoint_with_its_weights(tmp_path: Path) -> None:
+    run, model, _ = _run(tmp_path, CheckpointPolicy(str(tmp_path), every=3))
+    for step in range(1, 4):
+        _step(model, run)
+        run.after_step(step)
+    run.close()
+    expected = model.weight.detach().clone()
+    again, other, said = _run(tmp_path, CheckpointPolicy(str(tmp_path), every=3, resume=True))
+    assert not torch.equal(other.weight, expected)
+    assert again.resume() == 3
+    again.close()
+    assert torch.equal(other.weight, expected)
+    assert any("resumed from" in line and "at step 3" in line for line in said)
+    fresh, _, _ = _run(tmp_path / "empty", CheckpointPolicy(str(tmp_path / "empty"), resume=True))
+    assert fresh.resume() == 0
+    fresh.close()
+
+
+def test_sigterm_finishes_the_step_saves_and_stops(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    run, model, _ = _run(tmp_path, CheckpointPolicy(str(tmp_path), every=100), total=50)
+    try:
+        _step(model, run)
+        assert run.after_step(1) is False
+        os.kill(os.getpid(), signal.SIGTERM)  # lands mid-step: only a flag is set
+        _step(model, run)
+        assert run.after_step(2) is True
+    finally:
+        run.close()
+    assert run.stopped
+    assert [s for s, _ in list_checkpoints(tmp_path).complete] == [2]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_second_sigint_interrupts_at_once_and_close_restores_handlers() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopSignal()
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.local
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+    stop.close()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"resume": True}, "--resume needs a directory: add --checkpoint-dir DIR"),
+        ({"every": 5}, "--checkpoint-every needs a directory"),
+        ({"directory": "d", "every": -1}, "checkpoint_every is -1"),
+        ({"directory": "d", "keep": -2}, "keep is -2"),
+    ],
+)
+def test_policy_errors_name_the_setting(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        CheckpointPolicy(**kwargs)  # type: ignore[arg-type]
