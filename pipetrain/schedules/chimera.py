@@ -13,12 +13,13 @@ in the first half of the model (j < p/2) warms up with one forward fewer (``p-2-
 instead of ``p-1-j``), so that the two stages of a rank together hold at most p
 micro-batches' activations (plain 1F1B on both would reach p+1). Rank r merges its two
 programs in the order of the start times they would have alone (unit costs), a forward
-before a backward at equal times, the down pipeline first after that. The all-reduces
-come last, the higher model stage first (its gradients are complete earlier), the same
-order on both replicas' ranks.
+before a backward at equal times, then the stage further along its pipeline first (it
+feeds ranks that wait; for p = 4, m = 4 this reaches makespan 16, the least that an
+exhaustive search over these programs finds). The all-reduces come last, the higher model
+stage first (its gradients are complete earlier), the same order on both replicas' ranks.
 
 Measured with unit costs (F = 1, B = 2), m >= p: makespan
-``m(F+B) + (p/2-1)(F+B) + (p/2)F`` for p >= 4 (p = 2: ``m(F+B)``, no bubble at all); peak
+``m(F+B) + (p/2-1)(F+B) + (p/2-1)F``, so a bubble of ``(p/2-1)(2F+B)`` per rank; peak
 activations from ``p/2+1`` on the end ranks to ``p`` in the middle for ``m = p``, ``p`` on
 every rank for larger m.
 """
@@ -69,15 +70,15 @@ def chimera(p: int, m: int) -> Schedule:
     p = 4, m = 4: stages 0-3 down (micro-batches 0, 1), stages 4-7 up (2, 3); rank r holds
     stages r and 7-r (unit costs F = 1, B = 2, all-reduce free)::
 
-        rank 0 | 0F0 0F1 .   .   7F2 7B2 7B2 7F3 7B3 7B3 .   0B0 0B0 .   .   0B1 0B1
-        rank 1 | .   1F0 1F1 6F2 6F3 .   .   6B2 6B2 1B0 1B0 6B3 6B3 1B1 1B1
-        rank 2 | .   5F2 2F0 5F3 2F1 .   2B0 2B0 .   5B2 5B2 2B1 2B1 5B3 5B3
-        rank 3 | 4F2 4F3 .   3F0 3B0 3B0 3F1 3B1 3B1 .   .   4B2 4B2 .   .   4B3 4B3
+        rank 0 | 0F0 0F1 .   7F2 7B2 7B2 7F3 7B3 7B3 .   0B0 0B0 .   .   0B1 0B1
+        rank 1 | .   1F0 6F2 1F1 6F3 .   6B2 6B2 1B0 1B0 6B3 6B3 1B1 1B1
+        rank 2 | .   5F2 2F0 5F3 2F1 .   2B0 2B0 5B2 5B2 2B1 2B1 5B3 5B3
+        rank 3 | 4F2 4F3 .   3F0 3B0 3B0 3F1 3B1 3B1 .   4B2 4B2 .   .   4B3 4B3
 
     The programs, all-reduces last::
 
         rank 0 | 0F0 0F1 7F2 7B2 7F3 7B3 0B0 0B1 7ALLREDUCE 0ALLREDUCE
-        rank 1 | 1F0 1F1 6F2 6F3 6B2 1B0 6B3 1B1 6ALLREDUCE 1ALLREDUCE
+        rank 1 | 1F0 6F2 1F1 6F3 6B2 1B0 6B3 1B1 6ALLREDUCE 1ALLREDUCE
         rank 2 | 5F2 2F0 5F3 2F1 2B0 5B2 2B1 5B3 2ALLREDUCE 5ALLREDUCE
         rank 3 | 4F2 4F3 3F0 3B0 3F1 3B1 4B2 4B3 3ALLREDUCE 4ALLREDUCE
     """
@@ -94,7 +95,7 @@ def chimera(p: int, m: int) -> Schedule:
             for kind, k in _order(p, j, len(group)):
                 start = alone[replica][(kind, j, k)]
                 action = Action(replica * p + j, kind, group[k])
-                keyed.append(((start, kind is Kind.B, replica), action))
+                keyed.append(((start, kind is Kind.B, -j), action))
         keyed.sort(key=lambda item: item[0])
         row = [action for _, action in keyed]
         by_model_stage = sorted(placement.stages_of(r), key=placement.model_stage, reverse=True)

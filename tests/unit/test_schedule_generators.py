@@ -198,9 +198,8 @@ def test_pipedream_2bw_steps_once_per_window() -> None:
 def test_chimera_makespan_and_memory(p: int) -> None:
     for m in (p, 2 * p, 4 * p):
         schedule = chimera(p, m)
-        # As documented: m(F+B) + (p/2-1)(F+B) + (p/2)F with unit costs (p = 2: m(F+B)).
-        extra = 3 * (p // 2 - 1) + p // 2 if p >= 4 else 0
-        assert replay(schedule).makespan == 3 * m + extra
+        # As documented: m(F+B) + (p/2-1)(F+B) + (p/2-1)F with unit costs.
+        assert replay(schedule).makespan == 3 * m + 4 * (p // 2 - 1)
         peaks = []
         for row in schedule.actions:
             live = peak = 0
