@@ -109,7 +109,8 @@ def _resolve_schedule(
                 f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but the pipeline group has "
                 f"{ranks}: launch {schedule.num_ranks} processes or load a schedule for {ranks}"
             )
-        if schedule.microbatches != microbatches:
+        # A whole-batch schedule (naive) runs one micro-batch whatever was asked for.
+        if schedule.microbatches not in (microbatches, 1):
             raise PipelineInputError(
                 f"schedule {schedule.name!r} has {schedule.microbatches} micro-batches but microbatches="
                 f"{microbatches}: pass microbatches={schedule.microbatches}"

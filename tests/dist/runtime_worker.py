@@ -2,8 +2,9 @@
 
 ``runtime_worker.py equal OUT``: every synchronous schedule for this world size, one step
 each on llama-tiny, compared with one process on the whole batch (loss and every
-gradient to 1e-5 relative) and with the debug mode (bit for bit); AdamW steps; a user CSV
-schedule; with 4 ranks also two 2-rank pipelines side by side. Writes OUT/rank<r>.json.
+gradient to 1e-5 relative) and with the debug mode (bit for bit); with 2 ranks also AdamW
+steps and a user CSV schedule, with 4 ranks two 2-rank pipelines side by side (the
+second on global ranks 2 and 3). Writes OUT/rank<r>.json.
 
 ``runtime_worker.py kill OUT``: rank 1 kills itself in the middle of step 1; the others
 must fail with an error naming it (printed to stderr, exit status 1).
@@ -17,7 +18,6 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,59 +26,40 @@ import torch.distributed as dist
 from pipetrain.models import build_full_model, get_model_config, model_spec
 from pipetrain.runtime import PipelineError, build_pipeline
 from pipetrain.runtime.stage import token_cross_entropy
-from pipetrain.schedules import (
-    Action,
-    Kind,
-    Placement,
-    Schedule,
-    dualpipe,
-    gpipe,
-    interleaved,
-    naive,
-    one_f_one_b,
-    zero_bubble,
-)
+from pipetrain.schedules import Schedule
+from pipetrain.schedules.io import load_csv
+from pipetrain.schedules.registry import build_schedule
 
 RTOL = 1e-5
 
 
-def chimera_p2() -> Schedule:
-    a = Action
-    ranks = [
-        [
-            a(0, Kind.F, 0),
-            a(3, Kind.F, 1),
-            a(3, Kind.B, 1),
-            a(0, Kind.B, 0),
-            a(0, Kind.ALLREDUCE),
-            a(3, Kind.ALLREDUCE),
-        ],
-        [
-            a(2, Kind.F, 1),
-            a(1, Kind.F, 0),
-            a(1, Kind.B, 0),
-            a(2, Kind.B, 1),
-            a(2, Kind.ALLREDUCE),
-            a(1, Kind.ALLREDUCE),
-        ],
-    ]
-    return Schedule.build("chimera", Placement.bidirectional(2), 2, ranks)
+# Micro-batches of each schedule per world size (as few as the schedule allows, to keep
+# 4 processes on 2 cores quick).
+SCHEDULES: dict[str, dict[int, int]] = {
+    "naive": {2: 1, 4: 1},
+    "gpipe": {2: 4, 4: 4},
+    "1f1b": {2: 4, 4: 4},
+    "interleaved-1f1b": {2: 4, 4: 4},
+    "looped-bfs": {2: 4, 4: 4},
+    "zb-h1": {2: 4, 4: 4},
+    "zb-h2": {2: 4, 4: 8},
+    "zb-v": {2: 4, 4: 4},
+    "dualpipe-v": {2: 4, 4: 8},
+    "chimera": {2: 4, 4: 4},
+}
+
+# A user's schedule: 1F1B-like on rank 0, split backward with late W's on rank 1.
+USER_CSV = """0F0, 0F1, 0F2, 0B0, 0F3, 0B1, 0B2, 0B3
+1F0, 1I0, 1F1, 1I1, 1W0, 1F2, 1I2, 1W1, 1F3, 1I3, 1W3, 1W2
+"""
 
 
-def schedules(p: int) -> dict[str, Callable[[], Schedule]]:
-    cases: dict[str, Callable[[], Schedule]] = {
-        "naive": lambda: naive.naive(p, 1),
-        "gpipe": lambda: gpipe.gpipe(p, 4),
-        "1f1b": lambda: one_f_one_b.one_f_one_b(p, 4),
-        "interleaved-1f1b": lambda: interleaved.interleaved_1f1b(p, 4),
-        "looped-bfs": lambda: interleaved.looped_bfs(p, 4),
-        "zb-h1": lambda: zero_bubble.zb_h1(p, 4),
-        "zb-h2": lambda: zero_bubble.zb_h2(p, 2 * p),  # needs m >= 2p - 1
-        "zb-v": lambda: zero_bubble.zb_v(p, 4),
-        "dualpipe-v": lambda: dualpipe.dualpipe_v(p, 2 * p),
-    }
+def schedules(p: int, out: Path) -> dict[str, Schedule]:
+    cases = {name: build_schedule(name, p, by_p[p]) for name, by_p in SCHEDULES.items()}
     if p == 2:
-        cases["chimera"] = chimera_p2
+        path = out / f"user-{dist.get_rank()}.csv"
+        path.write_text(USER_CSV)
+        cases["user-csv"] = load_csv(path)
     return cases
 
 
@@ -108,15 +89,16 @@ def compare(pipe, debug, ref_grads) -> dict[str, object]:
     return {"grad_rel": worst, "bitwise": bitwise, "params": count}
 
 
-def one_step_cases(spec, group, p: int, prefix: str = "") -> dict[str, dict[str, object]]:
+def one_step_cases(
+    spec, group, p: int, out: Path, prefix: str = ""
+) -> dict[str, dict[str, object]]:
     x, y = batch(0)
     full = build_full_model(spec, seed=0, device="cpu")
     ref_loss = token_cross_entropy(full(x), y) / (y != -100).sum()
     ref_loss.backward()
     ref_grads = {n: q.grad for n, q in full.named_parameters()}
     results: dict[str, dict[str, object]] = {}
-    for name, make in schedules(p).items():
-        schedule = make()
+    for name, schedule in schedules(p, out).items():
         kw = dict(
             schedule=schedule,
             microbatches=schedule.microbatches,
@@ -176,15 +158,17 @@ def adamw_case(spec, group, schedule: Schedule, steps: int = 3) -> dict[str, obj
 def run_equal(out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = model_spec(get_model_config("llama-tiny", n_layers=6, tie_embeddings=True))
-    results = one_step_cases(spec, dist.group.WORLD, world)
+    results = one_step_cases(spec, dist.group.WORLD, world, out)
     if world == 2:
-        results["adamw-zb-h1"] = adamw_case(spec, dist.group.WORLD, zero_bubble.zb_h1(2, 4))
-        results["adamw-chimera"] = adamw_case(spec, dist.group.WORLD, chimera_p2())
+        results["adamw-zb-h1"] = adamw_case(spec, dist.group.WORLD, build_schedule("zb-h1", 2, 4))
+        results["adamw-chimera"] = adamw_case(
+            spec, dist.group.WORLD, build_schedule("chimera", 2, 4)
+        )
     if world == 4:
         # Two independent 2-rank pipelines in one world: the runtime uses only its group.
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         mine = groups[rank // 2]
-        results.update(one_step_cases(spec, mine, 2, prefix="pair-"))
+        results.update(one_step_cases(spec, mine, 2, out, prefix="pair-"))
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
 
 
@@ -194,7 +178,7 @@ def run_kill(out: Path) -> None:
     spec = model_spec(get_model_config("llama-tiny"))
     pipe = build_pipeline(
         spec,
-        schedule=gpipe.gpipe(3, 4),
+        schedule="gpipe",
         microbatches=4,
         group=dist.group.WORLD,
         seed=0,

@@ -26,6 +26,7 @@ SCHEDULES = (
     "zb-h2",
     "zb-v",
     "dualpipe-v",
+    "chimera",
 )
 
 
@@ -56,7 +57,7 @@ def check_one_step(reports, name: str) -> None:
         assert res["events"] == res["actions"]
 
 
-@pytest.mark.parametrize("name", (*SCHEDULES, "chimera"))
+@pytest.mark.parametrize("name", (*SCHEDULES, "user-csv"))
 def test_two_ranks_equal_one_process(two, name):
     check_one_step(two, name)
 

@@ -13,65 +13,41 @@ import torch
 from pipetrain.models import build_full_model, get_model_config, model_spec
 from pipetrain.runtime import PipelineError, PipelineInputError, build_pipeline, even_split
 from pipetrain.runtime.stage import token_cross_entropy
-from pipetrain.schedules import (
-    Action,
-    Kind,
-    Placement,
-    Schedule,
-    dualpipe,
-    gpipe,
-    interleaved,
-    naive,
-    one_f_one_b,
-    zero_bubble,
-)
+from pipetrain.schedules import Action, Kind, Placement, Schedule
+from pipetrain.schedules.io import load_csv
+from pipetrain.schedules.registry import build_schedule
 
 RTOL = 1e-5
 
 
-def chimera_p2() -> Schedule:
-    """Chimera on 2 ranks, 2 micro-batches, written out (one per direction).
+# (name, ranks, micro-batches): every synchronous schedule, built by name by the registry.
+SCHEDULES = [
+    ("naive", 2, 4),
+    ("gpipe", 2, 4),
+    ("1f1b", 2, 4),
+    ("interleaved-1f1b", 2, 4),
+    ("looped-bfs", 2, 4),
+    ("zb-h1", 2, 4),
+    ("zb-h2", 2, 4),
+    ("zb-v", 2, 4),
+    ("dualpipe-v", 2, 4),
+    ("chimera", 2, 4),
+    ("naive", 4, 4),
+    ("gpipe", 4, 4),
+    ("1f1b", 4, 4),
+    ("interleaved-1f1b", 4, 4),
+    ("looped-bfs", 4, 4),
+    ("zb-h1", 4, 4),
+    ("zb-h2", 4, 8),
+    ("zb-v", 4, 4),
+    ("dualpipe-v", 4, 8),
+    ("chimera", 4, 4),
+]
 
-    The replicas of a model stage all-reduce in model-stage order on both ranks.
-    """
-    a = Action
-    ranks = [
-        [
-            a(0, Kind.F, 0),
-            a(3, Kind.F, 1),
-            a(3, Kind.B, 1),
-            a(0, Kind.B, 0),
-            a(0, Kind.ALLREDUCE),
-            a(3, Kind.ALLREDUCE),
-        ],
-        [
-            a(2, Kind.F, 1),
-            a(1, Kind.F, 0),
-            a(1, Kind.B, 0),
-            a(2, Kind.B, 1),
-            a(2, Kind.ALLREDUCE),
-            a(1, Kind.ALLREDUCE),
-        ],
-    ]
-    return Schedule.build("chimera", Placement.bidirectional(2), 2, ranks)
-
-
-SCHEDULES = {
-    "naive-2": lambda: naive.naive(2, 1),
-    "gpipe-2": lambda: gpipe.gpipe(2, 4),
-    "1f1b-2": lambda: one_f_one_b.one_f_one_b(2, 4),
-    "interleaved-1f1b-2": lambda: interleaved.interleaved_1f1b(2, 4),
-    "looped-bfs-2": lambda: interleaved.looped_bfs(2, 4),
-    "zb-h1-2": lambda: zero_bubble.zb_h1(2, 4),
-    "zb-h2-2": lambda: zero_bubble.zb_h2(2, 4),
-    "zb-v-2": lambda: zero_bubble.zb_v(2, 4),
-    "dualpipe-v-2": lambda: dualpipe.dualpipe_v(2, 4),
-    "chimera-2": chimera_p2,
-    "1f1b-4": lambda: one_f_one_b.one_f_one_b(4, 4),
-    "interleaved-1f1b-4": lambda: interleaved.interleaved_1f1b(4, 4),
-    "zb-v-4": lambda: zero_bubble.zb_v(4, 4),
-    "dualpipe-v-4": lambda: dualpipe.dualpipe_v(4, 8),
-}
+# A user's schedule: 1F1B-like on rank 0, split backward with late W's on rank 1.
+USER_CSV = """0F0, 0F1, 0F2, 0B0, 0F3, 0B1, 0B2, 0B3
+1F0, 1I0, 1F1, 1I1, 1W0, 1F2, 1I2, 1W1, 1F3, 1I3, 1W3, 1W2
+"""
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -108,14 +84,9 @@ def tied_spec():
     return model_spec(get_model_config("llama-tiny", n_layers=6, tie_embeddings=True))
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
-def test_debug_mode_equals_one_process(name, tied_spec):
-    schedule = SCHEDULES[name]()
+def check_equal(pipe, spec, name) -> None:
     x, y = batch()
-    ref_loss, ref_grads = reference(tied_spec, x, y)
-    pipe = build_pipeline(
-        tied_spec, schedule=schedule, microbatches=schedule.microbatches, seed=0, device="cpu"
-    )
+    ref_loss, ref_grads = reference(spec, x, y)
     result = pipe.step(x, y)
     assert result.loss == pytest.approx(ref_loss, rel=RTOL)
     assert result.tokens == int((y != -100).sum())
@@ -132,13 +103,31 @@ def test_debug_mode_equals_one_process(name, tied_spec):
     assert all(0 <= e.start <= e.end <= result.step_time_s for e in result.timeline.events)
 
 
+@pytest.mark.parametrize(
+    ("name", "p", "m"), SCHEDULES, ids=[f"{n}-p{p}-m{m}" for n, p, m in SCHEDULES]
+)
+def test_debug_mode_equals_one_process(name, p, m, tied_spec):
+    pipe = build_pipeline(tied_spec, schedule=name, ranks=p, microbatches=m, seed=0, device="cpu")
+    check_equal(pipe, tied_spec, name)
+
+
+def test_user_csv_schedule(tied_spec, tmp_path):
+    path = tmp_path / "mine.csv"
+    path.write_text(USER_CSV)
+    schedule = load_csv(path)
+    pipe = build_pipeline(tied_spec, schedule=schedule, microbatches=4, seed=0, device="cpu")
+    assert pipe.schedule.is_lowered and pipe.schedule.splits_backward
+    check_equal(pipe, tied_spec, "csv")
+
+
 def test_untied_model_and_uneven_split():
     spec = model_spec(get_model_config("llama-tiny"))
     x, y = batch(1)
     ref_loss, ref_grads = reference(spec, x, y)
     pipe = build_pipeline(
         spec,
-        schedule=zero_bubble.zb_h1(2, 4),
+        schedule="zb-h1",
+        ranks=2,
         microbatches=4,
         seed=0,
         device="cpu",
@@ -153,9 +142,7 @@ def test_adamw_steps_follow_one_process(tied_spec):
     x, y = batch(2)
     full = build_full_model(tied_spec, seed=0, device="cpu")
     ref_opt = torch.optim.AdamW(full.parameters(), lr=1e-3)
-    pipe = build_pipeline(
-        tied_spec, schedule=one_f_one_b.one_f_one_b(2, 4), microbatches=4, seed=0, device="cpu"
-    )
+    pipe = build_pipeline(tied_spec, schedule="1f1b", ranks=2, microbatches=4, seed=0, device="cpu")
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     for step in range(3):
         xs, ys = batch(10 + step)
@@ -180,7 +167,7 @@ def test_adamw_steps_follow_one_process(tied_spec):
 
 def test_sequence_length_changes_between_steps(tied_spec):
     pipe = build_pipeline(
-        tied_spec, schedule=interleaved.interleaved_1f1b(2, 4), microbatches=4, seed=0, device="cpu"
+        tied_spec, schedule="interleaved-1f1b", ranks=2, microbatches=4, seed=0, device="cpu"
     )
     for t in (16, 9, 24):
         x, y = batch(3, t=t)
@@ -225,13 +212,14 @@ def test_several_tensors_per_boundary_and_custom_loss():
         )
 
     single = build_pipeline(
-        layers, schedule=naive.naive(1, 1), microbatches=1, seed=3, device="cpu", loss_fn=loss_fn
+        layers, schedule="naive", ranks=1, microbatches=1, seed=3, device="cpu", loss_fn=loss_fn
     )
     ref_loss = single.step(x, y).loss
     ref = {n: p.grad.clone() for n, p in single.named_parameters()}
     pipe = build_pipeline(
         layers,
-        schedule=zero_bubble.zb_v(2, 4),
+        schedule="zb-v",
+        ranks=2,
         microbatches=4,
         seed=3,
         device="cpu",
@@ -244,7 +232,7 @@ def test_several_tensors_per_boundary_and_custom_loss():
 
 def test_bad_inputs_are_one_line_errors(tied_spec):
     pipe = build_pipeline(
-        tied_spec, schedule=gpipe.gpipe(2, 4), microbatches=4, seed=0, device="cpu"
+        tied_spec, schedule="gpipe", ranks=2, microbatches=4, seed=0, device="cpu"
     )
     x, y = batch()
     with pytest.raises(PipelineInputError, match="multiple of 4"):
@@ -254,13 +242,16 @@ def test_bad_inputs_are_one_line_errors(tied_spec):
     with pytest.raises(PipelineInputError, match="no token"):
         pipe.step(x, torch.full_like(y, -100))
     with pytest.raises(PipelineInputError, match="microbatches=4"):
-        build_pipeline(tied_spec, schedule=gpipe.gpipe(2, 4), microbatches=8, device="cpu")
+        build_pipeline(
+            tied_spec, schedule=build_schedule("gpipe", 2, 4), microbatches=8, device="cpu"
+        )
     with pytest.raises(PipelineInputError, match="ranks="):
         build_pipeline(tied_spec, schedule="gpipe", microbatches=4, device="cpu")
     with pytest.raises(PipelineInputError, match="cover layers"):
         build_pipeline(
             tied_spec,
-            schedule=gpipe.gpipe(2, 4),
+            schedule="gpipe",
+            ranks=2,
             microbatches=4,
             device="cpu",
             split=[[0, 1], [3, 4, 5, 6, 7]],
@@ -307,7 +298,7 @@ def test_even_split():
 
 def test_debug_mode_reports_a_deadlock_instead_of_hanging(tied_spec):
     pipe = build_pipeline(
-        tied_spec, schedule=gpipe.gpipe(2, 2), microbatches=2, seed=0, device="cpu"
+        tied_spec, schedule="gpipe", ranks=2, microbatches=2, seed=0, device="cpu"
     )
     # Rank 1 waits for a micro-batch rank 0 never sends: drop rank 0's second send.
     ex0 = pipe._train[0]
