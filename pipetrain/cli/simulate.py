@@ -12,31 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.schedules.execution import Costs
 from pipetrain.schedules.schedule import Schedule
+from pipetrain.sim.costs import parse_costs, stage_costs, stage_share
 from pipetrain.sim.render import ascii, plot, plot_compare, write_chrome_trace
 from pipetrain.sim.simulator import SimResult, simulate
 
-__all__ = ["add_parser", "parse_costs", "run"]
+__all__ = ["add_parser", "run"]
 
 # Show the grid without --ascii only when the full-width grid fits a terminal.
 _AUTO_GRID_WIDTH = 160
-
-_COST_KEYS = {
-    "F": "forward",
-    "B": "backward",
-    "I": "backward_input",
-    "W": "backward_weight",
-    "ALLREDUCE": "allreduce",
-    "STEP": "step",
-}
-_PER_STAGE_KEYS = {"F", "B", "I", "W"}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -98,80 +88,6 @@ def add_parser(subparsers: Any) -> None:
         help="print one JSON object (with --compare: {results: [...], skipped: [...]})",
     )
     p.set_defaults(run=run)
-
-
-# ----------------------------------------------------------------------------- costs
-def _cost_value(key: str, text: str) -> float | tuple[float, ...]:
-    parts = text.split("/")
-    if len(parts) > 1 and key not in _PER_STAGE_KEYS:
-        raise UsageError(f"--costs {key}={text}: {key} takes one number, not one per stage")
-    values = []
-    for part in parts:
-        try:
-            value = float(part)
-        except ValueError:
-            raise UsageError(
-                f"--costs {key}={text}: {part!r} is not a number; write e.g. {key}=1.5"
-            ) from None
-        if not math.isfinite(value) or value < 0:
-            raise UsageError(f"--costs {key}={text}: durations must be finite and >= 0")
-        values.append(value)
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-def _halve(value: float | tuple[float, ...]) -> float | tuple[float, ...]:
-    return tuple(v / 2 for v in value) if isinstance(value, tuple) else value / 2
-
-
-def _width(value: float | tuple[float, ...]) -> int:
-    return len(value) if isinstance(value, tuple) else 1
-
-
-def _add(a: float | tuple[float, ...], b: float | tuple[float, ...]) -> float | tuple[float, ...]:
-    if not isinstance(a, tuple) and not isinstance(b, tuple):
-        return a + b
-    n = max(_width(a), _width(b))
-    left = a if isinstance(a, tuple) else (a,) * n
-    right = b if isinstance(b, tuple) else (b,) * n
-    if len(left) != len(right):
-        raise UsageError("--costs: I and W give different numbers of stages; give as many of each")
-    return tuple(x + y for x, y in zip(left, right, strict=True))
-
-
-def parse_costs(
-    text: str,
-    *,
-    latency: float = 0.0,
-    bandwidth: float | None = None,
-    message_bytes: float = 0.0,
-) -> Costs:
-    """``"F=1,B=2,I=1,W=1"`` -> ``Costs``. Missing keys keep the unit defaults."""
-    given: dict[str, float | tuple[float, ...]] = {}
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        raw_key, sep, text_value = item.partition("=")
-        key = raw_key.strip().upper()
-        if not sep or key not in _COST_KEYS:
-            raise UsageError(
-                f"--costs {item!r}: write KEY=NUMBER pairs separated by commas, "
-                f"keys {', '.join(_COST_KEYS)}, e.g. --costs F=1,B=2,I=1,W=1"
-            )
-        if key in given:
-            raise UsageError(f"--costs: {key} is given twice")
-        given[key] = _cost_value(key, text_value.strip())
-    # Keep B = I + W unless the user sets all three: the papers' split of one backward.
-    if "B" in given and "I" not in given and "W" not in given:
-        given["I"] = given["W"] = _halve(given["B"])
-    elif "B" not in given and "I" in given and "W" in given:
-        given["B"] = _add(given["I"], given["W"])
-    for flag, amount in (("--latency", latency), ("--message-bytes", message_bytes)):
-        if not math.isfinite(amount) or amount < 0:
-            raise UsageError(f"{flag} {amount:g}: give a finite number >= 0")
-    if bandwidth is not None and (not math.isfinite(bandwidth) or bandwidth <= 0):
-        raise UsageError(f"--bandwidth {bandwidth:g}: give a number > 0 (bytes per time unit)")
-    fields: dict[str, Any] = {_COST_KEYS[k]: v for k, v in given.items()}
-    return Costs(latency=latency, bandwidth=bandwidth, message_bytes=message_bytes, **fields)
 
 
 # -------------------------------------------------------------------------- helpers
@@ -237,41 +153,11 @@ def _from_file(args: argparse.Namespace) -> _Case:
     return _Case(schedule, 1)
 
 
-def _check_stage_costs(costs: Costs, schedule: Schedule) -> None:
-    stages = schedule.placement.num_model_stages
-    for key, field in _COST_KEYS.items():
-        value = getattr(costs, field)
-        if isinstance(value, tuple) and len(value) != stages:
-            raise UsageError(
-                f"--costs {key}: {len(value)} numbers for {stages} model stages of "
-                f"{schedule.name}; give one number or {stages} joined by '/'"
-            )
-
-
-def _share(schedule: Schedule) -> float:
-    """The part of a rank's share of the model that one stage holds: 1/v."""
-    return schedule.num_ranks / schedule.placement.num_model_stages
-
-
-def _stage_costs(costs: Costs, schedule: Schedule) -> Costs:
-    """One-number costs are a rank's share of the model; spread them over its stages."""
-    factor = _share(schedule)
-    if factor == 1:
-        return costs
-    fields = {
-        field: getattr(costs, field) * factor
-        for key, field in _COST_KEYS.items()
-        if key in _PER_STAGE_KEYS and not isinstance(getattr(costs, field), tuple)
-    }
-    return replace(costs, **fields)
-
-
 def _run_case(case: _Case, costs: Costs, args: argparse.Namespace) -> SimResult:
-    _check_stage_costs(costs, case.schedule)
-    share = _share(case.schedule)
+    share = stage_share(case.schedule)
     return simulate(
         case.schedule,
-        _stage_costs(costs, case.schedule),
+        stage_costs(costs, case.schedule),
         activation_bytes=None if args.activation_bytes is None else args.activation_bytes * share,
         weight_bytes=None if args.weight_bytes is None else args.weight_bytes * share,
         batch_scale=case.batch_scale,

@@ -1,6 +1,7 @@
 """Simulation of schedules and pictures of timelines. Imports no torch; matplotlib only
 when a PNG or SVG is drawn."""
 
+from pipetrain.sim.costs import CostsError, parse_costs, stage_costs
 from pipetrain.sim.metrics import (
     Bubble,
     RankTimes,
@@ -17,6 +18,7 @@ from pipetrain.sim.simulator import SimResult, SizeError, analyse, scale_costs, 
 
 __all__ = [
     "Bubble",
+    "CostsError",
     "RankTimes",
     "SimResult",
     "SizeError",
@@ -24,11 +26,13 @@ __all__ = [
     "bubble",
     "busy_time",
     "live_activations",
+    "parse_costs",
     "peak_activation_bytes",
     "peak_activations",
     "rank_times",
     "scale_costs",
     "simulate",
+    "stage_costs",
     "stage_weight_versions",
     "weight_versions",
 ]
