@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from test_sim_metrics import GPIPE_2_2, ONE_F_ONE_B_2_2
@@ -105,3 +107,13 @@ def test_a_deadlock_is_a_schedule_error() -> None:
     bad = schedule("bad", Placement.linear(2), 1, ["0B0 0F0", "1F0 1B0"])
     with pytest.raises(ScheduleError, match="deadlocks"):
         simulate(bad)
+
+
+def test_the_simulator_and_its_command_import_neither_torch_nor_matplotlib() -> None:
+    code = (
+        "import sys, pipetrain.sim, pipetrain.cli.simulate; "
+        "bad = [m for m in ('torch', 'matplotlib') if m in sys.modules]; "
+        "sys.exit(', '.join(bad))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
