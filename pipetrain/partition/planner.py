@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipetrain.partition.balance import (
@@ -272,7 +272,8 @@ def _split(
     if method == "params":
         return split_by_params(costs, stage_ranks, memory)
     if method in ("profile", "cost"):
-        return split_by_cost(costs, stage_ranks, memory)
+        # Balanced by time; the name says where the times came from.
+        return replace(split_by_cost(costs, stage_ranks, memory), method=method)
     raise PartitionError(f"--balance {method!r} is unknown: use one of uniform, params, profile")
 
 

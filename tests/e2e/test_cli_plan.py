@@ -1,0 +1,116 @@
+"""``pipetrain plan`` end to end: tables, --json fields, a measured plan, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipetrain.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_json_plan_of_the_main_job() -> None:
+    done = _plan("--model", "llama-default", "--pp", "3", "--memory-limit", "1GiB", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    stages = out["stages"]
+    assert [s["rank"] for s in stages] == [0, 1, 2]
+    assert [s["blocks"] for s in stages] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [(s["embedding"], s["head"]) for s in stages] == [
+        (True, False),
+        (False, False),
+        (False, True),
+    ]
+    assert all(s["params"] > 0 and s["time"] > 0 and s["activation_bytes"] > 0 for s in stages)
+    times = [s["time"] for s in stages]
+    assert out["imbalance"] == pytest.approx(max(times) / (sum(times) / 3))
+    assert out["time_source"].startswith("estimated from FLOPs")
+    assert out["max_microbatch_size"] >= out["microbatch_size"]
+    assert out["recommended"]["microbatches"] in [
+        o["microbatches"] for o in out["options"] if o["fits"]
+    ]
+
+
+def test_table_plan_with_an_explicit_split_on_a_v_schedule() -> None:
+    done = _plan(
+        "--model", "llama-default", "--pp", "3", "--schedule", "zb-v", "--split", "2,2,2,2,2,2"
+    )
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "estimated from FLOPs" in text and "explicit split" in text
+    assert "embed .. layers.1" in text and "layers.10 .. head" in text
+    assert "imbalance (slowest stage / mean)" in text and "recommended: --microbatches" in text
+
+
+def test_params_balance_on_a_real_size() -> None:
+    done = _plan(
+        "--model", "llama3-8b", "--pp", "4", "--balance", "params", "--seq-len", "4096",
+        "--batch-size", "16", "--microbatches", "16", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    params = [s["params"] for s in out["stages"]]
+    assert sum(params) == pytest.approx(8.03e9, rel=0.01)
+    assert max(params) / min(params) < 1.2
+
+
+def test_measured_plan_of_a_tiny_model() -> None:
+    done = _plan(
+        "--model", "llama-tiny", "--pp", "2", "--balance", "profile", "--batch-size", "4",
+        "--microbatches", "2", "--seq-len", "16", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["time_source"].startswith("measured on cpu")
+    assert out["method"] == "profile"
+    assert sorted(b for s in out["stages"] for b in s["blocks"]) == [0, 1, 2, 3]
+    assert all(s["time"] > 0 for s in out["stages"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--split", "4,3,4"], "adds up to 11 blocks but the model has 12"),
+        (["--split", "4,three,5"], "not a list of whole numbers"),
+        (["--split", "6,0,6"], "no layer"),
+        (["--split", "4,4,4", "--balance", "params"], "not allowed with argument"),
+        (
+            ["--balance", "params", "--pp", "16", "--microbatches", "16"],
+            "16 stages but only 14 layers",
+        ),
+        (["--pp", "16", "--microbatches", "16"], "leaves stages empty"),
+        (["--memory-limit", "1MiB"], "memory limit"),
+        (
+            ["--memory-limit", "1MiB", "--balance", "params"],
+            "no split into 3 stages fits the memory limit",
+        ),
+        (["--memory-limit", "lots"], "is not a size"),
+        (["--microbatches", "2"], "1f1b needs --microbatches >= --pp"),
+        (["--batch-size", "30"], "not a whole number of --microbatches"),
+        (["--seq-len", "4096"], "max_seq_len"),
+    ],
+)
+def test_bad_plans_get_one_line_and_exit_2(args: list[str], message: str) -> None:
+    base = ["--model", "llama-default", "--pp", "3"]
+    done = _plan(*base, *args)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_unknown_model_lists_the_presets() -> None:
+    done = _plan("--model", "llama-huge", "--pp", "2")
+    assert done.returncode == 2
+    assert "llama-default" in done.stderr and len(done.stderr.strip().splitlines()) == 1
