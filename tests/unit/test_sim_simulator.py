@@ -113,7 +113,7 @@ def test_the_simulator_and_its_command_import_neither_torch_nor_matplotlib() -> 
     code = (
         "import sys, pipetrain.sim, pipetrain.cli.simulate; "
         "bad = [m for m in ('torch', 'matplotlib') if m in sys.modules]; "
-        "sys.exit(', '.join(bad))"
+        "sys.exit(', '.join(bad) or None)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
