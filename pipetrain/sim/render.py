@@ -312,7 +312,9 @@ def _legend(fig: Any, shown: set[Kind], chunked: bool) -> None:
         if kind in shown or (kind is Kind.SEND_F and shown & comm)
     ]
     if chunked:
-        handles.append(Patch(facecolor=_tint(KIND_COLOURS[Kind.F], 0.5), label="later chunk"))
+        handles.append(
+            Patch(facecolor=_tint(KIND_COLOURS[Kind.F], 0.5), label="a rank's later stage")
+        )
     handles.append(Patch(facecolor=_IDLE_COLOUR, edgecolor="#CCCCCC", label="idle"))
     fig.legend(
         handles=handles,
