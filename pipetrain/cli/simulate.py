@@ -133,6 +133,20 @@ def _builtin(args: argparse.Namespace, name: str) -> _Case:
     return _Case(schedule, args.microbatches if spec.whole_batch else 1)
 
 
+def _single(args: argparse.Namespace) -> _Case:
+    """The one built-in schedule asked for; --chunks must mean something to it."""
+    from pipetrain.schedules import registry
+
+    case = _builtin(args, args.schedule)
+    spec = registry.get_spec(args.schedule)
+    if args.chunks is not None and not spec.uses_chunks and args.chunks != spec.default_chunks:
+        raise UsageError(
+            f"--chunks {args.chunks}: {args.schedule} always has {spec.default_chunks} "
+            "stage(s) per rank; drop --chunks or pick interleaved-1f1b or looped-bfs"
+        )
+    return case
+
+
 def _from_file(args: argparse.Namespace) -> _Case:
     """A user's schedule; the loaders run the same validator as the built-in ones."""
     from pipetrain.schedules import io
@@ -209,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         case = _from_file(args)
     else:
         _need(args, "pp", "microbatches")
-        case = _builtin(args, args.schedule)
+        case = _single(args)
     result = _run_case(case, costs, args)
     if args.plot:
         plot(result.timeline, args.plot)

@@ -176,6 +176,7 @@ def test_schedule_file_that_deadlocks_is_one_line(
         (["--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--costs", "Q=1"], "--costs"),
         (["--schedule", "gpipe", "--pp", "2", "--microbatches", "2", "--plot", "a.jpg"], "--plot"),
         (["--schedule", "gpipe", "--pp", "2"], "--microbatches"),
+        (["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--chunks", "2"], "--chunks"),
         (["--schedule", "gpipe", "--pp", "0", "--microbatches", "2"], "--pp"),
         (["--schedule-file", "nowhere.csv"], "nowhere.csv"),
     ],
