@@ -60,6 +60,16 @@ class Costs:
             return self.step
         return 0.0
 
+    def check(self, num_model_stages: int) -> None:
+        """Raise ``ScheduleError`` unless every per-stage tuple has one value per model stage."""
+        for name in ("forward", "backward", "backward_input", "backward_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) and len(value) != num_model_stages:
+                raise ScheduleError(
+                    f"costs: {name} has {len(value)} values for {num_model_stages} model stages: "
+                    "give one per model stage (each of a rank's v chunks counts) or one for all"
+                )
+
     def transfer(self) -> float:
         """Time from a send being issued to the data being available at the receiver."""
         extra = 0.0 if not self.bandwidth else self.message_bytes / self.bandwidth
@@ -115,6 +125,7 @@ class _Replay:
     number of times and the replay is linear in the schedule size (times the fan-in)."""
 
     def __init__(self, schedule: Schedule, costs: Costs) -> None:
+        costs.check(schedule.placement.num_model_stages)
         self.schedule = schedule
         self.costs = costs
         self.placement = schedule.placement

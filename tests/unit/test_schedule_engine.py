@@ -52,6 +52,11 @@ def test_replay_uses_per_stage_costs_and_split_backward() -> None:
     }
 
 
+def test_per_stage_costs_must_cover_every_model_stage() -> None:
+    with pytest.raises(ScheduleError, match=r"costs: forward has 2 values for 3 model stages"):
+        replay(gpipe(3, 2), Costs(forward=(1.0, 2.0)))
+
+
 def test_events_grouped_by_rank_in_program_order() -> None:
     schedule = one_f_one_b(4, 8)
     timeline = replay(schedule)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.schedules import Kind, ScheduleError
+from pipetrain.schedules.execution import Costs, replay
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.registry import (
     SCHEDULE_NAMES,
@@ -116,3 +117,15 @@ def test_asynchronous_schedules_step_inside_the_stream() -> None:
     for name in ("pipedream", "pipedream-2bw"):
         schedule = build_schedule(name, 4, 4)
         assert any(a.kind is Kind.STEP for _, _, a in schedule.enumerate_actions())
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_lowering_keeps_every_schedule_timing(name: str) -> None:
+    # Sends and receives only make the implicit transfers explicit: same times, any costs.
+    schedule = build_schedule(name, 4, 8)
+    n = schedule.placement.num_model_stages
+    uneven = tuple(1.0 + 0.25 * (j % 3) for j in range(n))
+    costs = Costs(latency=0.3, allreduce=0.5, step=0.25, forward=uneven, backward_weight=uneven)
+    plain = {(e.rank, e.action): (e.start, e.end) for e in replay(schedule, costs).events}
+    lowered = replay(lower(schedule), costs).events
+    assert {(e.rank, e.action): (e.start, e.end) for e in lowered if not e.action.is_comm} == plain
