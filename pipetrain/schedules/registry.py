@@ -16,8 +16,9 @@ when built, so that this registry loads even where they are missing.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from pipetrain.schedules.chimera import check_chimera, chimera
 from pipetrain.schedules.gpipe import check_gpipe, gpipe
@@ -234,7 +235,8 @@ def _specs() -> tuple[ScheduleSpec, ...]:
     )
 
 
-_SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in _specs()}
+# Read-only: built once at import, never changed.
+_SPECS: Mapping[str, ScheduleSpec] = MappingProxyType({spec.name: spec for spec in _specs()})
 SCHEDULE_NAMES: tuple[str, ...] = tuple(_SPECS)
 
 
