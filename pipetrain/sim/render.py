@@ -97,9 +97,9 @@ def ascii(timeline: Timeline, width: int = 120) -> str:
 
 def _ruler(makespan: float, scale: float, columns: int) -> str:
     """Tick labels at round times, spaced at least 8 characters apart."""
-    step = next(
-        m * 10.0**k for k in range(-3, 12) for m in (1.0, 2.0, 5.0) if m * 10.0**k * scale >= 8
-    )
+    least = 8 / scale  # time that 8 characters cover
+    decade = 10.0 ** math.floor(math.log10(least))
+    step = next(m * decade for m in (1.0, 2.0, 5.0, 10.0) if m * decade >= least)
     line = [" "] * (columns + 8)
     tick = 0.0
     while tick <= makespan:

@@ -9,7 +9,7 @@ import pytest
 from test_sim_metrics import GPIPE_2_2, ONE_F_ONE_B_2_2, PIPEDREAM_2, timeline
 
 from pipetrain.errors import InputError
-from pipetrain.schedules.execution import Timeline
+from pipetrain.schedules.execution import Event, Timeline
 from pipetrain.sim.render import ascii, chrome_trace, plot, plot_compare, write_chrome_trace
 
 
@@ -94,3 +94,17 @@ def test_squeezed_ascii_marks_odd_chunks_in_lower_case() -> None:
     assert rows[3] == "r1| ..F0f0......b0B0...."
     assert rows[-1].startswith("(squeezed: lower case = odd chunks")
     assert "0F0" in ascii(tl, width=200) and "(squeezed" not in ascii(tl, width=200)
+
+
+@pytest.mark.parametrize("unit", [1e-6, 1.0, 1e9])
+def test_ascii_of_measured_times_at_any_scale(unit: float) -> None:
+    tl = timeline(["0F0@0-1.2 0B0@4-6.1", "1F0@1.3-2.5 1B0@2.5-3.9"])
+    scaled = Timeline(
+        "m",
+        2,
+        tuple(Event(e.rank, e.action, e.start * unit, e.end * unit) for e in tl.events),
+    )
+    rows = ascii(scaled).splitlines()
+    assert rows[1].split() == ["t|", "0", f"{5 * unit:g}"]
+    assert rows[2] == "r0| 0F0 .........0B0--- ."
+    assert rows[3] == "r1| ....1F0 1B0- ........"
