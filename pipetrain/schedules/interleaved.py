@@ -55,7 +55,9 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     ``(k // g) mod v`` of micro-batch ``(k // (g v)) g + k mod g``; its backwards visit the
     chunks in reverse. Rank r warms up with ``min(2(p-1-r) + (v-1) g, m v)`` forwards, then
     alternates one forward and one backward, then drains. Megatron requires ``m mod p == 0``;
-    like PyTorch this accepts any m that splits into ``max(1, m // p)`` equal groups.
+    like PyTorch this accepts any m that splits into ``max(1, m // p)`` equal groups. With
+    unit costs every ``m >= p`` keeps the bubble at ``(p-1)`` chunk ``F+B`` (e.g. p = 4,
+    m = 6: groups of 6); ``m < p`` leaves ranks waiting for the wrap-around.
 
     p = 2, m = 4, v = 2 (stages 0, 2 on rank 0; 1, 3 on rank 1; unit costs F = 1, B = 2)::
 

@@ -176,6 +176,11 @@ def test_interleaved_warmup_and_makespan(p: int, v: int) -> None:
         assert replay(looped_bfs(p, m, v)).makespan == m * v * 3 + (p - 1) * 3
 
 
+@pytest.mark.parametrize(("p", "m"), [(4, 5), (4, 6), (4, 10), (8, 12)])
+def test_interleaved_relaxed_groups_keep_the_bubble(p: int, m: int) -> None:
+    assert replay(interleaved_1f1b(p, m, 2)).makespan == m * 2 * 3 + (p - 1) * 3
+
+
 def test_pipedream_steps_after_every_backward() -> None:
     schedule = pipedream(4, 3, steps=2)
     assert schedule.asynchronous and schedule.microbatches == 6
