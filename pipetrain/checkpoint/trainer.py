@@ -4,13 +4,15 @@ The loop makes three calls: ``resume()`` once before the first step (the step to
 from), ``after_step(step)`` after every optimizer step (True: stop now), and ``close()``.
 SIGTERM or SIGINT only sets a flag; at the end of the step in progress every rank learns
 whether any rank got one (an all-reduce of the flag), all save together and stop, so a
-preempted job loses at most the step it was in. A second SIGINT interrupts at once.
+preempted job loses at most the step it was in. A second SIGINT, a moment after the
+first, interrupts at once.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,11 +47,18 @@ class CheckpointPolicy:
             raise CheckpointError(f"{what} needs a directory: add --checkpoint-dir DIR")
 
 
+# A Ctrl-C reaches every process of the terminal's group and the local launcher forwards
+# it to its workers as well: a worker sees it twice at once. Only a second SIGINT later
+# than this means "do not wait".
+_REPEAT_AFTER_S = 1.0
+
+
 class StopSignal:
     """SIGTERM/SIGINT set a flag instead of killing the process, while installed."""
 
     def __init__(self) -> None:
         self._flag = False
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be installed from the main thread
@@ -57,8 +66,11 @@ class StopSignal:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._flag and signum == signal.SIGINT:
+        now = time.monotonic()
+        if self._flag and signum == signal.SIGINT and now - self._first_at > _REPEAT_AFTER_S:
             raise KeyboardInterrupt  # asked twice: do not wait for the step to end
+        if not self._flag:
+            self._first_at = now
         self._flag = True
 
     @property

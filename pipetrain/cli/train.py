@@ -48,12 +48,20 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--grad-accum": ("optim.grad_accum", int, "pipeline steps per optimizer step"),
     "--eval-every": ("run.eval_every", int, "evaluate every N steps (0: start and end only)"),
     "--timeline": ("run.timeline", str, "draw the measured timeline of the last step to this PNG"),
+    "--checkpoint-dir": ("run.checkpoint_dir", str, "save checkpoints into this directory"),
+    "--checkpoint-every": (
+        "run.checkpoint_every",
+        int,
+        "save every N steps (0: at a stop, the end)",
+    ),
+    "--keep": ("run.keep", int, "keep the newest N checkpoints (0: all)"),
 }
 SWITCHES: dict[str, tuple[str, str]] = {
     "--recompute": ("pipeline.recompute", "recompute each block's activations in backward"),
     "--compile": ("pipeline.compile", "torch.compile each stage"),
     "--single-process": ("pipeline.single_process", "run every rank in this process (debug mode)"),
     "--tensorboard": ("run.tensorboard", "write TensorBoard logs (needs tensorboard)"),
+    "--resume": ("run.resume", "continue from the newest valid checkpoint in --checkpoint-dir"),
 }
 
 
@@ -114,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_config(config: TrainConfig) -> int:
     """Train with a resolved config in the right kind of process(es); the exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from pipetrain.runtime import PipelineError
     from pipetrain.train.data import load_tokenizer
     from pipetrain.train.launch import LaunchFailed, launch_local, role_from_env
@@ -140,3 +150,8 @@ def run_config(config: TrainConfig) -> int:
     except LaunchFailed as exc:
         sys.stderr.write(f"pipetrain train: {exc}\n")
         return exc.exit_code
+    except SignalException as exc:
+        # The launcher passed SIGTERM/SIGINT on to the ranks, which finish their step, save
+        # (with --checkpoint-dir) and exit 0: a stop asked for is not a failure.
+        sys.stderr.write(f"pipetrain train: stopped by signal {exc.sigval.name}\n")
+        return 0

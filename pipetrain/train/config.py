@@ -159,6 +159,14 @@ class RunConfig:
     sample_temperature: float = 0.8
     # Text the sample starts from.
     sample_prompt: str = "def "
+    # Directory of the run's checkpoints ("" = none); every rank must see the same one.
+    checkpoint_dir: str = ""
+    # Save a checkpoint every this many optimizer steps (0 = only at a stop signal and the end).
+    checkpoint_every: int = 0
+    # Complete checkpoints kept in run.checkpoint_dir, the newest ones (0 = all).
+    keep: int = 0
+    # Continue from the newest valid checkpoint in run.checkpoint_dir (step 0 if there is none).
+    resume: bool = False
 
 
 @dataclass(frozen=True)
@@ -429,6 +437,12 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
     _at_least("run.seed", r.seed, 0)
     _at_least("run.eval_every", r.eval_every, 0)
     _at_least("run.sample_tokens", r.sample_tokens, 0)
+    _at_least("run.checkpoint_every", r.checkpoint_every, 0)
+    _at_least("run.keep", r.keep, 0)
+    if (r.resume or r.checkpoint_every) and not r.checkpoint_dir:
+        raise ConfigError(
+            "run.resume and run.checkpoint_every need run.checkpoint_dir: add --checkpoint-dir DIR"
+        )
     if r.sample_temperature < 0:
         raise ConfigError(
             f"run.sample_temperature is {r.sample_temperature}: use 0 (greedy) or more"

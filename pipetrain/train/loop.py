@@ -8,6 +8,7 @@ knows the loss, so every rank takes the same decisions.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import statistics
@@ -20,12 +21,13 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
 from pipetrain.errors import InputError
 from pipetrain.models import build_full_model, model_spec
 from pipetrain.runtime import Pipeline, build_pipeline
 from pipetrain.schedules import Kind
 from pipetrain.schedules.execution import Costs, Timeline
-from pipetrain.train.config import ConfigError, TrainConfig, config_to_toml
+from pipetrain.train.config import ConfigError, TrainConfig, config_to_dict, config_to_toml
 from pipetrain.train.data import (
     Batch,
     Corpus,
@@ -283,7 +285,30 @@ def _train(
         say(f"eval loss after {step} steps: {value:.4f}")
         return value
 
-    first_eval = evaluate(0)
+    model_fields = dataclasses.asdict(plan.model)
+    model_fields.pop("name")  # a label: the same weights load whatever the preset was called
+    checkpoints = RunCheckpoints(
+        CheckpointPolicy(r.checkpoint_dir, r.checkpoint_every, r.keep, r.resume),
+        modules=pipeline.modules,
+        optimizer=optimizer,
+        model=model_fields,
+        layout=Layout(
+            p.pp,
+            p.chunks,
+            p.schedule,
+            dist.get_world_size(group) if group is not None else 1,
+            plan.split,
+        ),
+        config=config_to_dict(config),
+        total_steps=r.steps,
+        group=group,
+        device=device,
+        say=say,
+        # Batches are a function of (seed, index): the position is all the data state there is.
+        state=lambda done: {"step": done, "data_position": done * config.optim.grad_accum},
+    )
+    start = checkpoints.resume()
+    first_eval = evaluate(start)
     last_eval = first_eval
     accum = config.optim.grad_accum
     timelines: list[Timeline] = []
@@ -293,7 +318,7 @@ def _train(
     train_tokens = 0
     skipped = 0
     last_timeline: Timeline | None = None
-    for step in range(r.steps):
+    for step in range(start, r.steps):
         t0 = time.perf_counter()
         losses: list[float] = []
         tokens = 0
@@ -359,7 +384,10 @@ def _train(
             )
         if r.eval_every and (step + 1) % r.eval_every == 0 and step + 1 < r.steps:
             last_eval = evaluate(step + 1)
-    last_eval = evaluate(r.steps)
+        if checkpoints.after_step(step + 1):
+            break
+    checkpoints.close()
+    last_eval = evaluate(step + 1 if checkpoints.stopped else r.steps)
 
     if r.timeline and role.reporter and last_timeline is not None:
         from pipetrain.sim.render import plot
