@@ -8,12 +8,23 @@ apply to a measured run and a simulated one.
 
 from __future__ import annotations
 
+import statistics
+from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from pipetrain.schedules import Action
-from pipetrain.schedules.execution import Event, Timeline
+from pipetrain.schedules import Action, Kind, Schedule
+from pipetrain.schedules.execution import Costs, Event, Timeline
+from pipetrain.sim import Bubble, bubble, simulate
 
-__all__ = ["ActionClock", "merge_timelines", "rank_events"]
+__all__ = [
+    "ActionClock",
+    "SimComparison",
+    "compare_with_simulation",
+    "measured_costs",
+    "merge_timelines",
+    "rank_events",
+]
 
 _NS = 1e-9
 
@@ -47,3 +58,68 @@ def merge_timelines(name: str, num_ranks: int, per_rank: Sequence[tuple[Event, .
     """All ranks' events in one timeline, ordered by start time."""
     events = sorted((e for events in per_rank for e in events), key=lambda e: (e.start, e.rank))
     return Timeline(name, num_ranks, tuple(events))
+
+
+def measured_costs(timeline: Timeline, schedule: Schedule) -> Costs:
+    """Per-model-stage median durations of F, B, I and W (seconds) in a measured timeline.
+
+    A schedule that never splits the backward gets I = W = B/2, one that never runs B gets
+    B = I + W, so the costs also fit a schedule of the other kind.
+    """
+    placement = schedule.placement
+    samples: dict[tuple[Kind, int], list[float]] = defaultdict(list)
+    for event in timeline.events:
+        if event.action.is_compute or event.action.kind is Kind.ALLREDUCE:
+            samples[(event.action.kind, placement.model_stage(event.action.stage))].append(
+                event.duration
+            )
+
+    def median(kind: Kind, stage: int) -> float | None:
+        values = samples.get((kind, stage))
+        return statistics.median(values) if values else None
+
+    n = placement.num_model_stages
+    forward, backward, inputs, weights = [], [], [], []
+    for stage in range(n):
+        f, b, i, w = (median(k, stage) for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+        if b is None and i is not None and w is not None:
+            b = i + w
+        if b is not None and i is None:
+            i = w = b / 2
+        forward.append(f or 0.0)
+        backward.append(b or 0.0)
+        inputs.append(i or 0.0)
+        weights.append(w or 0.0)
+    allreduce = [e.duration for e in timeline.events if e.action.kind is Kind.ALLREDUCE]
+    return Costs(
+        forward=tuple(forward),
+        backward=tuple(backward),
+        backward_input=tuple(inputs),
+        backward_weight=tuple(weights),
+        allreduce=statistics.median(allreduce) if allreduce else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class SimComparison:
+    """A measured step next to the simulator's replay of the same schedule."""
+
+    measured_makespan_s: float  # first action start to last action end, all ranks
+    simulated_makespan_s: float  # replay with the measured median action times
+    measured_bubble: Bubble
+    simulated_bubble: Bubble
+
+    @property
+    def ratio(self) -> float:
+        """Measured over simulated makespan (1.0: the runtime adds nothing to the actions)."""
+        return (
+            self.measured_makespan_s / self.simulated_makespan_s
+            if self.simulated_makespan_s
+            else 0.0
+        )
+
+
+def compare_with_simulation(timeline: Timeline, schedule: Schedule) -> SimComparison:
+    """Replay ``schedule`` with the action times measured in ``timeline`` and compare."""
+    simulated = simulate(schedule, measured_costs(timeline, schedule))
+    return SimComparison(timeline.makespan, simulated.makespan, bubble(timeline), simulated.bubble)

@@ -1,0 +1,260 @@
+"""Our runtime against torch.distributed.pipelining, 2 processes, one thread each.
+
+Same model (``--model``, default llama-default), same split and same initial weights on
+both sides (each stage is a ``pipetrain.models.build_stage``), batch 32 x 128, AdamW step
+included. For each micro-batch count, each pair of rows runs alternately (ours, torch's)
+for ``--rounds`` rounds; the table gives the median tokens/s, the peak RSS of the
+larger rank (VmHWM, reset before each run), and, for ours, the measured step time and
+action span against the simulator's makespan replayed with the measured median action
+times.
+
+    .venv/bin/python benchmarks/bench_runtime.py [--microbatches 4 8 16] [--steps 3]
+        [--rounds 2] [--json out.json]
+
+Pairs: gpipe / ScheduleGPipe, 1f1b / Schedule1F1B, zb-h1 / ScheduleInterleavedZeroBubble
+(2 stages per rank on torch's side: it is a looped schedule), interleaved-1f1b (v=2) /
+ScheduleInterleaved1F1B (v=2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BATCH, SEQ = 32, 128
+PAIRS = (
+    ("gpipe", "ScheduleGPipe", 1),
+    ("1f1b", "Schedule1F1B", 1),
+    ("zb-h1", "ScheduleInterleavedZeroBubble", 2),
+    ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2),
+)
+
+
+def reset_peak_rss() -> None:
+    # Linux: writing 5 to clear_refs resets the peak resident set size (VmHWM).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def release_memory() -> None:
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def timed_steps(step_fn: Any, steps: int) -> float:
+    """Seconds per step over ``steps`` steps after one warm-up, slowest rank."""
+    step_fn(0)
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        step_fn(1 + i)
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed) / steps
+
+
+def run_ours(spec: Any, name: str, m: int, steps: int) -> dict[str, float]:
+    from pipetrain.runtime import build_pipeline
+    from pipetrain.runtime.timeline import compare_with_simulation
+
+    pipe = build_pipeline(
+        spec, schedule=name, microbatches=m, group=dist.group.WORLD, device="cpu", seed=0
+    )
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    last: list[Any] = []
+
+    def step(i: int) -> None:
+        x, y = batch(i)
+        last[:] = [pipe.step(x, y)]
+        opt.step()
+        pipe.zero_grad()
+
+    per_step = timed_steps(step, steps)
+    result = last[0]
+    comparison = compare_with_simulation(result.timeline, pipe.schedule)
+    return {
+        "step_s": per_step,
+        "loss": result.loss,
+        "measured_step_s": result.step_time_s,
+        "measured_span_s": comparison.measured_makespan_s,
+        "simulated_s": comparison.simulated_makespan_s,
+        "bubble_measured": comparison.measured_bubble.idle_fraction,
+        "bubble_simulated": comparison.simulated_bubble.idle_fraction,
+    }
+
+
+def run_torch(spec: Any, schedule_name: str, v: int, m: int, steps: int) -> dict[str, float]:
+    from torch.distributed import pipelining
+
+    from pipetrain.models import build_stage
+    from pipetrain.runtime import even_split
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    n = p * v
+    split = even_split(len(spec), n)
+    stage_ids = [rank + k * p for k in range(v)]  # looped: stage s on rank s mod p
+    modules = [build_stage(spec, split[s], seed=0, device="cpu") for s in stage_ids]
+    stages = [
+        pipelining.PipelineStage(mod, s, n, torch.device("cpu"))
+        for mod, s in zip(modules, stage_ids, strict=True)
+    ]
+    tokens = BATCH * SEQ
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Summed per micro-batch, divided by the whole batch's tokens: the same as ours.
+        return (
+            torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), reduction="sum"
+            )
+            / tokens
+        )
+
+    cls = getattr(pipelining, schedule_name)
+    schedule = cls(stages[0] if v == 1 else stages, m, loss_fn=loss_fn, scale_grads=False)
+    params = [q for mod in modules for q in mod.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    first, last = 0 in stage_ids, n - 1 in stage_ids
+    losses: list[torch.Tensor] = []
+
+    def step(i: int) -> None:
+        x, y = batch(i)
+        losses.clear()
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": losses} if last else {}
+        schedule.step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    per_step = timed_steps(step, steps)
+    loss = torch.tensor([float(sum(float(t.detach()) for t in losses)) if last else 0.0])
+    dist.all_reduce(loss)
+    return {"step_s": per_step, "loss": float(loss)}
+
+
+def worker(args: argparse.Namespace) -> None:
+    from pipetrain.models import get_model_config, model_spec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    spec = model_spec(get_model_config(args.model))
+    rows: list[dict[str, Any]] = []
+    for m in args.microbatches:
+        for ours, theirs, v in PAIRS:
+            samples: dict[str, list[dict[str, float]]] = {"ours": [], "torch": []}
+            for _ in range(args.rounds):
+                for side in ("ours", "torch"):
+                    release_memory()
+                    dist.barrier()
+                    reset_peak_rss()
+                    if side == "ours":
+                        res = run_ours(spec, ours, m, args.steps)
+                    else:
+                        res = run_torch(spec, theirs, v, m, args.steps)
+                    rss = torch.tensor([peak_rss_mb()])
+                    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+                    res["peak_rss_mb"] = float(rss)
+                    samples[side].append(res)
+            rows.append({"m": m, "ours": ours, "torch": theirs, "samples": samples})
+            if dist.get_rank() == 0:
+                print(format_row(rows[-1]), flush=True)
+    if dist.get_rank() == 0 and args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    dist.destroy_process_group()
+
+
+def med(samples: list[dict[str, float]], key: str) -> float:
+    return statistics.median(s[key] for s in samples)
+
+
+HEADER = (
+    f"{'m':>3} {'ours':<17} {'tok/s':>7} {'RSS MB':>7} | {'torch':<30} {'tok/s':>7} {'RSS MB':>7} | "
+    f"{'ratio':>5} | {'step s':>6} {'span s':>6} {'sim s':>6} {'step/sim':>8} | {'bubble meas/sim':>15}"
+)
+
+
+def format_row(row: dict[str, Any]) -> str:
+    ours, theirs = row["samples"]["ours"], row["samples"]["torch"]
+    tps_ours = BATCH * SEQ / med(ours, "step_s")
+    tps_torch = BATCH * SEQ / med(theirs, "step_s")
+    step, span, sim = (
+        med(ours, "measured_step_s"),
+        med(ours, "measured_span_s"),
+        med(ours, "simulated_s"),
+    )
+    return (
+        f"{row['m']:>3} {row['ours']:<17} {tps_ours:>7.0f} {med(ours, 'peak_rss_mb'):>7.0f} | "
+        f"{row['torch']:<30} {tps_torch:>7.0f} {med(theirs, 'peak_rss_mb'):>7.0f} | "
+        f"{tps_ours / tps_torch:>5.2f} | {step:>6.3f} {span:>6.3f} {sim:>6.3f} {step / sim:>8.3f} | "
+        f"{med(ours, 'bubble_measured'):>7.3f}/{med(ours, 'bubble_simulated'):.3f}"
+    )
+
+
+def launch(argv: list[str]) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(HEADER, flush=True)
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env))
+    return max(proc.wait() for proc in procs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-default")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument(
+        "--steps", type=int, default=3, help="timed steps per run (after one warm-up)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each pair")
+    parser.add_argument("--json", default="", help="also write the raw samples here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    return launch([a for a in sys.argv[1:] if a != "--worker"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""Pieces of the runtime: message headers, the in-memory transport, timelines, the table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipetrain.runtime import PipelineInputError, build_pipeline
+from pipetrain.runtime.errors import StageMismatchError
+from pipetrain.runtime.executor import RankExecutor
+from pipetrain.runtime.timeline import compare_with_simulation, measured_costs
+from pipetrain.runtime.transport import (
+    InMemoryTransport,
+    MessageKey,
+    _header,
+    _parse_header,
+    describe_failure,
+)
+from pipetrain.schedules import Action, Kind, Placement, Schedule
+from pipetrain.schedules.execution import Event, Timeline
+
+
+def test_header_round_trip_gives_dtypes_and_shapes():
+    key = MessageKey(3, True, 7)
+    tensors = (
+        torch.zeros(2, 5, 4),
+        torch.zeros(2, 5, dtype=torch.int64),
+        torch.zeros((), dtype=torch.bfloat16),
+    )
+    values = _header(4, 2, key, tensors)
+    assert _parse_header(values, 4, 2, key) == [
+        (torch.float32, (2, 5, 4)),
+        (torch.int64, (2, 5)),
+        (torch.bfloat16, ()),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("step", "src", "key"),
+    [
+        (5, 2, MessageKey(3, True, 7)),
+        (4, 1, MessageKey(3, True, 7)),
+        (4, 2, MessageKey(3, False, 7)),
+    ],
+)
+def test_a_message_that_is_not_the_expected_one_names_both_stages(step, src, key):
+    values = _header(4, 2, MessageKey(3, True, 7), (torch.zeros(1),))
+    with pytest.raises(StageMismatchError, match=f"stage 3 expected .* from stage {src}"):
+        _parse_header(values, step, src, key)
+
+
+def test_header_limits_are_input_errors():
+    key = MessageKey(1, False, 0)
+    with pytest.raises(StageMismatchError, match="at most 8"):
+        _header(0, 0, key, tuple(torch.zeros(1) for _ in range(9)))
+    with pytest.raises(StageMismatchError, match="up to 6 dims"):
+        _header(0, 0, key, (torch.zeros(1, 1, 1, 1, 1, 1, 1),))
+
+
+def test_failures_are_described_by_cause():
+    assert "was lost" in describe_failure(
+        RuntimeError("[pair.cc:553] Connection closed by peer [1.2.3.4]:5"), 9
+    )
+    assert "within 9 s" in describe_failure(RuntimeError("Timed out waiting 9000ms for recv"), 9)
+
+
+def test_in_memory_transport_matches_by_name_and_reports_leftovers():
+    t = InMemoryTransport()
+    t.begin_step(0, ())
+    a, b = MessageKey(1, False, 0), MessageKey(1, False, 1)
+    t.send(b, 0, (torch.ones(1),))
+    assert t.recv(a, 0) is None
+    assert torch.equal(t.recv(b, 0)[0], torch.ones(1))
+    t.send(a, 0, (torch.ones(1),))
+    with pytest.raises(Exception, match="never received"):
+        t.end_step()
+
+
+class _FakeAction:
+    stage, microbatch = 0, 0
+    kind = "X"
+
+
+def test_an_action_of_unknown_kind_fails_when_built():
+    schedule = Schedule.build("odd", Placement.linear(1), 1, [[_FakeAction()]])
+    with pytest.raises(PipelineInputError, match="cannot run"):
+        RankExecutor(schedule, 0, {0: object()}, InMemoryTransport(), reducer=None)
+
+
+def test_measured_costs_and_simulation_of_a_perfect_run():
+    # A GPipe run on 2 ranks with F = 1, B = 2 exactly as the replay would place it.
+    p = Placement.linear(2)
+    events = []
+    for k in range(2):
+        events.append(Event(0, Action(0, Kind.F, k), k, k + 1))
+        events.append(Event(1, Action(1, Kind.F, k), k + 1, k + 2))
+    for k in range(2):
+        events.append(Event(1, Action(1, Kind.B, k), 3 + 2 * k, 5 + 2 * k))
+        events.append(Event(0, Action(0, Kind.B, k), 5 + 2 * k, 7 + 2 * k))
+    rows = [[e.action for e in events if e.rank == r] for r in range(2)]
+    schedule = Schedule.build("gpipe", p, 2, rows)
+    timeline = Timeline("gpipe", 2, tuple(events))
+    costs = measured_costs(timeline, schedule)
+    assert costs.forward == (1.0, 1.0) and costs.backward == (2.0, 2.0)
+    assert costs.backward_input == (1.0, 1.0)  # B split evenly when the run had no I/W
+    comparison = compare_with_simulation(timeline, schedule)
+    assert comparison.measured_makespan_s == comparison.simulated_makespan_s == 9.0
+    assert comparison.ratio == 1.0
+    assert comparison.measured_bubble == comparison.simulated_bubble
+
+
+def test_debug_timeline_simulates_and_draws(tmp_path):
+    from pipetrain.models import get_model_config, model_spec
+    from pipetrain.sim.render import ascii, write_chrome_trace
+
+    spec = model_spec(get_model_config("llama-tiny"))
+    pipe = build_pipeline(spec, schedule="zb-h1", ranks=2, microbatches=4, device="cpu")
+    ids = torch.randint(0, 256, (4, 9))
+    result = pipe.step(ids[:, :-1], ids[:, 1:])
+    comparison = compare_with_simulation(result.timeline, pipe.schedule)
+    assert comparison.simulated_makespan_s > 0
+    # In the debug mode ranks take turns, so the measured span is at least the simulated one.
+    assert comparison.measured_makespan_s >= comparison.simulated_makespan_s * 0.99
+    assert ascii(result.timeline).count("\n") >= 2
+    trace = json.loads(
+        write_chrome_trace(result.timeline, tmp_path / "t.json", us_per_unit=1e6).read_text()
+    )
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert names == {str(a) for row in pipe.schedule.actions for a in row}
