@@ -261,8 +261,9 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
             f"no schedule fits --pp {args.pp} --microbatches {args.microbatches}: "
             "try --microbatches equal to a multiple of --pp"
         )
+    pictured, off_scale = _on_one_scale(results)
     if args.plot:
-        plot_compare([r.timeline for r in results], args.plot)
+        plot_compare([r.timeline for r in pictured], args.plot)
     if args.trace:
         write_chrome_trace([r.timeline for r in results], args.trace)
     if args.json:
@@ -285,10 +286,27 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
     )
     for name, why in skipped:
         print(f"  not fitting: {name}: {why}")
+    if args.plot:
+        for r in off_scale:
+            print(f"  not in the picture: {r.schedule} (makespan {r.makespan:g}, off the scale)")
     for path in (args.plot, args.trace):
         if path:
             print(f"wrote {path}")
     return 0
+
+
+def _on_one_scale(results: list[SimResult]) -> tuple[list[SimResult], list[SimResult]]:
+    """Split off the naive baseline when it is over twice as long as every pipeline: on a
+    shared time axis it would squeeze all the others into slivers."""
+    from pipetrain.schedules import registry
+
+    whole = {r.schedule for r in results if registry.get_spec(r.schedule).whole_batch}
+    longest = max((r.makespan for r in results if r.schedule not in whole), default=0.0)
+    off = {r.schedule for r in results if r.schedule in whole and 0 < 2 * longest < r.makespan}
+    return (
+        [r for r in results if r.schedule not in off],
+        [r for r in results if r.schedule in off],
+    )
 
 
 def _table(results: list[SimResult]) -> str:

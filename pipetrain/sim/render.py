@@ -253,6 +253,7 @@ def _draw(
     half = 0.4
     boxes: list[list[tuple[float, float]]] = []
     colours: list[str] = []
+    edges: list[float] = []
     ticks: list[tuple[float, int, str]] = []
     for e in tl.events:
         y = tl.num_ranks - 1 - e.rank
@@ -271,6 +272,9 @@ def _draw(
             [(x, y - half), (x + e.duration, y - half), (x + e.duration, y + half), (x, y + half)]
         )
         colours.append(_tint(KIND_COLOURS[kind], light))
+        # White gaps between boxes, but none on slivers, which they would wash out.
+        px = e.duration * px_per_unit
+        edges.append(0.6 if px >= 6 else 0.25 if px >= 3 else 0.0)
         label = "" if e.action.microbatch is None else str(e.action.microbatch)
         # Numbers only where they fit: about 6 pixels per digit at this font size.
         if label and e.duration * px_per_unit >= 6 * len(label) + 3:
@@ -289,7 +293,9 @@ def _draw(
         for y in range(tl.num_ranks)
     ]
     ax.add_collection(PolyCollection(bands, facecolors=_IDLE_COLOUR, linewidths=0))
-    ax.add_collection(PolyCollection(boxes, facecolors=colours, edgecolors="white", linewidths=0.6))
+    ax.add_collection(
+        PolyCollection(boxes, facecolors=colours, edgecolors="white", linewidths=edges)
+    )
     for tick_x, tick_y, colour in ticks:
         ax.vlines(tick_x, tick_y - half, tick_y + half, color=colour, lw=2)
     ax.set_yticks(range(tl.num_ranks))
