@@ -286,6 +286,10 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
     )
     for name, why in skipped:
         print(f"  not fitting: {name}: {why}")
+    if args.ascii:
+        for r in results:
+            print()
+            print(ascii(r.timeline, width=args.width))
     if args.plot:
         for r in off_scale:
             print(f"  not in the picture: {r.schedule} (makespan {r.makespan:g}, off the scale)")

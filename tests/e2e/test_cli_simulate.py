@@ -128,6 +128,9 @@ def test_compare_table_picture_and_json(tmp_path: Path, capsys: pytest.CaptureFi
     # zb-h2 needs m >= 2p-1: listed with its reason.
     assert any(line.startswith("  not fitting: zb-h2: ") for line in lines)
     assert png.stat().st_size > 0
+    _, out, _ = cli(capsys, "--compare", "--pp", "2", "--microbatches", "2", "--ascii")
+    grids = [line for line in out.splitlines() if ": 2 ranks, makespan " in line]
+    assert [g.split(":")[0] for g in grids] == registry.fitting(2, 2)
     _, out, _ = cli(capsys, "--compare", "--pp", "4", "--microbatches", "4", "--json")
     data = json.loads(out)
     assert [r["schedule"] for r in data["results"]] == [
