@@ -69,10 +69,12 @@ def _dest(flag: str) -> str:
     return "cfg_" + flag.lstrip("-").replace("-", "_")
 
 
-def add_config_flags(p: argparse.ArgumentParser) -> None:
+def add_config_flags(p: argparse.ArgumentParser, *, skip: frozenset[str] = frozenset()) -> None:
     """The flags of every config field a user sets often, plus --config and --set."""
     p.add_argument("--config", metavar="FILE", help="TOML config file (flags override it)")
     for flag, (key, kind, text) in FLAGS.items():
+        if flag in skip:
+            continue
         p.add_argument(flag, dest=_dest(flag), type=kind, default=None, help=f"{text} [{key}]")
     for flag, (key, text) in SWITCHES.items():
         p.add_argument(
@@ -92,7 +94,7 @@ def config_from_args(args: argparse.Namespace, extra: dict[str, Any] | None = No
     """Defaults, then --config, then --set, then the flags, then ``extra``."""
     overrides: dict[str, Any] = dict(parse_override(text) for text in args.cfg_set)
     for flag, (key, _, _) in FLAGS.items():
-        value = getattr(args, _dest(flag))
+        value = getattr(args, _dest(flag), None)
         if value is not None:
             overrides[key] = value
     for flag, (key, _) in SWITCHES.items():

@@ -346,7 +346,8 @@ def _train(
         outcome = update.apply(step, grads, loss, accumulated=accum)
         elapsed = time.perf_counter() - t0
         assert last_timeline is not None
-        bubble = measured_bubble(last_timeline)
+        # In one process the ranks take turns: their idle time says nothing of a pipeline.
+        bubble = measured_bubble(last_timeline) if role.distributed else math.nan
         if step >= _WARMUP_STEPS or r.steps <= _WARMUP_STEPS:
             timelines.append(last_timeline)
             bubbles.append(bubble)
@@ -400,7 +401,7 @@ def _train(
         wall_s=time.perf_counter() - started,
         tokens=train_tokens,
         tokens_per_s=timed_tokens / train_time if train_time > 0 else math.nan,
-        measured_bubble=statistics.mean(bubbles) if p.pp > 1 and bubbles else None,
+        measured_bubble=statistics.mean(bubbles) if role.distributed and bubbles else None,
         simulated_bubble=_simulated_bubble(plan, timelines) if p.pp > 1 else None,
         first_eval_loss=first_eval,
         final_eval_loss=last_eval,

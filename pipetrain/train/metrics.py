@@ -189,9 +189,13 @@ class RunSummary:
             lines.append(
                 f"eval loss {self.first_eval_loss:.4f} -> {self.final_eval_loss:.4f} ({drop:.0%} lower)"
             )
+        simulated = "n/a" if self.simulated_bubble is None else f"{self.simulated_bubble:.1%}"
         if self.measured_bubble is not None:
-            simulated = "n/a" if self.simulated_bubble is None else f"{self.simulated_bubble:.1%}"
             lines.append(f"bubble: measured {self.measured_bubble:.1%}, simulated {simulated}")
+        elif self.simulated_bubble is not None:
+            lines.append(
+                f"bubble: simulated {simulated} (not measured: every rank ran in one process)"
+            )
         lines.append("peak memory per rank: " + ", ".join(_mib(b) for b in self.peak_memory))
         if self.skipped_steps:
             lines.append(f"skipped updates (non-finite loss or gradient): {self.skipped_steps}")

@@ -1,0 +1,137 @@
+"""``pipetrain tune``: measure tokens/s and peak memory for several micro-batch counts.
+
+    pipetrain tune --pp 2 --schedule 1f1b --microbatches 2,4,8,16 [--steps 4] [train flags]
+
+The last step in choosing a micro-batch size: after the memory estimate of
+``pipetrain plan``, run a few real steps of each candidate and keep the fastest. Each
+candidate is a short ``pipetrain train`` run without evaluation or sample; its tokens/s
+leaves out the first step (allocations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from typing import Any
+
+from pipetrain.cli.errors import UsageError
+from pipetrain.cli.train import add_config_flags, config_from_args, run_config
+from pipetrain.errors import InputError
+
+__all__ = ["Candidate", "add_parser", "format_table", "parse_counts", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One micro-batch count and what it measured (or why it could not run)."""
+
+    microbatches: int
+    microbatch_size: int
+    tokens_per_s: float = math.nan
+    peak_memory: int = 0  # bytes, the largest of the ranks
+    error: str = ""
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "tune",
+        help="run a few steps per micro-batch count; tokens/s and peak memory, best marked",
+        description="Run a few training steps for each micro-batch count and print tokens/s "
+        "and peak memory per candidate, marking the fastest. Takes every flag of "
+        "'pipetrain train'.",
+    )
+    p.add_argument(
+        "--microbatches",
+        dest="tune_microbatches",
+        default="2,4,8,16",
+        metavar="M1,M2,...",
+        help="micro-batch counts to try (default 2,4,8,16)",
+    )
+    add_config_flags(p, skip=frozenset({"--microbatches"}))
+    p.set_defaults(run=run)
+
+
+def parse_counts(text: str) -> list[int]:
+    """``"2,4,8"`` -> ``[2, 4, 8]``; anything else is a one-line usage error."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--microbatches {text!r} is not a list of integers: write e.g. 2,4,8,16"
+        ) from None
+    if not counts or any(c < 1 for c in counts):
+        raise UsageError(f"--microbatches {text!r}: give positive counts, e.g. 2,4,8,16")
+    return sorted(set(counts))
+
+
+def _measure(args: argparse.Namespace, count: int, stamp: str) -> Candidate:
+    extra: dict[str, Any] = {
+        "pipeline.microbatches": count,
+        "run.evaluate": False,
+        "run.sample_tokens": 0,
+        "optim.warmup_steps": 0,
+    }
+    if args.cfg_steps is None:
+        extra["run.steps"] = 4
+    if args.cfg_name is None:
+        extra["run.name"] = f"tune-{stamp}-m{count}"
+    try:
+        config = config_from_args(args, extra)
+    except InputError as exc:
+        return Candidate(count, 0, error=str(exc))
+    sys.stdout.write(f"--- micro-batches {count} (micro-batch size {config.microbatch_size})\n")
+    sys.stdout.flush()
+    code = run_config(config)
+    summary = _summary_line(config.metrics_path) if code == 0 else None
+    if summary is None:
+        return Candidate(
+            count, config.microbatch_size, error=f"the run failed (exit status {code})"
+        )
+    return Candidate(
+        count, config.microbatch_size, float(summary["tokens_per_s"]), max(summary["peak_memory"])
+    )
+
+
+def _summary_line(path: Any) -> dict[str, Any] | None:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        record = json.loads(line)
+        if record.get("summary"):
+            return dict(record)
+    return None
+
+
+def format_table(candidates: list[Candidate]) -> str:
+    """The candidates, fastest marked with '*'."""
+    ran = [c for c in candidates if not c.error and math.isfinite(c.tokens_per_s)]
+    best = max(ran, key=lambda c: c.tokens_per_s) if ran else None
+    lines = [f"{'micro-batches':>13}  {'size':>5}  {'tokens/s':>10}  {'peak memory':>12}"]
+    for c in candidates:
+        if c.error:
+            lines.append(f"{c.microbatches:>13}  {'':>5}  skipped: {c.error}")
+            continue
+        mark = " *" if c is best else ""
+        lines.append(
+            f"{c.microbatches:>13}  {c.microbatch_size:>5}  {c.tokens_per_s:>10,.0f}  "
+            f"{c.peak_memory / 2**20:>8,.0f} MiB{mark}"
+        )
+    if best is not None:
+        lines.append(
+            f"best: --microbatches {best.microbatches} ({best.tokens_per_s:,.0f} tokens/s)"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    counts = parse_counts(args.tune_microbatches)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidates = [_measure(args, count, stamp) for count in counts]
+    sys.stdout.write(format_table(candidates) + "\n")
+    return 0 if any(not c.error for c in candidates) else 1
