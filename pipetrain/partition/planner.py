@@ -15,19 +15,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import (
     LayerCost,
     MemoryModel,
     Partition,
     PartitionError,
     format_bytes,
+    parse_split,
     split_by_cost,
     split_by_params,
     split_explicit,
     split_uniform,
 )
+from pipetrain.partition.estimate import estimate_costs
 from pipetrain.schedules.actions import Kind
 from pipetrain.schedules.execution import Costs
+from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.schedule import Schedule, ScheduleError
 from pipetrain.sim.simulator import SimResult, simulate
 
@@ -39,7 +43,9 @@ __all__ = [
     "ScheduleFactory",
     "StagePlan",
     "make_plan",
+    "split_layers",
     "stage_live_peaks",
+    "stage_ranks_of",
 ]
 
 METHODS = ("explicit", "uniform", "params", "profile", "cost")
@@ -213,11 +219,7 @@ def stage_live_peaks(schedule: Schedule) -> tuple[int, ...]:
 
 
 def _model_stage_ranks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
-    placement = schedule.placement
-    return tuple(
-        tuple(placement.rank_of(v) for v in placement.replicas_of(j))
-        for j in range(placement.num_model_stages)
-    )
+    return stage_ranks_of(schedule.placement)
 
 
 def _model_stage_live(schedule: Schedule) -> tuple[int, ...]:
@@ -275,6 +277,34 @@ def _split(
         # Balanced by time; the name says where the times came from.
         return replace(split_by_cost(costs, stage_ranks, memory), method=method)
     raise PartitionError(f"--balance {method!r} is unknown: use one of uniform, params, profile")
+
+
+def stage_ranks_of(placement: Placement) -> tuple[tuple[int, ...], ...]:
+    """Model stage -> the ranks holding it (one per replica), from a schedule's placement."""
+    return tuple(
+        tuple(placement.rank_of(v) for v in placement.replicas_of(j))
+        for j in range(placement.num_model_stages)
+    )
+
+
+def split_layers(
+    config: ModelConfig,
+    placement: Placement,
+    *,
+    split: str | Sequence[int] | None = None,
+    method: str = "uniform",
+    seq_len: int | None = None,
+) -> tuple[tuple[int, ...], ...]:
+    """Global layer indices of each model stage of ``placement``, without measuring anything.
+
+    ``split``: blocks per stage (``"4,3,5"``); else ``method`` "uniform" or "params" (with
+    estimated costs, "profile" falls back to FLOP estimates here). The trainer and runtime
+    feed the result to ``build_stage``.
+    """
+    costs = estimate_costs(config, seq_len or config.max_seq_len)
+    counts = parse_split(split) if isinstance(split, str) else split
+    name = "cost" if method == "profile" else method
+    return _split(name, costs, stage_ranks_of(placement), counts, None).stages
 
 
 def make_plan(

@@ -7,7 +7,8 @@ import pytest
 from pipetrain.errors import InputError
 from pipetrain.models.config import get_model_config
 from pipetrain.partition.estimate import estimate_costs
-from pipetrain.partition.planner import Overheads, make_plan, stage_live_peaks
+from pipetrain.partition.planner import Overheads, make_plan, split_layers, stage_live_peaks
+from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.registry import build_schedule, get_spec
 from pipetrain.sim.simulator import simulate
 
@@ -120,3 +121,16 @@ def test_params_balance_with_a_binding_limit_is_honoured() -> None:
 def test_plans_that_cannot_work_say_what_to_change(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(InputError, match=message):
         _plan(**kwargs)
+
+
+def test_split_layers_for_a_placement() -> None:
+    config = get_model_config("llama-default")
+    assert split_layers(config, Placement.linear(3)) == (
+        tuple(range(0, 5)),
+        tuple(range(5, 9)),
+        tuple(range(9, 14)),
+    )
+    assert split_layers(config, Placement.linear(3), split="5,4,3")[0] == tuple(range(0, 6))
+    v_shape = split_layers(config, Placement.v_shape(3), method="params")
+    assert len(v_shape) == 6 and [i for s in v_shape for i in s] == list(range(14))
+    assert len(split_layers(config, Placement.bidirectional(4))) == 4
