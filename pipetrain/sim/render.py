@@ -15,7 +15,7 @@ from typing import Any
 from pipetrain.errors import InputError
 from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.execution import Event, Timeline
-from pipetrain.sim.metrics import bubble
+from pipetrain.sim.metrics import bubble, live_activations
 
 __all__ = [
     "KIND_COLOURS",
@@ -130,7 +130,8 @@ def chrome_trace(
     """Chrome trace JSON (Perfetto, chrome://tracing): process = schedule, thread = rank.
 
     Every event is a complete event named by the action text with its stage, kind and
-    micro-batch in ``args``. ``us_per_unit`` converts timeline units to microseconds (the
+    micro-batch in ``args``; a counter per rank follows its live activations (in stage x
+    micro-batch units). ``us_per_unit`` converts timeline units to microseconds (the
     default shows one simulated unit as one millisecond; measured seconds want 1e6).
     """
     group = [timelines] if isinstance(timelines, Timeline) else list(timelines)
@@ -172,6 +173,18 @@ def chrome_trace(
                     "args": {"stage": a.stage, "kind": a.kind.value, "microbatch": a.microbatch},
                 }
             )
+        # One counter track per rank: live activations over time, beside the actions.
+        for rank, curve in enumerate(live_activations(tl)):
+            for time, level in curve:
+                events.append(
+                    {
+                        "name": f"activations rank {rank}",
+                        "ph": "C",
+                        "pid": pid,
+                        "ts": time * us_per_unit,
+                        "args": {"live": level},
+                    }
+                )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -57,6 +57,9 @@ def test_chrome_trace_has_one_track_per_rank_and_complete_events() -> None:
     assert (b0["ts"], b0["dur"]) == (50.0, 20.0)
     assert b0["args"] == {"stage": 0, "kind": "B", "microbatch": 0}
     assert b0["cat"] == "compute"
+    counters = [e for e in events if e["ph"] == "C" and e["pid"] == 1]
+    rank0 = [(e["ts"], e["args"]["live"]) for e in counters if e["name"] == "activations rank 0"]
+    assert rank0 == [(0.0, 1.0), (10.0, 2.0), (60.0, 1.0), (90.0, 0.0)]
 
 
 def test_write_chrome_trace_round_trips_through_json(tmp_path: Path) -> None:
