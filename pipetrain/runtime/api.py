@@ -53,7 +53,7 @@ from pipetrain.runtime.collectives import (
     dist_step_summary,
 )
 from pipetrain.runtime.errors import PipelineError, PipelineInputError
-from pipetrain.runtime.executor import RankExecutor, StepHook
+from pipetrain.runtime.executor import ComputeHook, RankExecutor, StepHook
 from pipetrain.runtime.stage import IGNORE_INDEX, LossFn, StageRunner, token_cross_entropy
 from pipetrain.runtime.timeline import merge_timelines, rank_events
 from pipetrain.runtime.transport import DistTransport, InMemoryTransport, backend_for
@@ -148,6 +148,7 @@ class Pipeline:
         loss_fn: LossFn,
         timeout_s: float,
         step_hook: StepHook | None,
+        compute_hook: ComputeHook | None = None,
     ) -> None:
         self.schedule = schedule
         self.spec = spec
@@ -234,6 +235,7 @@ class Pipeline:
                     transport,
                     self._reducer,
                     step_hook,
+                    compute_hook,
                 )
                 for r in ranks
             ]
@@ -407,6 +409,7 @@ def build_pipeline(
     timeout_s: float = 300.0,
     dtype: torch.dtype = torch.float32,
     step_hook: Callable[[int, int], None] | None = None,
+    compute_hook: ComputeHook | None = None,
 ) -> Pipeline:
     """Build this rank's stages of ``model`` for ``schedule``.
 
@@ -414,7 +417,9 @@ def build_pipeline(
     None runs all ``ranks`` in this process (debug mode). ``split``: layer indices of each
     model stage (default: ``even_split``). ``loss_fn(logits, targets)`` returns the loss
     summed over tokens. ``step_hook(stage, microbatch)`` runs the STEP actions of
-    asynchronous schedules. Every wait gives up after ``timeout_s`` seconds.
+    asynchronous schedules; ``compute_hook(action)`` runs before each F, B, I and W (where
+    pipetrain.runtime.weights picks a micro-batch's weight version). Every wait gives up
+    after ``timeout_s`` seconds.
     """
     spec = _as_spec(model)
     if microbatches < 1:
@@ -480,4 +485,5 @@ def build_pipeline(
         loss_fn or token_cross_entropy,
         timeout_s,
         step_hook,
+        compute_hook,
     )

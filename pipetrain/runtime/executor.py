@@ -26,11 +26,14 @@ from pipetrain.runtime.timeline import ActionClock
 from pipetrain.runtime.transport import MessageKey
 from pipetrain.schedules import Action, Kind, Schedule
 
-__all__ = ["GradReducer", "RankExecutor", "StepHook", "Transport"]
+__all__ = ["ComputeHook", "GradReducer", "RankExecutor", "StepHook", "Transport"]
 
 # Called for a STEP action with (stage, micro-batch): the caller's optimizer step of that
 # stage (asynchronous schedules).
 StepHook = Callable[[int, int], None]
+# Called with each F, B, I and W action just before it runs: asynchronous schedules choose
+# the weight version a micro-batch uses there (pipetrain.runtime.weights).
+ComputeHook = Callable[[Action], None]
 
 
 class Transport(Protocol):
@@ -58,6 +61,7 @@ class RankExecutor:
         transport: Transport,
         reducer: GradReducer,
         step_hook: StepHook | None = None,
+        compute_hook: ComputeHook | None = None,
     ) -> None:
         self.rank = rank
         self.actions: tuple[Action, ...] = schedule.actions[rank]
@@ -66,6 +70,7 @@ class RankExecutor:
         self._transport = transport
         self._reducer = reducer
         self._step_hook = step_hook
+        self._compute_hook = compute_hook
         table: dict[Kind, Callable[[Action], bool]] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -162,6 +167,8 @@ class RankExecutor:
         stage, mb = action.stage, action.microbatch
         assert mb is not None
         runner = self._stages[stage]
+        if self._compute_hook is not None:
+            self._compute_hook(action)
         if runner.is_first:
             inputs: tuple[torch.Tensor, ...] = (self._inputs[mb],)
         else:
@@ -189,6 +196,8 @@ class RankExecutor:
                 f"the schedule is invalid (validate it with pipetrain.schedules.validate)"
             )
         grads = None if runner.is_last else self._take(action, MessageKey(stage, True, mb))
+        if self._compute_hook is not None:
+            self._compute_hook(action)
         input_grads = runner.backward(mb, grads, weights)
         if not runner.is_first:
             self._hand_over(stage, stage - 1, True, mb, input_grads)
@@ -197,6 +206,8 @@ class RankExecutor:
     def _weight(self, action: Action) -> bool:
         self._transport.progress()
         assert action.microbatch is not None
+        if self._compute_hook is not None:
+            self._compute_hook(action)
         self._stages[action.stage].weight(action.microbatch)
         return True
 
