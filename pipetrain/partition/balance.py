@@ -90,6 +90,24 @@ class MemoryModel:
         return self.state_factor * params + activations * self.microbatch_size * self.live[stage]
 
 
+class _StageBytes:
+    """``MemoryModel.stage_bytes`` in O(1) from prefix sums (the search asks it O(S L^2) times)."""
+
+    def __init__(self, costs: Sequence[LayerCost], memory: MemoryModel) -> None:
+        self.memory = memory
+        self.params = [0.0]
+        self.acts = [0.0]
+        for c in costs:
+            self.params.append(self.params[-1] + c.param_bytes)
+            self.acts.append(self.acts[-1] + c.activation_bytes_per_sample)
+
+    def __call__(self, stage: int, start: int, end: int) -> float:
+        m = self.memory
+        params = self.params[end] - self.params[start]
+        acts = self.acts[end] - self.acts[start]
+        return m.state_factor * params + acts * m.microbatch_size * m.live[stage]
+
+
 @dataclass(frozen=True)
 class Partition:
     """Stage -> its global layer indices (contiguous), with per-stage totals."""
@@ -300,10 +318,11 @@ def _balanced(
         return prefix[j] - prefix[i]
 
     ranks_single = all(len(r) == 1 for r in ranks) and len({r[0] for r in ranks}) == n_stages
+    stage_bytes = None if memory is None else _StageBytes(costs, memory)
     fits: Callable[[int, int, int], bool] = lambda s, i, j: True  # noqa: E731
-    if memory is not None and ranks_single:
-        limit = memory.limit_bytes
-        fits = lambda s, i, j: memory.stage_bytes(costs, s, i, j) <= limit  # noqa: E731
+    if memory is not None and stage_bytes is not None and ranks_single:
+        limit, mem = memory.limit_bytes, stage_bytes
+        fits = lambda s, i, j: mem(s, i, j) <= limit  # noqa: E731
 
     bottleneck = _min_bottleneck(n_layers, n_stages, seg, fits)
     bounds = None
@@ -311,10 +330,11 @@ def _balanced(
         bounds = _min_squares(n_layers, n_stages, seg, fits, bottleneck)
     if (
         memory is not None
+        and stage_bytes is not None
         and not ranks_single
-        and (bounds is None or not _ranks_fit(costs, bounds, ranks, memory))
+        and (bounds is None or not _ranks_fit(stage_bytes, bounds, ranks, memory.limit_bytes))
     ):
-        bounds = _coupled_search(costs, n_stages, seg, ranks, memory)
+        bounds = _coupled_search(n_layers, n_stages, seg, ranks, stage_bytes, memory.limit_bytes)
     if bounds is None:
         assert memory is not None  # without a limit every split of >= 1 layer per stage is allowed
         raise PartitionError(
@@ -378,37 +398,28 @@ def _min_squares(
     return bounds[::-1]
 
 
-def _rank_bytes(
-    costs: Sequence[LayerCost],
+def _ranks_fit(
+    stage_bytes: _StageBytes,
     bounds: Sequence[tuple[int, int]],
     ranks: Sequence[Sequence[int]],
-    memory: MemoryModel,
-) -> list[float]:
+    limit: float,
+) -> bool:
     totals = [0.0] * (max(max(r) for r in ranks) + 1)
     for s, (i, j) in enumerate(bounds):
         for rank in ranks[s]:
-            totals[rank] += memory.stage_bytes(costs, s, i, j)
-    return totals
-
-
-def _ranks_fit(
-    costs: Sequence[LayerCost],
-    bounds: Sequence[tuple[int, int]],
-    ranks: Sequence[Sequence[int]],
-    memory: MemoryModel,
-) -> bool:
-    return all(b <= memory.limit_bytes for b in _rank_bytes(costs, bounds, ranks, memory))
+            totals[rank] += stage_bytes(s, i, j)
+    return all(b <= limit for b in totals)
 
 
 def _coupled_search(
-    costs: Sequence[LayerCost],
+    n_layers: int,
     n_stages: int,
     seg: Callable[[int, int], float],
     ranks: Sequence[Sequence[int]],
-    memory: MemoryModel,
+    stage_bytes: _StageBytes,
+    limit: float,
 ) -> list[tuple[int, int]] | None:
     """Branch and bound over the cuts when one rank holds several stages under a limit."""
-    n_layers = len(costs)
     n_ranks = max(max(r) for r in ranks) + 1
     best_value = float("inf")
     best_bounds: list[tuple[int, int]] | None = None
@@ -433,9 +444,12 @@ def _coupled_search(
             w = seg(i, j)
             if max(heaviest, w) >= best_value:
                 break  # longer segments only weigh more
-            extra = memory.stage_bytes(costs, s, i, j)
-            if any(used[rank] + extra > memory.limit_bytes for rank in ranks[s]):
+            extra = stage_bytes(s, i, j)
+            if any(used[rank] + extra > limit for rank in ranks[s]):
                 break  # and hold more
+            left = n_stages - s - 1
+            if left and seg(j, n_layers) / left >= best_value:
+                continue  # the stages after this one cannot all stay under the best
             for rank in ranks[s]:
                 used[rank] += extra
             path.append((i, j))
