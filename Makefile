@@ -17,8 +17,8 @@ train: $(STAMP)
 	$(VENV)/bin/pipetrain train
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pipetrain tests benchmarks
-	$(VENV)/bin/ruff format --check pipetrain tests benchmarks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy pipetrain
