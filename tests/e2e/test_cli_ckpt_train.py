@@ -1,0 +1,137 @@
+"""Checkpoints through ``pipetrain train`` (2 local processes): exact resume, SIGTERM,
+and a resume under another layout that skips a damaged newest checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetrain.checkpoint import list_checkpoints, read_manifest, read_weights
+
+pytestmark = pytest.mark.e2e
+
+TINY = [
+    "--model", "llama-tiny", "--steps", "4", "--batch-size", "4", "--microbatches", "2",
+    "--seq-len", "16", "--eval-every", "0", "--set", "run.sample_tokens=0",
+    "--set", "optim.warmup_steps=1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("train")
+    data = root / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    words = ["def", "class", "return", "import", "for", "while", "if", "lambda", "self", "x"]
+    for i in range(24):
+        lines = (" ".join(rng.choice(words) for _ in range(10)) for _ in range(60))
+        (data / f"doc{i:02d}.txt").write_text("\n".join(lines))
+    return root
+
+
+def train_command(work: Path, name: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "pipetrain.cli", "train", *TINY, "--data", str(work / "data"),
+        "--name", name, "--set", f"run.out_dir={work / 'runs'}", *extra,
+    ]  # fmt: skip
+
+
+def run_train(work: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        train_command(work, name, *extra), capture_output=True, text=True, timeout=240, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def losses(work: Path, name: str) -> dict[int, float]:
+    lines = (work / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def full(work: Path) -> Path:
+    """4 steps on 2 processes, a checkpoint every 2: the reference run."""
+    full = work / "ckpt_full"
+    run_train(work, "full", "--pp", "2", "--checkpoint-dir", str(full), "--checkpoint-every", "2")
+    return full
+
+
+def test_k_steps_then_resume_k_equals_2k_steps_bit_for_bit(work: Path, full: Path) -> None:
+    assert [s for s, _ in list_checkpoints(full).complete] == [2, 4]
+    manifest = read_manifest(full / "step_000002")
+    assert manifest.trainer == {"step": 2, "data_position": 2}
+    assert manifest.layout.pp == 2 and manifest.layout.schedule == "1f1b"
+    assert manifest.config["run"]["steps"] == 4
+
+    # The second run starts from the first run's step 2, as a run stopped there would.
+    resumed = work / "ckpt_resumed"
+    resumed.mkdir()
+    shutil.copytree(full / "step_000002", resumed / "step_000002")
+    result = run_train(work, "resumed", "--pp", "2", "--checkpoint-dir", str(resumed), "--resume")
+    assert f"resumed from {resumed / 'step_000002'} at step 2" in result.stdout
+    expected = losses(work, "full")
+    got = losses(work, "resumed")
+    assert sorted(got) == [3, 4]
+    assert got == {3: expected[3], 4: expected[4]}  # bit-exact
+    a, _ = read_weights(full / "step_000004")
+    b, _ = read_weights(resumed / "step_000004")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_in_one_process_falls_back_past_a_damaged_checkpoint(work: Path, full: Path) -> None:
+    other = work / "ckpt_other"
+    shutil.copytree(full, other)
+    victim = other / "step_000004" / "__1_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    result = run_train(work, "other", "--pp", "1", "--checkpoint-dir", str(other), "--resume")
+    assert f"{victim}: sha256 differs from the manifest" in result.stderr
+    assert f"falling back to {other / 'step_000002'}" in result.stderr
+    assert f"resumed from {other / 'step_000002'} at step 2" in result.stdout
+    assert "saved with pp=2" in result.stdout
+    expected, got = losses(work, "full"), losses(work, "other")
+    # One stage instead of two: the same computation, sums in another order.
+    assert got[3] == pytest.approx(expected[3], rel=1e-5)
+    assert got[4] == pytest.approx(expected[4], rel=1e-5)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(work: Path) -> None:
+    ckpt = work / "ckpt_term"
+    command = train_command(work, "term", "--pp", "2", "--checkpoint-dir", str(ckpt))
+    command[command.index("--steps") + 1] = "100000"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    metrics = work / "runs" / "term" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and '"loss"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    done = max(losses(work, "term"))
+    assert [s for s, _ in list_checkpoints(ckpt).complete] == [done]
+    assert f"stop signal: finished step {done} and stopped" in out
+    assert "stopped by signal SIGTERM" in err
