@@ -131,6 +131,13 @@ def add_parser(subparsers: Any) -> None:
         help="CPU threads while profiling (default 1)",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        metavar="N",
+        help="timed runs per layer, fastest kept (default 5)",
+    )
+    p.add_argument(
         "--seed", type=int, default=0, help="weights and inputs of the profile (default 0)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -138,7 +145,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
-    for name in ("pp", "batch_size", "microbatches", "threads"):
+    for name in ("pp", "batch_size", "microbatches", "threads", "repeats"):
         value = getattr(args, name)
         if value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -177,7 +184,12 @@ def _costs(
         0, config.vocab_size, (mb, seq_len), generator=torch.Generator().manual_seed(args.seed)
     )
     costs = profile_layers(
-        model_spec(config), ids, seed=args.seed, device=device, threads=args.threads
+        model_spec(config),
+        ids,
+        seed=args.seed,
+        device=device,
+        threads=args.threads,
+        repeats=args.repeats,
     )
     threads = f", {args.threads} thread(s)" if device.type == "cpu" else ""
     return costs, f"measured on {device}{threads} at micro-batch {mb} x {seq_len}"
@@ -276,7 +288,10 @@ def render(plan: Plan, model: str, seq_len: int) -> str:
             f"memory limit {_bytes(plan.memory_limit)} per rank: largest micro-batch that fits: "
             f"{fit if fit else 'none'}"
         )
-    lines.append("micro-batch counts by simulated step time:")
+    lines.append(
+        "micro-batch counts by simulated step time (compute linear in the micro-batch size, plus "
+        "--overhead-ms per layer and action and --latency-ms per message):"
+    )
     for o in sorted(plan.options, key=lambda o: o.step_time):
         note = "" if o.fits else "  (over the memory limit)"
         lines.append(

@@ -68,7 +68,7 @@ def test_params_balance_on_a_real_size() -> None:
 def test_measured_plan_of_a_tiny_model() -> None:
     done = _plan(
         "--model", "llama-tiny", "--pp", "2", "--balance", "profile", "--batch-size", "4",
-        "--microbatches", "2", "--seq-len", "16", "--json",
+        "--microbatches", "2", "--seq-len", "16", "--repeats", "1", "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
