@@ -23,6 +23,7 @@ __all__ = ["FLAGS", "add_config_flags", "add_parser", "config_from_args", "run"]
 FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model.name", str, "model preset (llama-default, llama-tiny, gpt2-tiny, ...)"),
     "--pp": ("pipeline.pp", int, "pipeline ranks (processes); 1 = one stage in this process"),
+    "--dp": ("pipeline.dp", int, "data-parallel replicas of the pipeline (pp x dp processes)"),
     "--chunks": ("pipeline.chunks", int, "stages per rank (interleaved and looped schedules)"),
     "--schedule": (
         "pipeline.schedule",
@@ -140,11 +141,12 @@ def run_config(config: TrainConfig) -> int:
             return 0
         # Everything checkable is checked before any process starts.
         plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
-        if config.pipeline.pp == 1 or config.pipeline.single_process:
+        processes = config.pipeline.pp * config.pipeline.dp
+        if processes == 1 or config.pipeline.single_process:
             train(config, ProcessRole())
             return 0
         announce(config, sys.stdout)
-        launch_local(config.run_dir / "config.toml", config.pipeline.pp)
+        launch_local(config.run_dir / "config.toml", processes)
         return 0
     except (TrainingDiverged, PipelineError) as exc:
         sys.stderr.write(f"pipetrain train: {exc}\n")

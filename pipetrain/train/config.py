@@ -61,6 +61,9 @@ class PipelineConfig:
 
     # Pipeline ranks (processes). 1 trains one stage in one process through the same code.
     pp: int = 3
+    # Data-parallel replicas of the pipeline: pp x dp processes, each replica reads 1/dp of
+    # every batch and gradients are averaged over the replicas (pipetrain.train.parallel).
+    dp: int = 1
     # Stages per rank (virtual stages): >1 only for schedules that loop over the ranks.
     chunks: int = 1
     # Schedule name from pipetrain.schedules.registry (`1f1b`, `gpipe`, `interleaved`, ...).
@@ -369,6 +372,7 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
     """Raise ``ConfigError`` for the first value that is out of range or contradicts another."""
     p, d, o, r = config.pipeline, config.data, config.optim, config.run
     _at_least("pipeline.pp", p.pp, 1)
+    _at_least("pipeline.dp", p.dp, 1)
     _at_least("pipeline.chunks", p.chunks, 1)
     _at_least("pipeline.microbatches", p.microbatches, 1)
     _at_least("pipeline.threads", p.threads, 0)
@@ -390,6 +394,17 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
     _at_least("data.seq_len", d.seq_len, 1)
     _at_least("data.eval_batches", d.eval_batches, 1)
     _at_least("data.max_bytes", d.max_bytes, 1024)
+    if p.dp > 1 and p.single_process:
+        raise ConfigError(
+            "pipeline.single_process runs one pipeline in one process: drop --single-process "
+            "or use --dp 1"
+        )
+    if p.dp > 1 and d.batch_size % (p.dp * p.microbatches):
+        raise ConfigError(
+            f"data.batch_size {d.batch_size} does not split into pipeline.dp {p.dp} replicas of "
+            f"pipeline.microbatches {p.microbatches} equal micro-batches: use a batch size like "
+            f"{_multiple_near(d.batch_size, p.dp * p.microbatches)}"
+        )
     if d.batch_size % p.microbatches:
         raise ConfigError(
             f"data.batch_size {d.batch_size} is not a multiple of pipeline.microbatches {p.microbatches}: "

@@ -45,6 +45,14 @@ from pipetrain.train.metrics import (
     peak_memory_bytes,
 )
 from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
+from pipetrain.train.parallel import (
+    Mesh,
+    ReplicaGradients,
+    build_mesh,
+    norm_share,
+    replica_mean,
+    shard_batch,
+)
 from pipetrain.train.plan import RunPlan, plan_run, threads_per_process
 from pipetrain.train.sample import gather_state_dict, generate
 from pipetrain.train.stage_options import StageOptionError, apply_stage_options
@@ -175,10 +183,11 @@ def train(
     out = sys.stdout if out is None else out
     started = time.perf_counter()
     p = config.pipeline
-    if role.distributed and role.world_size != p.pp:
+    if role.distributed and role.world_size != p.pp * p.dp:
         raise ConfigError(
-            f"{role.world_size} processes were started but pipeline.pp is {p.pp}: start {p.pp} "
-            f"processes in all (torchrun --nnodes x --nproc-per-node) or pass --pp {role.world_size}"
+            f"{role.world_size} processes were started but pipeline.pp x pipeline.dp is "
+            f"{p.pp * p.dp}: start {p.pp * p.dp} processes in all (torchrun --nnodes x "
+            f"--nproc-per-node) or change --pp/--dp"
         )
     tokenizer = load_tokenizer(config.data.tokenizer)
     plan = plan_run(config, vocab_size=tokenizer.vocab_size)
@@ -189,15 +198,18 @@ def train(
         announce(config, out)
 
     group: Any = None
+    mesh: Mesh | None = None
     if role.distributed:
         if not dist.is_initialized():
             dist.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo",
                 timeout=datetime.timedelta(seconds=p.timeout_s),
             )
-        group = dist.group.WORLD
+        mesh = build_mesh(device.type, p.pp, p.dp)
+        # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
+        group = mesh.pp_group if p.pp > 1 else None
     try:
-        return _train(config, role, plan, device, group, out, started)
+        return _train(config, role, plan, device, group, out, started, mesh)
     finally:
         if role.distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -211,9 +223,20 @@ def _train(
     group: Any,
     out: IO[str],
     started: float,
+    mesh: Mesh | None = None,
 ) -> RunSummary | None:
     p, d, r = config.pipeline, config.data, config.run
     spec = model_spec(plan.model)
+    # Data parallelism: gradients averaged over the replicas, shards of every batch, and the
+    # norm, the NaN decision and checkpoints over every process (the world group).
+    replicas = (
+        ReplicaGradients(mesh, timeout_s=p.timeout_s) if mesh is not None and mesh.dp > 1 else None
+    )
+    everyone = mesh.world_group if mesh is not None else group
+
+    def shard(batch: Batch) -> Batch:
+        return batch if mesh is None or mesh.dp == 1 else shard_batch(batch, mesh.dp_rank, mesh.dp)
+
     pipeline = build_pipeline(
         spec,
         schedule=plan.schedule,
@@ -224,7 +247,10 @@ def _train(
         seed=r.seed,
         split=plan.split,
         timeout_s=p.timeout_s,
+        compute_hook=replicas.stage_hook if replicas is not None else None,
     )
+    if replicas is not None:
+        replicas.attach(pipeline)
     for module in pipeline.modules:
         apply_stage_options(
             module,
@@ -237,13 +263,16 @@ def _train(
     corpus: Corpus | None = load_corpus(d) if first or last else None
     evals: list[Batch] | None = None
     if corpus is not None:
-        evals = eval_batches(
-            corpus, batch_size=d.batch_size, seq_len=d.seq_len, count=d.eval_batches
-        )
+        evals = [
+            shard(b)
+            for b in eval_batches(
+                corpus, batch_size=d.batch_size, seq_len=d.seq_len, count=d.eval_batches
+            )
+        ]
 
     optimizer = build_optimizer(pipeline.named_parameters(), config.optim)
-    update = GuardedUpdate(optimizer, config.optim, total_steps=r.steps, group=group)
-    grads = _gradients(pipeline)
+    update = GuardedUpdate(optimizer, config.optim, total_steps=r.steps, group=everyone)
+    grads = _gradients(pipeline) if mesh is None else norm_share(_gradients(pipeline), mesh)
 
     progress = Progress(r.steps, out) if role.reporter else None
     metrics = MetricsFile(config.metrics_path) if role.reporter else None
@@ -281,6 +310,8 @@ def _train(
                 )
             )
         value = sum(losses) / len(losses)
+        if mesh is not None:
+            value = replica_mean([value], mesh, device)[0]
         report({"step": step, "eval_loss": value})
         say(f"eval loss after {step} steps: {value:.4f}")
         return value
@@ -296,12 +327,12 @@ def _train(
             p.pp,
             p.chunks,
             p.schedule,
-            dist.get_world_size(group) if group is not None else 1,
+            dist.get_world_size(everyone) if everyone is not None else 1,
             plan.split,
         ),
         config=config_to_dict(config),
         total_steps=r.steps,
-        group=group,
+        group=everyone,
         device=device,
         say=say,
         # Batches are a function of (seed, index): the position is all the data state there is.
@@ -334,8 +365,12 @@ def _train(
                 if corpus is not None
                 else None
             )
+            if batch is not None:
+                batch = shard(batch)
             inputs = batch.inputs if batch is not None and first else None
             targets = batch.targets if batch is not None and last else None
+            if replicas is not None:
+                replicas.begin(sync=micro == accum - 1)
             result = _first_step_guard(
                 pipeline, inputs, targets, compiled=p.compile and step == 0 and micro == 0
             )
@@ -343,6 +378,10 @@ def _train(
             tokens += result.tokens
             last_timeline = result.timeline
         loss = sum(losses) / len(losses)
+        if replicas is not None and mesh is not None:
+            replicas.finish(step)
+            loss, mean_tokens = replica_mean([loss, float(tokens)], mesh, device)
+            tokens = round(mean_tokens * mesh.dp)
         outcome = update.apply(step, grads, loss, accumulated=accum)
         elapsed = time.perf_counter() - t0
         assert last_timeline is not None
@@ -410,10 +449,15 @@ def _train(
     )
     if role.reporter:
         say(summary.format())
-    if r.sample_tokens:
+    if replicas is not None:
+        say(replicas.stats(_WARMUP_STEPS).format())
+    # The replicas hold the same weights: the first one samples.
+    if r.sample_tokens and (mesh is None or mesh.dp_rank == 0):
         _sample(config, plan, pipeline, group, corpus, say)
     if metrics is not None:
         metrics.write(summary.to_json())
+        if replicas is not None:
+            metrics.write(replicas.stats(_WARMUP_STEPS).to_json())
         metrics.close()
     if board is not None:
         board.close()

@@ -1,0 +1,352 @@
+"""Pipeline x data parallelism: ``pp * dp`` processes as ``dp`` pipelines of ``pp`` stages.
+
+The processes form a 2-D device mesh (torch's DeviceMesh) with dimensions ``("pp", "dp")``:
+global rank ``pp_rank * dp + dp_rank``. Each row of the mesh along "pp" is one pipeline
+(the runtime runs on that group, never on the world); each column along "dp" holds the
+replicas of one pipeline rank's stages::
+
+                 dp_rank 0   dp_rank 1
+    pp_rank 0     rank 0      rank 1      <- dp group {0, 1}: replicas of stage 0
+    pp_rank 1     rank 2      rank 3      <- dp group {2, 3}: replicas of stage 1
+                 pipeline 0  pipeline 1
+
+Data: every replica reads rows ``[dp_rank * B/dp, (dp_rank + 1) * B/dp)`` of the global
+batch of B sequences, so the replicas together see each row of every batch exactly once.
+
+Gradients (DDP per stage): once a stage's last backward piece of the step (its last B or
+W) has run, its gradients are copied into flat buckets and summed over the dp group by
+asynchronous all-reduces, while the rank goes on with the rest of its schedule (the
+cool-down); ``finish`` waits for them before the optimizer and divides by ``dp``. Each
+replica's loss is the mean over its shard's tokens, and every shard holds the same number
+of target tokens (windows of text, none ignored), so the mean of the replicas' gradients
+is the gradient of the full batch's mean loss.
+
+Weights tied across pipeline ranks (and Chimera's replicated stages) are summed by the
+pipeline at the end of its step, after these buckets would have been filled: their dp
+all-reduce runs after the pipeline step instead (a sum over both is a sum in any order).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.runtime import Pipeline, PipelineError
+from pipetrain.schedules import Action, Kind
+from pipetrain.train.config import ConfigError
+from pipetrain.train.data import Batch
+from pipetrain.train.optim import Gradients
+
+__all__ = [
+    "DataParallelStats",
+    "Mesh",
+    "ReplicaGradients",
+    "allreduce_seconds",
+    "build_mesh",
+    "norm_share",
+    "replica_mean",
+    "shard_batch",
+]
+
+# Like DDP's default bucket: large enough to amortise a collective's latency, small enough
+# that the first bucket of a stage starts early.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place in the (pp, dp) mesh and the groups of both dimensions."""
+
+    pp: int
+    dp: int
+    pp_rank: int
+    dp_rank: int
+    pp_group: Any  # this process's pipeline (a row of the mesh)
+    dp_group: Any  # the replicas of this process's stages (a column); None when dp == 1
+    world_group: Any  # every process: clipping, the NaN decision, checkpoints
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.dp + self.dp_rank
+
+
+def build_mesh(device_type: str, pp: int, dp: int) -> Mesh:
+    """The (pp, dp) mesh over the initialised default process group.
+
+    With dp == 1 the pipeline runs on the world group itself, as without this module.
+    """
+    world = dist.get_world_size()
+    if world != pp * dp:
+        raise ConfigError(
+            f"{world} processes were started but pipeline.pp x pipeline.dp is {pp} x {dp} = "
+            f"{pp * dp}: start {pp * dp} processes or change --pp/--dp"
+        )
+    rank = dist.get_rank()
+    if dp == 1:
+        return Mesh(pp, 1, rank, 0, dist.group.WORLD, None, dist.group.WORLD)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    return Mesh(
+        pp,
+        dp,
+        rank // dp,
+        rank % dp,
+        mesh.get_group("pp"),
+        mesh.get_group("dp"),
+        dist.group.WORLD,
+    )
+
+
+def shard_batch(batch: Batch, dp_rank: int, dp: int) -> Batch:
+    """This replica's contiguous share of the rows of a global batch."""
+    rows = batch.inputs.shape[0]
+    if rows % dp:
+        raise ConfigError(
+            f"a batch of {rows} sequences does not split over {dp} data-parallel replicas: "
+            f"make data.batch_size a multiple of pipeline.dp x pipeline.microbatches"
+        )
+    share = rows // dp
+    window = slice(dp_rank * share, (dp_rank + 1) * share)
+    return Batch(batch.inputs[window], batch.targets[window])
+
+
+def replica_mean(values: Sequence[float], mesh: Mesh, device: torch.device) -> list[float]:
+    """The mean of ``values`` over the dp replicas, known on every rank (float64)."""
+    if mesh.dp == 1:
+        return list(values)
+    box = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.SUM, group=mesh.dp_group)
+    return [v / mesh.dp for v in box.tolist()]
+
+
+def norm_share(grads: Gradients, mesh: Mesh) -> Gradients:
+    """The share of the global norm this rank adds, when the sum runs over the world group.
+
+    After the dp all-reduce every replica holds the same gradients: only replica 0 counts
+    its squares, so the world sum is the norm of one model. Every rank still checks every
+    gradient of its own for non-finite values, so all ranks decide a skip together.
+    """
+    if mesh.dp_rank == 0:
+        return grads
+    return Gradients(counted=(), all=grads.all)
+
+
+def allreduce_seconds(nbytes: float, replicas: int, bandwidth: float) -> float:
+    """Time of a ring all-reduce of ``nbytes`` over ``replicas`` at ``bandwidth`` bytes/s.
+
+    Each member sends and receives 2 (n - 1) / n of the buffer (reduce-scatter, then
+    all-gather); latency is left out.
+    """
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    if not bandwidth > 0:
+        raise ConfigError(f"bandwidth is {bandwidth}: give a positive number of bytes per second")
+    return 2.0 * (replicas - 1) / replicas * nbytes / bandwidth
+
+
+@dataclass(frozen=True)
+class DataParallelStats:
+    """What the dp gradient reduction of one rank cost over the run."""
+
+    replicas: int
+    # Gradient bytes this rank all-reduces per optimizer step (its stages' parameters).
+    bytes_per_step: int
+    # Seconds per step this rank waited for the all-reduces after its pipeline step ended
+    # (the part the schedule could not hide), mean over the steps.
+    wait_s: float
+    steps: int
+
+    def format(self) -> str:
+        return (
+            f"data parallel: {self.replicas} replicas, {self.bytes_per_step / 1e6:.2f} MB of "
+            f"gradients all-reduced per step on this rank, {self.wait_s * 1e3:.1f} ms per step "
+            f"waited after the pipeline"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dp_replicas": self.replicas,
+            "dp_bytes_per_step": self.bytes_per_step,
+            "dp_wait_s": self.wait_s,
+        }
+
+
+def _grads_of(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    # A parameter without a gradient this step still takes its place in the bucket, so
+    # every replica's buckets line up element for element.
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
+    buckets: list[list[nn.Parameter]] = []
+    size = limit
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if size + nbytes > limit and size > 0:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+class _Launched:
+    """One bucket in flight: its flat buffer, its parameters, the collective's handle."""
+
+    def __init__(self, work: Any, flat: torch.Tensor, params: list[nn.Parameter], what: str):
+        self.work = work
+        self.flat = flat
+        self.params = params
+        self.what = what
+
+
+class ReplicaGradients:
+    """DDP for the stages of one pipeline rank: bucketed, asynchronous, per stage.
+
+    Build it, pass ``stage_hook`` to ``build_pipeline(compute_hook=...)``, then ``attach``
+    the pipeline. Per optimizer step: ``begin(sync)`` before each pipeline step (sync only
+    on the last of a gradient accumulation), ``finish(step)`` after the last one.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        timeout_s: float,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if bucket_bytes < 1:
+            raise ConfigError(f"bucket_bytes is {bucket_bytes}: use a positive size")
+        self._mesh = mesh
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._bucket_bytes = bucket_bytes
+        self._stage_buckets: dict[int, list[list[nn.Parameter]]] = {}
+        self._late: list[list[nn.Parameter]] = []
+        # Next compute action after a stage's last B/W -> the stages whose gradients are done.
+        self._triggers: dict[Action, list[int]] = {}
+        # Stages in the order their last B/W runs: the same on every replica.
+        self._order: list[int] = []
+        self._launched: set[int] = set()
+        self._in_flight: list[_Launched] = []
+        self._sync = False
+        self._waits: list[float] = []
+        self.bytes_per_step = 0
+
+    # ----------------------------------------------------------------- set-up
+    def attach(self, pipeline: Pipeline) -> None:
+        """Learn the stages, their parameters and when each stage's gradients are final."""
+        placement = pipeline.schedule.placement
+        tied = {id(p) for m in pipeline.modules for p in m.tied_parameters().values()}
+        seen: set[int] = set()
+        late: list[nn.Parameter] = []
+        for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
+            mine: list[nn.Parameter] = []
+            for p in module.parameters():
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                seen.add(id(p))
+                if id(p) in tied or placement.replicas > 1:
+                    late.append(p)
+                else:
+                    mine.append(p)
+            # Reverse order: the last layers' gradients are the first ones ready in a B.
+            self._stage_buckets[stage] = _buckets(mine[::-1], self._bucket_bytes) if mine else []
+        self._late = _buckets(late, self._bucket_bytes) if late else []
+        every = [p for m in pipeline.modules for p in m.parameters()]
+        self.bytes_per_step = sum(
+            p.numel() * p.element_size() for p in {id(p): p for p in every}.values()
+        )
+        rank = dist.get_rank(self._mesh.pp_group) if self._mesh.pp_group is not None else 0
+        self._plan(pipeline.schedule.actions[rank])
+
+    def _plan(self, actions: Sequence[Action]) -> None:
+        compute = [a for a in actions if a.is_compute]
+        last: dict[int, int] = {}
+        for pos, a in enumerate(compute):
+            if a.kind in (Kind.B, Kind.W):
+                last[a.stage] = pos
+        self._order = sorted(last, key=lambda s: last[s])
+        for stage, pos in last.items():
+            if pos + 1 < len(compute):
+                self._triggers.setdefault(compute[pos + 1], []).append(stage)
+
+    # ----------------------------------------------------------------- per step
+    def begin(self, sync: bool) -> None:
+        """Before a pipeline step: ``sync`` on the last step of a gradient accumulation."""
+        self._sync = sync
+
+    def stage_hook(self, action: Action) -> None:
+        """The pipeline's compute hook: runs before every F, B, I and W of this rank."""
+        stages = self._triggers.get(action)
+        if stages and self._sync:
+            for stage in stages:
+                self._launch_through(stage)
+
+    def _launch_through(self, stage: int) -> None:
+        # Launch in the canonical order, so that every replica issues the same collectives
+        # on the dp group in the same order.
+        for s in self._order:
+            if s not in self._launched:
+                self._launch(s)
+            if s == stage:
+                return
+
+    def _launch(self, stage: int) -> None:
+        self._launched.add(stage)
+        for bucket in self._stage_buckets.get(stage, []):
+            self._start(bucket, f"stage {stage}")
+
+    def _start(self, params: list[nn.Parameter], what: str) -> None:
+        flat = torch.cat([g.reshape(-1) for g in _grads_of(params)])
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._mesh.dp_group, async_op=True)
+        self._in_flight.append(_Launched(work, flat, params, what))
+
+    def finish(self, step: int) -> None:
+        """Wait for every bucket (launching what is left), then average over the replicas."""
+        t0 = time.perf_counter()
+        for stage in self._order:
+            if stage not in self._launched:
+                self._launch(stage)
+        for stage in self._stage_buckets:
+            if stage not in self._launched:  # a stage without any backward: nothing ran
+                self._launch(stage)
+        for bucket in self._late:
+            self._start(bucket, "weights tied or replicated across pipeline ranks")
+        scale = 1.0 / self._mesh.dp
+        for launched in self._in_flight:
+            try:
+                launched.work.wait(self._timeout)
+            except RuntimeError as exc:
+                raise PipelineError(
+                    f"rank {self._mesh.rank}: step {step}, data-parallel all-reduce of {launched.what} "
+                    f"with the other replicas (dp group of pp rank {self._mesh.pp_rank}) failed or "
+                    f"timed out: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+                ) from exc
+            launched.flat.mul_(scale)
+            offset = 0
+            for p in launched.params:
+                assert p.grad is not None
+                n = p.grad.numel()
+                p.grad.copy_(launched.flat[offset : offset + n].view_as(p.grad))
+                offset += n
+        self._waits.append(time.perf_counter() - t0)
+        self._in_flight.clear()
+        self._launched.clear()
+
+    def stats(self, skip_first: int = 1) -> DataParallelStats:
+        """The run's cost so far; the first ``skip_first`` steps (warm-up) are left out."""
+        waits = self._waits[skip_first:] or self._waits
+        wait = sum(waits) / len(waits) if waits else math.nan
+        return DataParallelStats(self._mesh.dp, self.bytes_per_step, wait, len(self._waits))
