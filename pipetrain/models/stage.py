@@ -2,8 +2,8 @@
 
 Each layer is built on the meta device (no memory), materialised on the CPU, initialised
 from a generator seeded by (seed, global layer index), then moved to the run's device and
-dtype. Drawing on the CPU keeps the weights identical across devices; building one layer
-at a time keeps the peak host memory to one layer.
+dtype. Drawing on the CPU keeps the weights identical across devices; materialising one
+layer at a time keeps the extra host memory of a GPU run to one layer.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _parameter(module: nn.Module, dotted: str, layer_name: str) -> nn.Parameter:
         ) from None
 
 
-def materialise_layer(layer: LayerSpec, *, seed: int, index: int) -> nn.Module:
+def _materialise_layer(layer: LayerSpec, *, seed: int, index: int) -> nn.Module:
     """Build one layer on the CPU with weights that depend only on (seed, index)."""
     with torch.device("meta"):
         module = layer.build()
@@ -141,7 +141,7 @@ def build_stage(
     """Build the layers ``layer_indices`` of ``spec`` on ``device``, weights seeded per layer."""
     indices = _check_indices(spec, layer_indices)
     layers = [
-        materialise_layer(spec.layers[i], seed=seed, index=i).to(device=device, dtype=dtype)
+        _materialise_layer(spec.layers[i], seed=seed, index=i).to(device=device, dtype=dtype)
         for i in indices
     ]
     by_index = dict(zip(indices, layers, strict=True))
@@ -156,7 +156,7 @@ def build_stage(
             setattr(copy_layer.get_submodule(parent), leaf, owner)
         else:
             # The owner lives on another stage: start from the owner's exact initial value.
-            owner_layer = materialise_layer(spec.layers[tie.owner], seed=seed, index=tie.owner)
+            owner_layer = _materialise_layer(spec.layers[tie.owner], seed=seed, index=tie.owner)
             source = _parameter(owner_layer, tie.owner_param, spec.layers[tie.owner].name)
             with torch.no_grad():
                 copy.copy_(source)
