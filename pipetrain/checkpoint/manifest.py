@@ -28,6 +28,7 @@ __all__ = [
     "Layout",
     "Manifest",
     "Verification",
+    "check_files",
     "fsync_dir",
     "hash_file",
     "read_manifest",
@@ -211,11 +212,13 @@ def verify_checkpoint(directory: Path | str, *, checksums: bool = True) -> Verif
             f"{directory / MANIFEST_NAME}: format_version is {manifest.format_version}, "
             f"this pipetrain reads {FORMAT_VERSION}"
         )
-    problems.extend(_check_files(directory, manifest.files, checksums=checksums))
+    problems.extend(check_files(directory, manifest.files, checksums=checksums))
     return Verification(directory, tuple(problems), manifest)
 
 
-def _check_files(directory: Path, files: Sequence[FileEntry], *, checksums: bool) -> list[str]:
+def check_files(directory: Path, files: Sequence[FileEntry], *, checksums: bool) -> list[str]:
+    """One line per file that is missing, of another size or (with ``checksums``) of
+    another sha256 than its manifest entry."""
     problems: list[str] = []
     for entry in files:
         path = directory / entry.name

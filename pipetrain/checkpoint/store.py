@@ -51,6 +51,7 @@ from pipetrain.checkpoint.manifest import (
     Layout,
     Manifest,
     Verification,
+    check_files,
     fsync_dir,
     hash_file,
     verify_checkpoint,
@@ -115,6 +116,14 @@ class _Comm:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` on every rank, in rank order."""
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` on rank 0 (an empty list elsewhere)."""
@@ -204,6 +213,26 @@ def choose_resume(root: Path | str, *, checksums: bool = True) -> ResumeChoice:
         log.warning("%s", line)
         skipped.append(line)
     return ResumeChoice(None, tuple(skipped))
+
+
+def _verify(path: Path, comm: _Comm, *, checksums: bool) -> Verification:
+    """Collective verification with the hashing shared out: rank 0 checks the marker,
+    the manifest and the sizes, then every rank hashes every ``size``-th file."""
+    first: Verification | None = (
+        verify_checkpoint(path, checksums=False) if comm.rank == 0 else None
+    )
+    first = comm.broadcast(first)
+    assert isinstance(first, Verification)
+    if not checksums or not first.ok or first.manifest is None:
+        return first
+    files = first.manifest.files
+    mine = [
+        (i, problem)
+        for i in range(comm.rank, len(files), comm.size)
+        for problem in check_files(path, [files[i]], checksums=True)
+    ]
+    problems = sorted(p for per_rank in comm.all_gather(mine) for p in per_rank)
+    return Verification(path, tuple(problem for _, problem in problems), first.manifest)
 
 
 def check_model(manifest: Manifest, model: Mapping[str, Any], path: Path) -> None:
@@ -390,19 +419,15 @@ def load_checkpoint(
 ) -> LoadResult:
     """Collective: load a verified checkpoint into this rank's stage modules (any layout).
 
-    Rank 0 verifies every file's checksum first (sizes only with ``checksums=False``,
-    for a checkpoint verified just before); a damaged or missing file raises
+    Every file's checksum is verified first, the hashing shared by the ranks (sizes
+    only with ``checksums=False``, for a checkpoint verified just before); a damaged or missing file raises
     CheckpointCorruptError naming it, another format version or a different ``model``
     config raises CheckpointIncompatibleError naming the field.
     """
     start = time.perf_counter()
     comm = _Comm.of(group)
     path = Path(path)
-    verification: Verification | str = (
-        verify_checkpoint(path, checksums=checksums) if comm.rank == 0 else ""
-    )
-    verification = comm.broadcast(verification)
-    assert isinstance(verification, Verification)
+    verification = _verify(path, comm, checksums=checksums)
     manifest = verification.manifest
     if manifest is not None and manifest.format_version != FORMAT_VERSION:
         raise CheckpointIncompatibleError(
@@ -467,17 +492,29 @@ def resume_checkpoint(
     """Collective: load the newest valid checkpoint under ``root`` (None when there is
     none). Damaged newer ones are skipped with a warning that names the file."""
     comm = _Comm.of(group)
-    choice = choose_resume(root) if comm.rank == 0 else None
-    choice = comm.broadcast(choice)
-    assert isinstance(choice, ResumeChoice)
-    if choice.path is None:
+    found = comm.broadcast(list_checkpoints(root) if comm.rank == 0 else None)
+    assert isinstance(found, CheckpointList)
+    if comm.rank == 0:
+        for partial in found.partial:
+            log.warning("ignoring %s: an unfinished save (the process stopped during it)", partial)
+    choice: Path | None = None
+    for _, path in reversed(found.complete):
+        verification = _verify(path, comm, checksums=True)
+        if verification.ok:
+            choice = path
+            break
+        if comm.rank == 0:
+            log.warning("skipping %s: %s", path, verification.problems[0])
+    if choice is None:
         return None
+    if comm.rank == 0 and choice != found.complete[-1][1]:
+        log.warning("falling back to %s, the newest valid checkpoint", choice)
     return load_checkpoint(
-        choice.path,
+        choice,
         modules=modules,
         optimizer=optimizer,
         model=model,
         generators=generators,
-        checksums=False,  # choose_resume has just hashed every file
+        checksums=False,  # every file was hashed just above
         group=group,
     )
