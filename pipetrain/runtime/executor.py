@@ -26,7 +26,7 @@ from pipetrain.runtime.timeline import ActionClock
 from pipetrain.runtime.transport import MessageKey
 from pipetrain.schedules import Action, Kind, Schedule
 
-__all__ = ["ComputeHook", "GradReducer", "RankExecutor", "StepHook", "Transport"]
+__all__ = ["ComputeHook", "GradReducer", "GradsHook", "RankExecutor", "StepHook", "Transport"]
 
 # Called for a STEP action with (stage, micro-batch): the caller's optimizer step of that
 # stage (asynchronous schedules).
@@ -34,6 +34,9 @@ StepHook = Callable[[int, int], None]
 # Called with each F, B, I and W action just before it runs: asynchronous schedules choose
 # the weight version a micro-batch uses there (pipetrain.runtime.weights).
 ComputeHook = Callable[[Action], None]
+# Called with a stage right after the last action of a step that adds to its weight
+# gradients (its last B or W): data parallelism starts that stage's all-reduce there.
+GradsHook = Callable[[int], None]
 
 
 class Transport(Protocol):
@@ -62,6 +65,7 @@ class RankExecutor:
         reducer: GradReducer,
         step_hook: StepHook | None = None,
         compute_hook: ComputeHook | None = None,
+        grads_hook: GradsHook | None = None,
     ) -> None:
         self.rank = rank
         self.actions: tuple[Action, ...] = schedule.actions[rank]
@@ -101,6 +105,8 @@ class RankExecutor:
                     f"of a stage) to build_pipeline"
                 )
             handlers.append(handler)
+        if grads_hook is not None:
+            handlers = _after_last_grads(self.actions, handlers, grads_hook)
         self._handlers: tuple[Callable[[Action], bool], ...] = tuple(handlers)
         self.expected_receives: tuple[tuple[MessageKey, int], ...] = tuple(
             self._recv_key(a) for a in self.actions if a.kind in (Kind.RECV_F, Kind.RECV_B)
@@ -280,3 +286,29 @@ class RankExecutor:
             if value is not None:
                 total += float(value)
         return total
+
+
+def _after_last_grads(
+    actions: Sequence[Action], handlers: list[Callable[[Action], bool]], hook: GradsHook
+) -> list[Callable[[Action], bool]]:
+    """The handlers, with each stage's last B or W followed by ``hook(stage)``.
+
+    Wrapping once, when the program is built, keeps the per-action loop free of checks.
+    """
+    last = {a.stage: pos for pos, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+    wrapped = list(handlers)
+    for stage, pos in last.items():
+        wrapped[pos] = _then(handlers[pos], hook, stage)
+    return wrapped
+
+
+def _then(
+    handler: Callable[[Action], bool], hook: GradsHook, stage: int
+) -> Callable[[Action], bool]:
+    def run(action: Action) -> bool:
+        done = handler(action)
+        if done:
+            hook(stage)
+        return done
+
+    return run
