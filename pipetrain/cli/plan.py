@@ -15,12 +15,14 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.models.config import ModelConfig, get_model_config
 from pipetrain.partition.balance import LayerCost, parse_split
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
+from pipetrain.partition.overhead import split_fixed_cost
 from pipetrain.partition.planner import Overheads, Plan, make_plan
 from pipetrain.schedules.registry import SCHEDULE_NAMES, get_spec
 
@@ -113,7 +115,8 @@ def add_parser(subparsers: Any) -> None:
         type=float,
         default=0.05,
         metavar="MS",
-        help="fixed time per layer per forward or backward piece, any micro-batch size (default 0.05)",
+        help="fixed time per layer per forward or backward piece, any micro-batch size, for "
+        "estimated costs (default 0.05; --balance profile measures it)",
     )
     p.add_argument(
         "--latency-ms", type=float, default=0.1, metavar="MS", help="time per message (default 0.1)"
@@ -163,12 +166,15 @@ def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
 
 def _costs(
     args: argparse.Namespace, config: ModelConfig, seq_len: int
-) -> tuple[list[LayerCost], str]:
+) -> tuple[Sequence[LayerCost], str, float]:
+    """Per-layer costs, where they came from, and the fixed seconds per layer and action."""
     if args.balance != "profile" or args.split is not None:
         source = (
-            f"estimated from FLOPs at {args.flops:.3g} FLOP/s (use --balance profile to measure)"
+            f"estimated from FLOPs at {args.flops:.3g} FLOP/s plus {args.overhead_ms} ms per layer "
+            "and action (use --balance profile to measure)"
         )
-        return estimate_costs(config, seq_len, flops_per_second=args.flops), source
+        costs = estimate_costs(config, seq_len, flops_per_second=args.flops)
+        return costs, source, args.overhead_ms / 1e3
     import torch  # only a measured plan needs torch
 
     from pipetrain.models.spec import model_spec
@@ -183,16 +189,22 @@ def _costs(
     ids = torch.randint(
         0, config.vocab_size, (mb, seq_len), generator=torch.Generator().manual_seed(args.seed)
     )
-    costs = profile_layers(
-        model_spec(config),
-        ids,
-        seed=args.seed,
-        device=device,
-        threads=args.threads,
-        repeats=args.repeats,
-    )
+    spec = model_spec(config)
+
+    def measure(batch: torch.Tensor) -> list[LayerCost]:
+        return profile_layers(
+            spec, batch, seed=args.seed, device=device, threads=args.threads, repeats=args.repeats
+        )
+
+    costs = measure(ids)
     threads = f", {args.threads} thread(s)" if device.type == "cpu" else ""
-    return costs, f"measured on {device}{threads} at micro-batch {mb} x {seq_len}"
+    source = f"measured on {device}{threads} at micro-batch {mb} x {seq_len}"
+    if mb == 1:
+        return costs, source + f"; fixed part assumed {args.overhead_ms} ms", args.overhead_ms / 1e3
+    # A second profile at one sample separates the per-call part from the per-sample part.
+    fit = split_fixed_cost(measure(ids[:1]), 1, costs, mb)
+    source += f" and 1; fixed part {fit.per_layer * 1e3:.3f} ms per layer and action"
+    return fit.costs, source, fit.per_layer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -205,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     problem = spec.check(args.pp, args.microbatches, args.chunks)
     if problem is not None:
         raise UsageError(problem)
-    costs, source = _costs(args, config, seq_len)
+    costs, source, per_layer = _costs(args, config, seq_len)
     plan = make_plan(
         costs,
         schedule_for=lambda m: spec.build(args.pp, m, args.chunks),
@@ -216,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         memory_limit=memory_limit,
         time_source=source,
         overheads=Overheads(
-            per_layer=args.overhead_ms / 1e3,
+            per_layer=per_layer,
             latency=args.latency_ms / 1e3,
             message_bytes_per_sample=4.0 * seq_len * config.d_model,
         ),
@@ -289,8 +301,8 @@ def render(plan: Plan, model: str, seq_len: int) -> str:
             f"{fit if fit else 'none'}"
         )
     lines.append(
-        "micro-batch counts by simulated step time (compute linear in the micro-batch size, plus "
-        "--overhead-ms per layer and action and --latency-ms per message):"
+        "micro-batch counts by simulated step time (compute linear in the micro-batch size plus "
+        "the fixed part per layer and action, and --latency-ms per message):"
     )
     for o in sorted(plan.options, key=lambda o: o.step_time):
         note = "" if o.fits else "  (over the memory limit)"

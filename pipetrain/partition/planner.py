@@ -122,7 +122,10 @@ class Plan:
 
     @property
     def imbalance(self) -> float:
-        return self.partition.imbalance
+        """Slowest stage time over the mean stage time, per micro-batch (1.0 = even)."""
+        times = [s.forward + s.backward for s in self.stages]
+        mean = sum(times) / len(times)
+        return max(times) / mean if mean > 0 else 1.0
 
     @property
     def rank_bytes(self) -> tuple[float, ...]:
@@ -361,8 +364,8 @@ def make_plan(
             embedding=any(costs[i].kind == "embedding" for i in layers),
             head=any(costs[i].kind == "head" for i in layers),
             params=partition.params[s],
-            forward=partition.forward[s] * mb,
-            backward=partition.backward[s] * mb,
+            forward=partition.forward[s] * mb + overheads.per_layer * len(layers),
+            backward=partition.backward[s] * mb + 2 * overheads.per_layer * len(layers),
             activation_bytes=partition.activation_bytes_per_sample[s] * mb,
             live=live[s],
         )
@@ -376,7 +379,7 @@ def make_plan(
         time_source=time_source,
         partition=partition,
         stages=stages,
-        rank_time=tuple(t * batch_size for t in partition.rank_time()),
+        rank_time=_rank_time(stages, schedule.num_ranks, microbatches),
         rank_static_bytes=static,
         rank_peak_activation_bytes=peaks,
         step_time=sim.makespan,
@@ -386,6 +389,15 @@ def make_plan(
             schedule_for, partition, batch_size, static, memory_limit, overheads, whole_batch
         ),
     )
+
+
+def _rank_time(stages: Sequence[StagePlan], num_ranks: int, microbatches: int) -> tuple[float, ...]:
+    """Compute per step on each rank; a replica of a stage does its share of the micro-batches."""
+    totals = [0.0] * num_ranks
+    for s in stages:
+        for rank in s.ranks:
+            totals[rank] += (s.forward + s.backward) * microbatches / len(s.ranks)
+    return tuple(totals)
 
 
 def _max_microbatch(

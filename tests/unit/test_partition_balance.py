@@ -19,6 +19,7 @@ from pipetrain.partition.balance import (
     split_explicit,
     split_uniform,
 )
+from pipetrain.partition.overhead import split_fixed_cost
 
 
 def _cost(kind: str, time: float, params: int = 0, act: float = 0.0, name: str = "") -> LayerCost:
@@ -190,3 +191,32 @@ def test_rank_time_sums_the_stages_of_each_rank() -> None:
     part = split_by_cost(costs[:2], ((0, 1), (1, 0)))
     assert part.stage_to_rank == (0, 1)
     assert part.rank_time() == pytest.approx((1.5, 1.5))
+
+
+def test_fixed_cost_is_separated_from_the_per_sample_cost() -> None:
+    fixed, slope = 2e-3, 1e-3
+
+    def measured(size: int, kind: str = "block") -> LayerCost:
+        per_call = fixed + size * slope  # the same law for F, I and W
+        per_sample = per_call / size
+        b_in = per_sample if kind == "block" else 0.0
+        return LayerCost(kind, kind, per_sample, 2 * per_sample, b_in, per_sample, 1, 4, 0.0)
+
+    small = [measured(1, "embedding"), measured(1), measured(1)]
+    large = [measured(8, "embedding"), measured(8), measured(8)]
+    fit = split_fixed_cost(small, 1, large, 8)
+    assert fit.per_layer == pytest.approx(fixed)
+    embed, block, _ = fit.costs
+    assert (block.forward, block.backward_input, block.backward_weight) == pytest.approx(
+        (slope,) * 3
+    )
+    assert block.backward == pytest.approx(2 * slope)
+    assert (embed.backward_input, embed.backward_weight) == (0.0, embed.backward)
+
+
+def test_negative_fixed_cost_from_noise_is_clipped() -> None:
+    small = [_cost("block", 1.0)]
+    large = [_cost("block", 2.0)]  # per sample slower at the larger size: noise
+    fit = split_fixed_cost(small, 1, large, 4)
+    assert fit.per_layer == 0.0
+    assert fit.costs[0] == large[0]
