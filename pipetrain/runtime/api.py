@@ -53,7 +53,7 @@ from pipetrain.runtime.collectives import (
     dist_step_summary,
 )
 from pipetrain.runtime.errors import PipelineError, PipelineInputError
-from pipetrain.runtime.executor import ComputeHook, RankExecutor, StepHook
+from pipetrain.runtime.executor import ComputeHook, GradsHook, RankExecutor, StepHook
 from pipetrain.runtime.stage import IGNORE_INDEX, LossFn, StageRunner, token_cross_entropy
 from pipetrain.runtime.timeline import merge_timelines, rank_events
 from pipetrain.runtime.transport import DistTransport, InMemoryTransport, backend_for
@@ -149,6 +149,7 @@ class Pipeline:
         timeout_s: float,
         step_hook: StepHook | None,
         compute_hook: ComputeHook | None = None,
+        grads_hook: GradsHook | None = None,
     ) -> None:
         self.schedule = schedule
         self.spec = spec
@@ -226,7 +227,7 @@ class Pipeline:
             )
         self._transport = transport
 
-        def executors(program: Schedule) -> list[RankExecutor]:
+        def executors(program: Schedule, grads: GradsHook | None = None) -> list[RankExecutor]:
             return [
                 RankExecutor(
                     program,
@@ -236,11 +237,12 @@ class Pipeline:
                     self._reducer,
                     step_hook,
                     compute_hook,
+                    grads,
                 )
                 for r in ranks
             ]
 
-        self._train = executors(schedule)
+        self._train = executors(schedule, grads_hook)
         self._eval = executors(forward_schedule)
         self._has_first = any(placement.is_first(s) for s in stage_modules)
         self._has_last = any(placement.is_last(s) for s in stage_modules)
@@ -329,10 +331,12 @@ class Pipeline:
         expected = [k for ex in executors for k in ex.expected_receives]
         self._transport.begin_step(step, expected)
         if self._group is None:
-            return self._run_local(executors, step, tokens)
-        return self._run_dist(executors[0], step, tokens)
+            return self._run_local(executors, step, tokens, training)
+        return self._run_dist(executors[0], step, tokens, training)
 
-    def _run_local(self, executors: list[RankExecutor], step: int, tokens: int) -> StepResult:
+    def _run_local(
+        self, executors: list[RankExecutor], step: int, tokens: int, training: bool
+    ) -> StepResult:
         origin = time.perf_counter_ns()
         pending = list(executors)
         while pending:
@@ -348,7 +352,8 @@ class Pipeline:
                     f"step {step}: every rank waits for a message that never comes ({stuck})"
                 )
         self._transport.end_step()
-        self._reducer.finish(step)
+        if training:
+            self._reducer.finish(step)
         loss = sum(ex.loss_sum() for ex in executors)
         per_rank = []
         for ex in executors:
@@ -358,13 +363,14 @@ class Pipeline:
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, tokens, timeline, elapsed)
 
-    def _run_dist(self, ex: RankExecutor, step: int, tokens: int) -> StepResult:
+    def _run_dist(self, ex: RankExecutor, step: int, tokens: int, training: bool) -> StepResult:
         dist_barrier(self._group, ex.rank, step, self._timeout_s, self.device)
         origin = time.perf_counter_ns()
         ex.clock.origin_ns = origin
         ex.run()
         self._transport.end_step()
-        self._reducer.finish(step)
+        if training:
+            self._reducer.finish(step)
         width = 2 + 2 * max(len(row) for row in self.schedule.actions)
         row = [ex.loss_sum(), float(tokens), *map(float, ex.clock.relative())]
         rows = dist_step_summary(
@@ -410,6 +416,7 @@ def build_pipeline(
     dtype: torch.dtype = torch.float32,
     step_hook: Callable[[int, int], None] | None = None,
     compute_hook: ComputeHook | None = None,
+    grads_hook: GradsHook | None = None,
 ) -> Pipeline:
     """Build this rank's stages of ``model`` for ``schedule``.
 
@@ -418,8 +425,9 @@ def build_pipeline(
     model stage (default: ``even_split``). ``loss_fn(logits, targets)`` returns the loss
     summed over tokens. ``step_hook(stage, microbatch)`` runs the STEP actions of
     asynchronous schedules; ``compute_hook(action)`` runs before each F, B, I and W (where
-    pipetrain.runtime.weights picks a micro-batch's weight version). Every wait gives up
-    after ``timeout_s`` seconds.
+    pipetrain.runtime.weights picks a micro-batch's weight version); ``grads_hook(stage)``
+    runs right after a stage's last B or W of a training step (data parallelism). Every
+    wait gives up after ``timeout_s`` seconds.
     """
     spec = _as_spec(model)
     if microbatches < 1:
@@ -486,4 +494,5 @@ def build_pipeline(
         timeout_s,
         step_hook,
         compute_hook,
+        grads_hook,
     )

@@ -16,6 +16,7 @@ are ready; the rest launch at the end of the step.
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -243,15 +244,24 @@ class DistReducer:
 
 
 def dist_barrier(group: Any, rank: int, step: int, timeout_s: float, device: torch.device) -> None:
-    """All ranks of the pipeline reach the start of ``step`` (with a timeout)."""
-    token = torch.zeros(1, device=device)
-    work = dist.all_reduce(token, group=group, async_op=True)
+    """All ranks of the pipeline reach the start of ``step`` (with a timeout).
+
+    On gloo, torch's monitored barrier: when a rank does not arrive, rank 0 learns which.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    where = f"rank {rank}: step {step}, barrier at the start of the step"
     try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
+        if dist.get_backend(group) == "gloo":
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+            return
+        dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True).wait(timeout)
     except RuntimeError as exc:
-        raise PipelineError(
-            f"rank {rank}: step {step}, barrier at the start of the step: a peer {describe_failure(exc, timeout_s)}"
-        ) from exc
+        absent = re.search(r"Ranks? ([\d, ]+) failed to pass", str(exc))
+        if absent:
+            raise PipelineError(
+                f"{where}: peer rank(s) {absent.group(1)} did not arrive within {timeout_s:g} s"
+            ) from exc
+        raise PipelineError(f"{where}: a peer {describe_failure(exc, timeout_s)}") from exc
 
 
 def dist_step_summary(

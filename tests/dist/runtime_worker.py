@@ -8,6 +8,8 @@ second on global ranks 2 and 3). Writes OUT/rank<r>.json.
 
 ``runtime_worker.py kill OUT``: rank 1 kills itself in the middle of step 1; the others
 must fail with an error naming it (printed to stderr, exit status 1).
+
+``runtime_worker.py stall OUT``: rank 1 stops answering; rank 0 times out naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -145,13 +148,19 @@ def adamw_case(spec, group, schedule: Schedule, steps: int = 3) -> dict[str, obj
     for stage, module in zip(pipe.stages, pipe.modules, strict=True):
         twin = dict(debug_modules[stage].named_parameters(remove_duplicate=False))
         for name, q in module.named_parameters(remove_duplicate=False):
-            worst = max(worst, float((q - ref_params[pipe.tied_names.get(name, name)]).abs().max()))
+            worst = max(
+                worst, float((q - ref_params[pipe.tied_names.get(name, name)]).abs().max().detach())
+            )
             bitwise = bitwise and torch.equal(q, twin[name])
+    # Forward only, after the updates: the loss of a held-out batch.
+    x, y = batch(999)
+    ref_eval = (token_cross_entropy(full(x), y) / (y != -100).sum()).item()
+    evals = [q.eval_loss(x, y) for q in (pipe, debug)]
     return {
         "param_abs": worst,
         "params_bitwise": bitwise,
-        "loss_rel": max(abs(a - r) / r for a, _, r in losses),
-        "loss_bitwise": all(a == b for a, b, _ in losses),
+        "loss_rel": max(abs(a - r) / r for a, _, r in [*losses, (evals[0], evals[1], ref_eval)]),
+        "loss_bitwise": all(a == b for a, b, _ in losses) and evals[0] == evals[1],
     }
 
 
@@ -197,12 +206,33 @@ def run_kill(out: Path) -> None:
         pipe.step(x, y)
 
 
+def run_stall(out: Path) -> None:
+    """Rank 1 stops answering for 20 s in the middle of step 1; rank 0 gives up after 3 s."""
+    del out
+    rank = dist.get_rank()
+    spec = model_spec(get_model_config("llama-tiny"))
+    pipe = build_pipeline(
+        spec, schedule="1f1b", microbatches=2, group=dist.group.WORLD, seed=0, timeout_s=3.0
+    )
+    calls = []
+
+    def stall_in_step_1(module, inputs):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2 + 1:  # the first forward of the second step
+            time.sleep(20)
+
+    pipe.modules[0].register_forward_pre_hook(stall_in_step_1)
+    x, y = batch(0)
+    for _ in range(2):
+        pipe.step(x, y)
+
+
 def main() -> int:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
-        {"equal": run_equal, "kill": run_kill}[mode](out)
+        {"equal": run_equal, "kill": run_kill, "stall": run_stall}[mode](out)
     except PipelineError as exc:
         sys.stderr.write(f"rank {dist.get_rank()}: {exc}\n")
         return 1
