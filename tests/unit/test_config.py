@@ -155,3 +155,15 @@ def test_missing_file_names_the_flag(tmp_path: Path) -> None:
 def test_bad_override_syntax() -> None:
     with pytest.raises(ConfigError, match=r"SECTION.FIELD=VALUE"):
         parse_override("optim.lr")
+
+
+def test_shipped_configs_load() -> None:
+    folder = Path(__file__).resolve().parents[2] / "configs"
+    files = sorted(folder.glob("*.toml"))
+    assert files
+    for path in files:
+        load_config(path, {"run.name": "check"})
+    # configs/default.toml is the main job: the same as no flags at all.
+    assert load_config(folder / "default.toml", {"run.name": "x"}) == load_config(
+        overrides={"run.name": "x"}
+    )
