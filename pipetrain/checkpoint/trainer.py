@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,9 @@ class RunCheckpoints:
         self._last_saved = -1
         self.stop = StopSignal()
         self.stopped = False
+        # A loop that dies of an exception never calls close(): the handlers go back when
+        # this object is collected, so the process's Ctrl-C works again either way.
+        self._release = weakref.finalize(self, self.stop.close)
 
     def resume(self) -> int:
         """The step to start from: 0, or that of the checkpoint loaded."""
@@ -181,4 +185,4 @@ class RunCheckpoints:
         return result.path
 
     def close(self) -> None:
-        self.stop.close()
+        self._release()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pipetrain.checkpoint import list_checkpoints, read_manifest, read_weights
+from pipetrain.cli import main
 
 pytestmark = pytest.mark.e2e
 
@@ -135,3 +136,18 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(work: Path) -> None:
     assert [s for s, _ in list_checkpoints(ckpt).complete] == [done]
     assert f"stop signal: finished step {done} and stopped" in out
     assert "stopped by signal SIGTERM" in err
+
+
+def test_resume_of_another_model_is_refused_in_one_line(
+    work: Path, full: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = train_command(work, "other_model", "--pp", "1", "--checkpoint-dir", str(full))
+    argv[argv.index("--model") + 1] = "gpt2-tiny"
+    code = main([*argv[argv.index("train") :], "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines() == [
+        f"pipetrain train: error: {full / 'step_000004'} holds a model with family='llama' but "
+        "this run has family='gpt2'; use the checkpoint's model settings or another "
+        "checkpoint directory"
+    ]

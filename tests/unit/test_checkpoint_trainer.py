@@ -3,6 +3,7 @@ signal (SIGTERM finishes the step, saves, stops; a second SIGINT interrupts), po
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -105,6 +106,15 @@ def test_second_sigint_interrupts_at_once_and_close_restores_handlers() -> None:
         os.kill(os.getpid(), signal.SIGINT)
     stop.close()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_handlers_go_back_when_a_failed_loop_drops_the_object(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    run, _, _ = _run(tmp_path, CheckpointPolicy(str(tmp_path)))
+    assert signal.getsignal(signal.SIGTERM) is not before
+    del run
+    gc.collect()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 @pytest.mark.parametrize(
