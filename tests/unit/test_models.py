@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -207,3 +210,24 @@ def test_user_layer_list_rejects_clashing_names() -> None:
         )
     with pytest.raises(InputError, match="kind"):
         LayerSpec("a", "decoder", nn.ReLU)
+
+
+def test_gpt2_rejects_sequences_longer_than_its_positions() -> None:
+    spec = model_spec(get_model_config("gpt2-tiny"))
+    first = build_stage(spec, [0], seed=0, device="cpu")
+    with pytest.raises(InputError, match="max_seq_len"):
+        first(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_building_stages_does_not_import_dynamo() -> None:
+    # Random init on the meta device imports torch._dynamo: seconds at every rank's start.
+    code = (
+        "import sys; from pipetrain.models import build_stage, get_model_config, model_spec\n"
+        "for name in ('llama-tiny', 'gpt2-tiny'):\n"
+        "    spec = model_spec(get_model_config(name))\n"
+        "    build_stage(spec, range(len(spec)), seed=0, device='cpu')\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
