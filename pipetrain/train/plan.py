@@ -6,6 +6,7 @@ bad setting with one line before it launches anything.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
             f"schedule {p.schedule!r} on {p.pp} ranks has {stages} model stages but model {model.name} "
             f"has {model.n_layers} blocks: use fewer --pp/--chunks or a model with more blocks"
         )
+    _check_optional_packages(config)
     if p.device == "cuda":
         import torch
 
@@ -94,6 +96,26 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
             )
     return RunPlan(model, schedule, block_split(model.n_layers, stages))
+
+
+def _check_optional_packages(config: TrainConfig) -> None:
+    """Packages that only some options need, checked before any process starts."""
+    needs = (
+        (config.run.tensorboard, "tensorboard", "run.tensorboard", "drop --tensorboard"),
+        (bool(config.run.timeline), "matplotlib", "run.timeline", "drop --timeline"),
+        (
+            bool(config.data.tokenizer),
+            "tokenizers",
+            "data.tokenizer",
+            "leave it empty for byte tokens",
+        ),
+    )
+    for wanted, package, key, instead in needs:
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"{key} needs the '{package}' package, which is not installed: "
+                f"pip install {package}, or {instead}"
+            )
 
 
 def threads_per_process(setting: int, local_processes: int) -> int:

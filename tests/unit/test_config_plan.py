@@ -1,0 +1,91 @@
+"""The preflight plan: what a config resolves to, and what it rejects before any launch."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from pipetrain.train.config import ConfigError, load_config
+from pipetrain.train.plan import RunPlan, block_split, plan_run, threads_per_process
+
+
+def _plan(**overrides: Any) -> RunPlan:
+    return plan_run(load_config(overrides={"run.name": "t", **overrides}), vocab_size=256)
+
+
+def test_default_is_three_stages_of_four_blocks() -> None:
+    plan = _plan()
+    assert plan.model.name == "llama-default" and plan.model.n_layers == 12
+    assert plan.schedule.name == "1f1b" and plan.schedule.num_ranks == 3
+    # Embedding (layer 0) with blocks 1-4, blocks 5-8, blocks 9-12 with the head (13).
+    assert plan.split == (tuple(range(0, 5)), tuple(range(5, 9)), tuple(range(9, 14)))
+
+
+def test_block_split_spreads_blocks_and_keeps_ends() -> None:
+    assert block_split(4, 1) == (tuple(range(6)),)
+    assert block_split(5, 2) == ((0, 1, 2, 3), (4, 5, 6))
+    for blocks in range(1, 9):
+        for stages in range(1, blocks + 1):
+            split = block_split(blocks, stages)
+            assert [i for s in split for i in s] == list(range(blocks + 2))
+            sizes = [len(s) - (s[0] == 0) - (s[-1] == blocks + 1) for s in split]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_looped_schedule_gets_one_range_per_model_stage() -> None:
+    plan = _plan(**{"model.name": "llama-tiny", "data.seq_len": 32, "pipeline.pp": 2},
+                 **{"pipeline.schedule": "interleaved-1f1b", "pipeline.chunks": 2})  # fmt: skip
+    assert len(plan.split) == 4
+
+
+def test_threads_share_the_cores() -> None:
+    assert threads_per_process(3, 8) == 3
+    assert threads_per_process(0, 10_000) == 1
+
+
+REJECTED: list[tuple[dict[str, Any], tuple[str, ...]]] = [
+    ({"pipeline.chunks": 2}, ("pipeline.chunks 2", "interleaved-1f1b", "drop --chunks")),
+    ({"pipeline.schedule": "pipedream"}, ("asynchronous", "choose e.g. 1f1b")),
+    ({"pipeline.schedule": "1f1x"}, ("pipeline.schedule", "unknown schedule '1f1x'", "1f1b")),
+    (
+        {"pipeline.pp": 4, "pipeline.microbatches": 2, "data.batch_size": 2},
+        ("pipeline:", "--microbatches"),
+    ),
+    ({"model.name": "llama-huge"}, ("model.name", "llama-default")),
+    ({"model.name": "llama-tiny"}, ("data.seq_len 128", "--seq-len 64")),
+    (
+        {"model.name": "llama-tiny", "data.seq_len": 32, "pipeline.pp": 5},
+        ("5 model stages", "4 blocks"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "words"), REJECTED, ids=[str(o) for o, _ in REJECTED])
+def test_rejected_before_launch(overrides: dict[str, Any], words: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as info:
+        _plan(**overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed"
+)
+def test_missing_tensorboard_is_named_before_launch() -> None:
+    with pytest.raises(
+        ConfigError, match=r"run.tensorboard needs the 'tensorboard' package.*drop --tensorboard"
+    ):
+        _plan(**{"run.tensorboard": True})
+
+
+def test_cuda_without_a_gpu_is_named() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=r"pipeline.device is 'cuda'.*--device cpu"):
+        _plan(**{"pipeline.device": "cuda"})
