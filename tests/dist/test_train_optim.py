@@ -2,7 +2,8 @@
 
 Each rank holds half of a small model's parameters, as two pipeline stages would, plus a
 copy of one "tied" weight that both hold. The global norm, the clip factor and the
-skip decision must be the same on both ranks and equal to one process on the whole model.
+skip decision must be the same on both ranks and equal to one process on the whole model;
+then the same through a real 2-stage pipeline of gpt2-tiny, whose tied embedding spans ranks.
 """
 
 from __future__ import annotations
@@ -90,6 +91,37 @@ WORKER = textwrap.dedent(
         out["stopped"] = ""
     except TrainingDiverged as exc:
         out["stopped"] = str(exc)
+
+    # The same through a real pipeline: gpt2-tiny (embedding tied to the head, which sit
+    # on different ranks), one 1F1B step. The norm must be one process's on the whole model.
+    from pipetrain.models import build_full_model, get_model_config, model_spec
+    from pipetrain.runtime import build_pipeline
+    from pipetrain.train.loop import _gradients
+    from pipetrain.train.plan import block_split
+
+    spec = model_spec(get_model_config("gpt2-tiny"))
+    pipe = build_pipeline(spec, schedule="1f1b", microbatches=2, group=dist.group.WORLD,
+                          device="cpu", seed=3, split=block_split(3, 2))
+    ids = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(5))
+    result = pipe.step(ids[:, :-1], ids[:, 1:])
+    pipe_grads = _gradients(pipe)
+    out["pipe_norm"] = check_gradients(pipe_grads, result.loss, dist.group.WORLD).norm
+    full_model = build_full_model(spec, seed=3, device="cpu")
+    logits = full_model(ids[:, :-1])
+    full_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1))
+    full_loss.backward()
+    out["full_norm"] = float(nn.utils.clip_grad_norm_(full_model.parameters(), 1e9))
+    out["tied_copies_here"] = len(pipe_grads.all) - len(pipe_grads.counted)
+    # A NaN in one gradient of rank 1's stage: every rank skips, no weight moves.
+    if rank == 1:
+        next(iter(pipe.parameters())).grad.view(-1)[0] = math.nan
+    pipe_update = GuardedUpdate(
+        torch.optim.AdamW(pipe.parameters(), lr=1e-3), config, total_steps=10, group=dist.group.WORLD
+    )
+    before = [p.detach().clone() for p in pipe.parameters()]
+    out["pipe_skipped"] = pipe_update.apply(0, pipe_grads, result.loss).skipped
+    out["pipe_unchanged"] = all(torch.equal(a, p.detach()) for a, p in zip(before, pipe.parameters()))
+
     with open(sys.argv[1] + f".{rank}", "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -134,3 +166,8 @@ def test_global_clip_and_nan_skip_agree_across_ranks(tmp_path: Path) -> None:
         assert "2 steps in a row" in out["stopped"]
     assert results[0]["clip_factor"] == results[1]["clip_factor"]
     assert results[1]["tied_error"] < 1e-6
+    for out in results:
+        assert out["pipe_norm"] == pytest.approx(out["full_norm"], rel=1e-5)
+        assert out["pipe_skipped"] is True and out["pipe_unchanged"] is True
+    # The head's copy of the tied embedding (rank 1) is stepped but not counted.
+    assert [out["tied_copies_here"] for out in results] == [0, 1]
