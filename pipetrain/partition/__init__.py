@@ -23,8 +23,8 @@ from pipetrain.partition.planner import (
     Plan,
     StagePlan,
     make_plan,
-    split_layers,
 )
+from pipetrain.partition.stages import split_layers
 
 __all__ = [
     "LayerCost",

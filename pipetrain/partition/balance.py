@@ -20,6 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipetrain.errors import InputError
+from pipetrain.partition.search import (
+    SearchTooLarge,
+    StageBytes,
+    coupled_search,
+    min_bottleneck,
+    min_squares,
+    ranks_fit,
+)
 
 __all__ = [
     "LayerCost",
@@ -36,9 +44,6 @@ __all__ = [
     "split_explicit",
     "split_uniform",
 ]
-
-# Search nodes the memory-coupled search may visit before it gives up (a few seconds).
-_SEARCH_BUDGET = 300_000
 
 
 # Each stage's rank, or the ranks of its replicas.
@@ -88,24 +93,6 @@ class MemoryModel:
         params = sum(c.param_bytes for c in costs[start:end])
         activations = sum(c.activation_bytes_per_sample for c in costs[start:end])
         return self.state_factor * params + activations * self.microbatch_size * self.live[stage]
-
-
-class _StageBytes:
-    """``MemoryModel.stage_bytes`` in O(1) from prefix sums (the search asks it O(S L^2) times)."""
-
-    def __init__(self, costs: Sequence[LayerCost], memory: MemoryModel) -> None:
-        self.memory = memory
-        self.params = [0.0]
-        self.acts = [0.0]
-        for c in costs:
-            self.params.append(self.params[-1] + c.param_bytes)
-            self.acts.append(self.acts[-1] + c.activation_bytes_per_sample)
-
-    def __call__(self, stage: int, start: int, end: int) -> float:
-        m = self.memory
-        params = self.params[end] - self.params[start]
-        acts = self.acts[end] - self.acts[start]
-        return m.state_factor * params + acts * m.microbatch_size * m.live[stage]
 
 
 @dataclass(frozen=True)
@@ -318,23 +305,29 @@ def _balanced(
         return prefix[j] - prefix[i]
 
     ranks_single = all(len(r) == 1 for r in ranks) and len({r[0] for r in ranks}) == n_stages
-    stage_bytes = None if memory is None else _StageBytes(costs, memory)
+    stage_bytes = None if memory is None else StageBytes(costs, memory)
     fits: Callable[[int, int, int], bool] = lambda s, i, j: True  # noqa: E731
     if memory is not None and stage_bytes is not None and ranks_single:
         limit, mem = memory.limit_bytes, stage_bytes
         fits = lambda s, i, j: mem(s, i, j) <= limit  # noqa: E731
 
-    bottleneck = _min_bottleneck(n_layers, n_stages, seg, fits)
+    bottleneck = min_bottleneck(n_layers, n_stages, seg, fits)
     bounds = None
     if bottleneck is not None:
-        bounds = _min_squares(n_layers, n_stages, seg, fits, bottleneck)
+        bounds = min_squares(n_layers, n_stages, seg, fits, bottleneck)
     if (
         memory is not None
         and stage_bytes is not None
         and not ranks_single
-        and (bounds is None or not _ranks_fit(stage_bytes, bounds, ranks, memory.limit_bytes))
+        and (bounds is None or not ranks_fit(stage_bytes, bounds, ranks, memory.limit_bytes))
     ):
-        bounds = _coupled_search(n_layers, n_stages, seg, ranks, stage_bytes, memory.limit_bytes)
+        try:
+            bounds = coupled_search(n_layers, n_stages, seg, ranks, stage_bytes, memory.limit_bytes)
+        except SearchTooLarge:
+            raise PartitionError(
+                f"the memory limit couples the {n_stages} stages of this placement and the exact "
+                "search is too large: give the split by hand with --split, or raise --memory-limit"
+            ) from None
     if bounds is None:
         assert memory is not None  # without a limit every split of >= 1 layer per stage is allowed
         raise PartitionError(
@@ -343,123 +336,6 @@ def _balanced(
             "a smaller micro-batch (--microbatches)"
         )
     return make_partition(method, costs, bounds, stage_to_rank)
-
-
-def _min_bottleneck(
-    n_layers: int,
-    n_stages: int,
-    seg: Callable[[int, int], float],
-    fits: Callable[[int, int, int], bool],
-) -> float | None:
-    """best[s][j]: the least possible heaviest stage when stages 0..s-1 cover layers 0..j-1."""
-    inf = float("inf")
-    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        for j in range(s, n_layers - (n_stages - s) + 1):
-            value = inf
-            for i in range(s - 1, j):
-                if best[s - 1][i] < inf and fits(s - 1, i, j):
-                    value = min(value, max(best[s - 1][i], seg(i, j)))
-            best[s][j] = value
-    result = best[n_stages][n_layers]
-    return None if result == inf else result
-
-
-def _min_squares(
-    n_layers: int,
-    n_stages: int,
-    seg: Callable[[int, int], float],
-    fits: Callable[[int, int, int], bool],
-    bottleneck: float,
-) -> list[tuple[int, int]] | None:
-    """Among splits whose stages all weigh <= bottleneck, the one with least sum of squares."""
-    cap = bottleneck * (1 + 1e-12) + 1e-300
-    inf = float("inf")
-    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
-    choice = [[-1] * (n_layers + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        for j in range(s, n_layers - (n_stages - s) + 1):
-            for i in range(s - 1, j):
-                w = seg(i, j)
-                if best[s - 1][i] < inf and w <= cap and fits(s - 1, i, j):
-                    value = best[s - 1][i] + w * w
-                    if value < best[s][j]:
-                        best[s][j], choice[s][j] = value, i
-    if best[n_stages][n_layers] == inf:
-        return None
-    bounds: list[tuple[int, int]] = []
-    j = n_layers
-    for s in range(n_stages, 0, -1):
-        i = choice[s][j]
-        bounds.append((i, j))
-        j = i
-    return bounds[::-1]
-
-
-def _ranks_fit(
-    stage_bytes: _StageBytes,
-    bounds: Sequence[tuple[int, int]],
-    ranks: Sequence[Sequence[int]],
-    limit: float,
-) -> bool:
-    totals = [0.0] * (max(max(r) for r in ranks) + 1)
-    for s, (i, j) in enumerate(bounds):
-        for rank in ranks[s]:
-            totals[rank] += stage_bytes(s, i, j)
-    return all(b <= limit for b in totals)
-
-
-def _coupled_search(
-    n_layers: int,
-    n_stages: int,
-    seg: Callable[[int, int], float],
-    ranks: Sequence[Sequence[int]],
-    stage_bytes: _StageBytes,
-    limit: float,
-) -> list[tuple[int, int]] | None:
-    """Branch and bound over the cuts when one rank holds several stages under a limit."""
-    n_ranks = max(max(r) for r in ranks) + 1
-    best_value = float("inf")
-    best_bounds: list[tuple[int, int]] | None = None
-    visited = 0
-    used = [0.0] * n_ranks
-    path: list[tuple[int, int]] = []
-
-    def visit(s: int, i: int, heaviest: float) -> None:
-        nonlocal best_value, best_bounds, visited
-        visited += 1
-        if visited > _SEARCH_BUDGET:
-            raise PartitionError(
-                f"the memory limit couples the {n_stages} stages of this placement and the exact search "
-                "is too large: give the split by hand with --split, or raise --memory-limit"
-            )
-        if s == n_stages:
-            if i == n_layers and heaviest < best_value:
-                best_value, best_bounds = heaviest, list(path)
-            return
-        last = n_layers - (n_stages - s - 1)
-        for j in range(i + 1, last + 1) if s < n_stages - 1 else (n_layers,):
-            w = seg(i, j)
-            if max(heaviest, w) >= best_value:
-                break  # longer segments only weigh more
-            extra = stage_bytes(s, i, j)
-            if any(used[rank] + extra > limit for rank in ranks[s]):
-                break  # and hold more
-            left = n_stages - s - 1
-            if left and seg(j, n_layers) / left >= best_value:
-                continue  # the stages after this one cannot all stay under the best
-            for rank in ranks[s]:
-                used[rank] += extra
-            path.append((i, j))
-            visit(s + 1, j, max(heaviest, w))
-            path.pop()
-            for rank in ranks[s]:
-                used[rank] -= extra
-
-    visit(0, 0, 0.0)
-    return best_bounds
 
 
 def format_bytes(n: float) -> str:

@@ -12,26 +12,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import (
     LayerCost,
     MemoryModel,
     Partition,
     PartitionError,
     format_bytes,
-    parse_split,
-    split_by_cost,
-    split_by_params,
-    split_explicit,
-    split_uniform,
 )
-from pipetrain.partition.estimate import estimate_costs
-from pipetrain.schedules.actions import Kind
+from pipetrain.partition.stages import model_stage_live, split_for, stage_ranks_of
 from pipetrain.schedules.execution import Costs
-from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.schedule import Schedule, ScheduleError
 from pipetrain.sim.simulator import SimResult, simulate
 
@@ -43,9 +35,6 @@ __all__ = [
     "ScheduleFactory",
     "StagePlan",
     "make_plan",
-    "split_layers",
-    "stage_live_peaks",
-    "stage_ranks_of",
 ]
 
 METHODS = ("explicit", "uniform", "params", "profile", "cost")
@@ -200,40 +189,6 @@ class Plan:
         }
 
 
-def stage_live_peaks(schedule: Schedule) -> tuple[int, ...]:
-    """Per virtual stage, the most micro-batches whose activations are held at once.
-
-    A micro-batch's activations on a stage live from its F to its B (or to its W when the
-    backward is split: W still needs the saved inputs). One rank runs its actions in
-    order, so the count follows the order alone, whatever the timing.
-    """
-    peaks = [0] * schedule.placement.num_stages
-    live = [0] * schedule.placement.num_stages
-    split = schedule.splits_backward
-    release = Kind.W if split else Kind.B
-    for rank_actions in schedule.actions:
-        for action in rank_actions:
-            if action.kind is Kind.F:
-                live[action.stage] += 1
-                peaks[action.stage] = max(peaks[action.stage], live[action.stage])
-            elif action.kind is release or (split and action.kind is Kind.B):
-                live[action.stage] -= 1
-    return tuple(peaks)
-
-
-def _model_stage_ranks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
-    return stage_ranks_of(schedule.placement)
-
-
-def _model_stage_live(schedule: Schedule) -> tuple[int, ...]:
-    per_virtual = stage_live_peaks(schedule)
-    placement = schedule.placement
-    return tuple(
-        max(per_virtual[v] for v in placement.replicas_of(j))
-        for j in range(placement.num_model_stages)
-    )
-
-
 def _sim(
     schedule: Schedule, partition: Partition, mb: int, overheads: Overheads, batch_scale: int
 ) -> SimResult:
@@ -263,53 +218,6 @@ def _static_bytes(partition: Partition, state_factor: float) -> tuple[float, ...
     return tuple(totals)
 
 
-def _split(
-    method: str,
-    costs: Sequence[LayerCost],
-    stage_ranks: tuple[tuple[int, ...], ...],
-    split: Sequence[int] | None,
-    memory: MemoryModel | None,
-) -> Partition:
-    if split is not None:
-        return split_explicit(costs, split, stage_ranks)
-    if method == "uniform":
-        return split_uniform(costs, stage_ranks)
-    if method == "params":
-        return split_by_params(costs, stage_ranks, memory)
-    if method in ("profile", "cost"):
-        # Balanced by time; the name says where the times came from.
-        return replace(split_by_cost(costs, stage_ranks, memory), method=method)
-    raise PartitionError(f"--balance {method!r} is unknown: use one of uniform, params, profile")
-
-
-def stage_ranks_of(placement: Placement) -> tuple[tuple[int, ...], ...]:
-    """Model stage -> the ranks holding it (one per replica), from a schedule's placement."""
-    return tuple(
-        tuple(placement.rank_of(v) for v in placement.replicas_of(j))
-        for j in range(placement.num_model_stages)
-    )
-
-
-def split_layers(
-    config: ModelConfig,
-    placement: Placement,
-    *,
-    split: str | Sequence[int] | None = None,
-    method: str = "uniform",
-    seq_len: int | None = None,
-) -> tuple[tuple[int, ...], ...]:
-    """Global layer indices of each model stage of ``placement``, without measuring anything.
-
-    ``split``: blocks per stage (``"4,3,5"``); else ``method`` "uniform" or "params" (with
-    estimated costs, "profile" falls back to FLOP estimates here). The trainer and runtime
-    feed the result to ``build_stage``.
-    """
-    costs = estimate_costs(config, seq_len or config.max_seq_len)
-    counts = parse_split(split) if isinstance(split, str) else split
-    name = "cost" if method == "profile" else method
-    return _split(name, costs, stage_ranks_of(placement), counts, None).stages
-
-
 def make_plan(
     costs: Sequence[LayerCost],
     *,
@@ -336,10 +244,10 @@ def make_plan(
         )
     schedule = schedule_for(microbatches)
     mb = batch_size // microbatches
-    stage_ranks = _model_stage_ranks(schedule)
-    live = _model_stage_live(schedule)
+    stage_ranks = stage_ranks_of(schedule.placement)
+    live = model_stage_live(schedule)
     memory = None if memory_limit is None else MemoryModel(memory_limit, mb, live, state_factor)
-    partition = _split(method, costs, stage_ranks, split, memory)
+    partition = split_for(method, costs, stage_ranks, split, memory)
     sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1)
     static = _static_bytes(partition, state_factor)
     peaks = sim.peak_activation_bytes or tuple(0.0 for _ in static)

@@ -7,7 +7,8 @@ import pytest
 from pipetrain.errors import InputError
 from pipetrain.models.config import get_model_config
 from pipetrain.partition.estimate import estimate_costs
-from pipetrain.partition.planner import Overheads, make_plan, split_layers, stage_live_peaks
+from pipetrain.partition.planner import Overheads, make_plan
+from pipetrain.partition.stages import split_layers, stage_live_peaks
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.registry import build_schedule, get_spec
 from pipetrain.sim.simulator import simulate

@@ -1,0 +1,164 @@
+"""The exact searches behind the balanced splits (torch-free).
+
+Splits are half-open layer ranges ``(start, end)``, one per stage, covering every layer in
+order. ``seg(i, j)`` is the weight of layers i..j-1 (time or parameter bytes), non-negative,
+so a longer range never weighs less; ``fits(stage, i, j)`` says whether a range may be that
+stage under a per-stage memory limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # balance imports this module at run time
+    from pipetrain.partition.balance import LayerCost, MemoryModel
+
+__all__ = [
+    "SearchTooLarge",
+    "StageBytes",
+    "coupled_search",
+    "min_bottleneck",
+    "min_squares",
+    "ranks_fit",
+]
+
+
+class SearchTooLarge(Exception):
+    """The coupled search ran out of its node budget (the caller says what to do instead)."""
+
+
+# Search nodes the memory-coupled search may visit before it gives up (a few seconds).
+_SEARCH_BUDGET = 300_000
+
+
+class StageBytes:
+    """``MemoryModel.stage_bytes`` in O(1) from prefix sums (the search asks it O(S L^2) times)."""
+
+    def __init__(self, costs: Sequence[LayerCost], memory: MemoryModel) -> None:
+        self.memory = memory
+        self.params = [0.0]
+        self.acts = [0.0]
+        for c in costs:
+            self.params.append(self.params[-1] + c.param_bytes)
+            self.acts.append(self.acts[-1] + c.activation_bytes_per_sample)
+
+    def __call__(self, stage: int, start: int, end: int) -> float:
+        m = self.memory
+        params = self.params[end] - self.params[start]
+        acts = self.acts[end] - self.acts[start]
+        return m.state_factor * params + acts * m.microbatch_size * m.live[stage]
+
+
+def min_bottleneck(
+    n_layers: int,
+    n_stages: int,
+    seg: Callable[[int, int], float],
+    fits: Callable[[int, int, int], bool],
+) -> float | None:
+    """best[s][j]: the least possible heaviest stage when stages 0..s-1 cover layers 0..j-1."""
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n_layers - (n_stages - s) + 1):
+            value = inf
+            for i in range(s - 1, j):
+                if best[s - 1][i] < inf and fits(s - 1, i, j):
+                    value = min(value, max(best[s - 1][i], seg(i, j)))
+            best[s][j] = value
+    result = best[n_stages][n_layers]
+    return None if result == inf else result
+
+
+def min_squares(
+    n_layers: int,
+    n_stages: int,
+    seg: Callable[[int, int], float],
+    fits: Callable[[int, int, int], bool],
+    bottleneck: float,
+) -> list[tuple[int, int]] | None:
+    """Among splits whose stages all weigh <= bottleneck, the one with least sum of squares."""
+    cap = bottleneck * (1 + 1e-12) + 1e-300
+    inf = float("inf")
+    best = [[inf] * (n_layers + 1) for _ in range(n_stages + 1)]
+    choice = [[-1] * (n_layers + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for j in range(s, n_layers - (n_stages - s) + 1):
+            for i in range(s - 1, j):
+                w = seg(i, j)
+                if best[s - 1][i] < inf and w <= cap and fits(s - 1, i, j):
+                    value = best[s - 1][i] + w * w
+                    if value < best[s][j]:
+                        best[s][j], choice[s][j] = value, i
+    if best[n_stages][n_layers] == inf:
+        return None
+    bounds: list[tuple[int, int]] = []
+    j = n_layers
+    for s in range(n_stages, 0, -1):
+        i = choice[s][j]
+        bounds.append((i, j))
+        j = i
+    return bounds[::-1]
+
+
+def ranks_fit(
+    stage_bytes: StageBytes,
+    bounds: Sequence[tuple[int, int]],
+    ranks: Sequence[Sequence[int]],
+    limit: float,
+) -> bool:
+    totals = [0.0] * (max(max(r) for r in ranks) + 1)
+    for s, (i, j) in enumerate(bounds):
+        for rank in ranks[s]:
+            totals[rank] += stage_bytes(s, i, j)
+    return all(b <= limit for b in totals)
+
+
+def coupled_search(
+    n_layers: int,
+    n_stages: int,
+    seg: Callable[[int, int], float],
+    ranks: Sequence[Sequence[int]],
+    stage_bytes: StageBytes,
+    limit: float,
+) -> list[tuple[int, int]] | None:
+    """Branch and bound over the cuts when one rank holds several stages under a limit."""
+    n_ranks = max(max(r) for r in ranks) + 1
+    best_value = float("inf")
+    best_bounds: list[tuple[int, int]] | None = None
+    visited = 0
+    used = [0.0] * n_ranks
+    path: list[tuple[int, int]] = []
+
+    def visit(s: int, i: int, heaviest: float) -> None:
+        nonlocal best_value, best_bounds, visited
+        visited += 1
+        if visited > _SEARCH_BUDGET:
+            raise SearchTooLarge(f"more than {_SEARCH_BUDGET} nodes")
+        if s == n_stages:
+            if i == n_layers and heaviest < best_value:
+                best_value, best_bounds = heaviest, list(path)
+            return
+        last = n_layers - (n_stages - s - 1)
+        for j in range(i + 1, last + 1) if s < n_stages - 1 else (n_layers,):
+            w = seg(i, j)
+            if max(heaviest, w) >= best_value:
+                break  # longer segments only weigh more
+            extra = stage_bytes(s, i, j)
+            if any(used[rank] + extra > limit for rank in ranks[s]):
+                break  # and hold more
+            left = n_stages - s - 1
+            if left and seg(j, n_layers) / left >= best_value:
+                continue  # the stages after this one cannot all stay under the best
+            for rank in ranks[s]:
+                used[rank] += extra
+            path.append((i, j))
+            visit(s + 1, j, max(heaviest, w))
+            path.pop()
+            for rank in ranks[s]:
+                used[rank] -= extra
+
+    visit(0, 0, 0.0)
+    return best_bounds
