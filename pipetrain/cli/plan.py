@@ -185,7 +185,16 @@ def _costs(
             f"--batch-size {args.batch_size} is not a multiple of --microbatches {args.microbatches}"
         )
     mb = args.batch_size // args.microbatches
-    device = torch.device(args.device) if args.device else default_device()
+    try:
+        device = torch.device(args.device) if args.device else default_device()
+    except RuntimeError:
+        raise UsageError(
+            f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            f"--device {args.device} but this machine has no CUDA device: use --device cpu"
+        )
     ids = torch.randint(
         0, config.vocab_size, (mb, seq_len), generator=torch.Generator().manual_seed(args.seed)
     )

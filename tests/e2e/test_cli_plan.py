@@ -11,6 +11,12 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pipetrain.cli", "plan", *args],
@@ -99,6 +105,7 @@ def test_measured_plan_of_a_tiny_model() -> None:
         (["--microbatches", "2"], "1f1b needs --microbatches >= --pp"),
         (["--batch-size", "30"], "not a whole number of --microbatches"),
         (["--seq-len", "4096"], "max_seq_len"),
+        (["--balance", "profile", "--device", "tpu9"], "is not a device"),
     ],
 )
 def test_bad_plans_get_one_line_and_exit_2(args: list[str], message: str) -> None:
@@ -108,6 +115,13 @@ def test_bad_plans_get_one_line_and_exit_2(args: list[str], message: str) -> Non
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.skipif(torch_has_cuda(), reason="checks the message on a machine without CUDA")
+def test_profile_on_a_missing_gpu_says_so() -> None:
+    done = _plan("--model", "llama-tiny", "--pp", "2", "--balance", "profile", "--device", "cuda")
+    assert done.returncode == 2
+    assert "no CUDA device" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_unknown_model_lists_the_presets() -> None:
