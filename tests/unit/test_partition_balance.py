@@ -220,3 +220,20 @@ def test_negative_fixed_cost_from_noise_is_clipped() -> None:
     fit = split_fixed_cost(small, 1, large, 4)
     assert fit.per_layer == 0.0
     assert fit.costs[0] == large[0]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=6))
+def test_explicit_split_is_exactly_the_counts(counts: list[int]) -> None:
+    n_blocks = sum(counts)
+    costs = _model([1.0] * n_blocks)
+    ranks = tuple(range(len(counts)))
+    # Only the first and last stages may hold no block (they hold the embedding and head).
+    if n_blocks == 0 or any(c == 0 for c in counts[1:-1]):
+        with pytest.raises(InputError):
+            split_explicit(costs, counts, ranks)
+        return
+    part = split_explicit(costs, counts, ranks)
+    assert [len(part.blocks(costs, s)) for s in range(len(counts))] == counts
+    assert [i for stage in part.stages for i in stage] == list(range(len(costs)))
+    assert 0 in part.stages[0] and len(costs) - 1 in part.stages[-1]
