@@ -7,6 +7,12 @@ checkpoint of the same model; ``export`` consolidates the weights into one safet
 file with global (or Hugging Face) names.
 """
 
+from pipetrain.checkpoint.directory import (
+    CheckpointList,
+    ResumeChoice,
+    choose_resume,
+    list_checkpoints,
+)
 from pipetrain.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -19,6 +25,7 @@ from pipetrain.checkpoint.export import (
     load_weights,
     read_weights,
 )
+from pipetrain.checkpoint.load import LoadResult, load_checkpoint, resume_checkpoint
 from pipetrain.checkpoint.manifest import (
     FORMAT_VERSION,
     Layout,
@@ -27,17 +34,7 @@ from pipetrain.checkpoint.manifest import (
     read_manifest,
     verify_checkpoint,
 )
-from pipetrain.checkpoint.store import (
-    CheckpointList,
-    LoadResult,
-    ResumeChoice,
-    SaveResult,
-    choose_resume,
-    list_checkpoints,
-    load_checkpoint,
-    resume_checkpoint,
-    save_checkpoint,
-)
+from pipetrain.checkpoint.save import SaveResult, save_checkpoint
 from pipetrain.checkpoint.trainer import CheckpointPolicy, RunCheckpoints, StopSignal
 
 __all__ = [

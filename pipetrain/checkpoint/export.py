@@ -20,9 +20,9 @@ from torch import nn
 
 from pipetrain.checkpoint import state
 from pipetrain.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from pipetrain.checkpoint.load import dcp_read, tensor_metadata
 from pipetrain.checkpoint.manifest import Manifest, verify_checkpoint
 from pipetrain.checkpoint.safetensors_io import read_safetensors, write_safetensors
-from pipetrain.checkpoint.store import dcp_read, tensor_metadata
 
 __all__ = [
     "EXPORT_FORMATS",

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.checkpoint.errors import CheckpointIncompatibleError
+from pipetrain.checkpoint.load import load_checkpoint
 from pipetrain.checkpoint.manifest import Manifest
-from pipetrain.checkpoint.store import load_checkpoint
 from pipetrain.errors import InputError
 from pipetrain.models import ModelConfig, StageModule, build_stage, model_spec
 

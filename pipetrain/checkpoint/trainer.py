@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.checkpoint.errors import CheckpointError
+from pipetrain.checkpoint.load import LoadResult, resume_checkpoint
 from pipetrain.checkpoint.manifest import Layout
-from pipetrain.checkpoint.store import LoadResult, resume_checkpoint, save_checkpoint
+from pipetrain.checkpoint.save import save_checkpoint
 
 __all__ = ["CheckpointPolicy", "RunCheckpoints", "StopSignal"]
 

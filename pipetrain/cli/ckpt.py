@@ -104,7 +104,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from pipetrain.checkpoint import read_manifest
-    from pipetrain.checkpoint.store import tensor_metadata
+    from pipetrain.checkpoint.load import tensor_metadata
 
     path = resolve_checkpoint(args.dir)
     manifest = read_manifest(path)

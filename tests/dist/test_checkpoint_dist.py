@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from pipetrain.checkpoint import choose_resume, list_checkpoints, load_checkpoint, verify_checkpoint
-from pipetrain.checkpoint.store import KILL_BEFORE_RENAME_ENV
+from pipetrain.checkpoint.save import KILL_BEFORE_RENAME_ENV
 from pipetrain.models import build_full_model, get_model_config, model_spec
 
 pytestmark = pytest.mark.dist
@@ -38,7 +38,7 @@ WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from pipetrain.checkpoint import Layout, load_checkpoint, save_checkpoint
-    from pipetrain.checkpoint.store import KILL_BEFORE_RENAME_ENV
+    from pipetrain.checkpoint.save import KILL_BEFORE_RENAME_ENV
     from pipetrain.models import get_model_config, model_spec
     from pipetrain.runtime.api import build_pipeline
     from pipetrain.schedules.gpipe import gpipe

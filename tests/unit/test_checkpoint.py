@@ -27,8 +27,8 @@ from pipetrain.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from pipetrain.checkpoint.load import tensor_metadata
 from pipetrain.checkpoint.manifest import COMPLETE_MARKER, MANIFEST_NAME
-from pipetrain.checkpoint.store import tensor_metadata
 
 MODEL = {"family": "toy", "vocab_size": 16, "d_model": 8, "n_layers": 2}
 

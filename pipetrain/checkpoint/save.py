@@ -1,0 +1,192 @@
+"""Save a checkpoint: every rank its own part, visible only once complete.
+
+Save protocol (every rank calls ``save_checkpoint`` with its own stage modules):
+
+1. rank 0 creates ``ROOT/step_000123.tmp-<nonce>/`` and tells every rank its name;
+2. every rank writes and fsyncs its own part with torch.distributed.checkpoint (no
+   gathering of tensors) and hashes the files it wrote;
+3. rank 0 writes ``manifest.json`` (sha256 and size of every file, format version, model
+   config, layout, run config, trainer state) and the ``COMPLETE`` marker, fsyncs them,
+   and renames the directory to ``ROOT/step_000123/`` in one atomic step;
+4. rank 0 removes checkpoints beyond ``keep`` and the leftovers of crashed saves.
+
+A process killed before step 3 ends leaves only a ``.tmp-`` directory, which loading
+ignores with a warning: the previous checkpoint stays the newest valid one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from pipetrain.checkpoint import state
+from pipetrain.checkpoint.comm import Comm, as_modules, jsonable, quiet_single_process
+from pipetrain.checkpoint.directory import list_checkpoints, step_dir_name
+from pipetrain.checkpoint.errors import CheckpointError
+from pipetrain.checkpoint.manifest import (
+    FORMAT_VERSION,
+    FileEntry,
+    Layout,
+    Manifest,
+    fsync_dir,
+    hash_file,
+    write_manifest,
+)
+
+__all__ = [
+    "KILL_BEFORE_RENAME_ENV",
+    "SaveResult",
+    "save_checkpoint",
+]
+
+# Test hook: when set to a step number, rank 0 kills its own process with SIGKILL at that
+# step's save, after every file and the manifest are written but before the rename: the
+# worst moment for a crash, which the crash-safety test needs to hit exactly.
+KILL_BEFORE_RENAME_ENV = "PIPETRAIN_CHECKPOINT_KILL_BEFORE_RENAME"
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    path: Path
+    step: int
+    bytes: int  # all files of the checkpoint, every rank's
+    seconds: float
+    removed: tuple[Path, ...] = field(default=())  # pruned by ``keep`` or crash leftovers
+
+
+def _hash_own_files(directory: Path, rank: int) -> list[FileEntry]:
+    # DCP names each rank's data files "__<rank>_<n>.distcp": each rank hashes its own,
+    # in parallel with the others, so rank 0 does not read the whole checkpoint.
+    return [hash_file(p) for p in sorted(directory.glob(f"__{rank}_*.distcp"))]
+
+
+def save_checkpoint(
+    root: Path | str,
+    step: int,
+    *,
+    modules: nn.Module | Iterable[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    model: Mapping[str, Any],
+    layout: Layout | None = None,
+    config: Mapping[str, Any] | None = None,
+    trainer: Mapping[str, Any] | None = None,
+    generators: Mapping[str, torch.Generator] | None = None,
+    keep: int | None = None,
+    group: Any = None,
+) -> SaveResult:
+    """Collective: every rank of ``group`` calls it with its own stage modules.
+
+    ``model`` is the model config (checked field by field on load); ``trainer`` is
+    JSON-able state such as the LR schedule's ``state_dict()`` and the data position;
+    ``generators`` are named torch generators (the data sampler's) saved per rank.
+    """
+    if step < 0:
+        raise CheckpointError(f"step is {step}; a checkpoint step must be >= 0")
+    if keep is not None and keep < 1:
+        raise CheckpointError(f"keep is {keep}; keep at least 1 checkpoint, or leave it unset")
+    start = time.perf_counter()
+    comm = Comm.of(group)
+    root = Path(root)
+    tmp_name = ""
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp_name = f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
+        (root / tmp_name).mkdir()
+    tmp = root / comm.broadcast(tmp_name)
+
+    index = state.index_parameters(as_modules(modules))
+    entries = state.model_entries(index)
+    if optimizer is not None:
+        entries.update(state.optimizer_entries(optimizer, index))
+    entries.update(state.rng_entries(comm.rank, generators or {}))
+    try:
+        with quiet_single_process():
+            dcp_save(
+                entries,
+                storage_writer=FileSystemWriter(str(tmp), sync_files=True),
+                process_group=comm.group,
+                no_dist=not comm.distributed,
+            )
+    except CheckpointException as exc:  # a BaseException: `except Exception` misses it
+        raise CheckpointError(f"saving step {step} into {tmp} failed: {exc}") from None
+
+    hashed = comm.gather(_hash_own_files(tmp, comm.rank))
+    outcome: tuple[str, int, tuple[str, ...]] | str = ""
+    if comm.rank == 0:
+        try:
+            outcome = _finish_save(root, tmp, step, hashed, model, layout, config, trainer, keep)
+        except OSError as exc:
+            outcome = f"finishing the save of step {step} in {tmp} failed: {exc}"
+    # Doubles as the barrier: no rank returns before the checkpoint is visible.
+    outcome = comm.broadcast(outcome)
+    if isinstance(outcome, str):
+        raise CheckpointError(outcome)
+    final, total, removed = outcome
+    return SaveResult(
+        Path(final), step, total, time.perf_counter() - start, tuple(Path(p) for p in removed)
+    )
+
+
+def _finish_save(
+    root: Path,
+    tmp: Path,
+    step: int,
+    hashed: list[list[FileEntry]],
+    model: Mapping[str, Any],
+    layout: Layout | None,
+    config: Mapping[str, Any] | None,
+    trainer: Mapping[str, Any] | None,
+    keep: int | None,
+) -> tuple[str, int, tuple[str, ...]]:
+    files = {entry.name: entry for per_rank in hashed for entry in per_rank}
+    for path in sorted(tmp.iterdir()):
+        if path.name not in files:
+            files[path.name] = hash_file(path)
+    manifest = Manifest(
+        step=step,
+        model=jsonable(dict(model)),
+        layout=layout or Layout(world_size=len(hashed)),
+        config=jsonable(dict(config or {})),
+        trainer=jsonable(dict(trainer or {})),
+        files=tuple(files[name] for name in sorted(files)),
+        format_version=FORMAT_VERSION,
+    )
+    write_manifest(tmp, manifest)
+    if os.environ.get(KILL_BEFORE_RENAME_ENV) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    final = root / step_dir_name(step)
+    removed: list[Path] = []
+    if final.exists():
+        # Saving a step again (a run resumed from an older checkpoint): move the old one
+        # aside first, since a rename cannot replace a non-empty directory.
+        aside = root / f"{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+        final.rename(aside)
+    tmp.rename(final)
+    fsync_dir(root)
+    removed.extend(_prune(root, keep))
+    total = sum(f.size for f in manifest.files)
+    return str(final), total, tuple(str(p) for p in removed)
+
+
+def _prune(root: Path, keep: int | None) -> list[Path]:
+    found = list_checkpoints(root)
+    doomed = list(found.partial)
+    if keep is not None:
+        doomed.extend(path for _, path in found.complete[:-keep])
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
