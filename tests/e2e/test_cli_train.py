@@ -53,19 +53,23 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _losses(path: Path) -> list[float]:
-    return [r["loss"] for r in _records(path) if "loss" in r]
+def _steps(path: Path) -> list[dict[str, Any]]:
+    return [r for r in _records(path) if "loss" in r]
 
 
-def _assert_same_losses(got: list[float], want: list[float], what: str) -> None:
+def _assert_same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]], what: str) -> None:
+    """Per-step loss and global grad norm equal to 1e-5 relative."""
     assert len(got) == len(want) == 5, what
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{what}: step {step + 1} loss {a} vs {b} with --pp 1"
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (
+                f"{what}: step {step + 1} {key} {a[key]} vs {b[key]} with --pp 1"
+            )
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """Per-step losses of --pp 1, the one-process reference."""
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Per-step records of --pp 1, the one-process reference."""
     out = tmp_path_factory.mktemp("ref")
     assert (
         main(
@@ -82,10 +86,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
         )
         == 0
     )
-    return _losses(out / "ref" / "metrics.jsonl")
+    return _steps(out / "ref" / "metrics.jsonl")
 
 
-def test_short_run_on_the_default_data(reference: list[float], tmp_path: Path) -> None:
+def test_short_run_on_the_default_data(reference: list[dict[str, Any]], tmp_path: Path) -> None:
     """Two processes through the launcher: outputs, and the same losses as --pp 1."""
     done = _cli(
         "train", *TINY, "--pp", "2", "--name", "e2e", "--set", "run.sample_tokens=16",
@@ -100,7 +104,7 @@ def test_short_run_on_the_default_data(reference: list[float], tmp_path: Path) -
     assert 'name = "llama-tiny"' in saved and "pp = 2" in saved
     records = _records(run_dir / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
-    _assert_same_losses([r["loss"] for r in steps], reference, "--pp 2")
+    _assert_same_steps(steps, reference, "--pp 2")
     for r in steps:
         for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "bubble"):
             assert isinstance(r[key], (int, float)), (key, r)
@@ -133,7 +137,7 @@ def test_short_run_on_the_default_data(reference: list[float], tmp_path: Path) -
     ids=lambda flags: " ".join(flags),
 )
 def test_loss_does_not_depend_on_the_split_in_one_process(
-    reference: list[float], tmp_path: Path, flags: tuple[str, ...]
+    reference: list[dict[str, Any]], tmp_path: Path, flags: tuple[str, ...]
 ) -> None:
     assert (
         main(
@@ -149,10 +153,10 @@ def test_loss_does_not_depend_on_the_split_in_one_process(
         )
         == 0
     )
-    _assert_same_losses(_losses(tmp_path / "x" / "metrics.jsonl"), reference, " ".join(flags))
+    _assert_same_steps(_steps(tmp_path / "x" / "metrics.jsonl"), reference, " ".join(flags))
 
 
-def test_bf16_stays_close_to_fp32(reference: list[float], tmp_path: Path) -> None:
+def test_bf16_stays_close_to_fp32(reference: list[dict[str, Any]], tmp_path: Path) -> None:
     flags = ["--pp", "2", "--single-process", "--precision", "bf16"]
     assert (
         main(
@@ -168,12 +172,13 @@ def test_bf16_stays_close_to_fp32(reference: list[float], tmp_path: Path) -> Non
         )
         == 0
     )
-    losses = _losses(tmp_path / "x" / "metrics.jsonl")
+    losses = [r["loss"] for r in _steps(tmp_path / "x" / "metrics.jsonl")]
+    fp32 = [r["loss"] for r in reference]
     assert len(losses) == 5
-    for step, (a, b) in enumerate(zip(losses, reference, strict=True)):
+    for step, (a, b) in enumerate(zip(losses, fp32, strict=True)):
         # bf16 keeps 8 bits of mantissa: about 0.4% per rounding; the loss stays within 1%.
         assert abs(a - b) <= 0.01 * b, f"bf16 step {step + 1}: {a} vs fp32 {b}"
-    assert losses != reference  # bf16 did run: the numbers are not fp32's
+    assert losses != fp32  # bf16 did run: the numbers are not fp32's
 
 
 @pytest.mark.parametrize(
@@ -184,12 +189,12 @@ def test_bf16_stays_close_to_fp32(reference: list[float], tmp_path: Path) -> Non
     ids=lambda flags: " ".join(flags),
 )
 def test_loss_does_not_depend_on_the_split_across_processes(
-    reference: list[float], tmp_path: Path, flags: tuple[str, ...]
+    reference: list[dict[str, Any]], tmp_path: Path, flags: tuple[str, ...]
 ) -> None:
     done = _cli("train", *TINY, *flags, "--name", "x", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    _assert_same_losses(
-        _losses(tmp_path / "runs" / "x" / "metrics.jsonl"), reference, " ".join(flags)
+    _assert_same_steps(
+        _steps(tmp_path / "runs" / "x" / "metrics.jsonl"), reference, " ".join(flags)
     )
 
 
@@ -201,7 +206,7 @@ def test_bad_setting_is_one_line_before_any_process_starts(tmp_path: Path) -> No
     assert not (tmp_path / "runs").exists()
 
 
-def test_two_torchrun_nodes_on_loopback(reference: list[float], tmp_path: Path) -> None:
+def test_two_torchrun_nodes_on_loopback(reference: list[dict[str, Any]], tmp_path: Path) -> None:
     """Two torchrun "nodes" of one process each make one 2-stage pipeline."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -234,5 +239,5 @@ def test_two_torchrun_nodes_on_loopback(reference: list[float], tmp_path: Path) 
     # Rank 0 (node 0) reports; node 1 stays quiet.
     assert "step 5/5" in outputs[0][0] and "step " not in outputs[1][0]
     records = _records(tmp_path / "runs" / "nodes" / "metrics.jsonl")
-    _assert_same_losses([r["loss"] for r in records if "loss" in r], reference, "two nodes")
+    _assert_same_steps([r for r in records if "loss" in r], reference, "two nodes")
     assert len(records[-1]["peak_memory"]) == 2
