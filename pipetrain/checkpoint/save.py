@@ -100,12 +100,20 @@ def save_checkpoint(
     start = time.perf_counter()
     comm = Comm.of(group)
     root = Path(root)
-    tmp_name = ""
+    # (name, error): rank 0 tells every rank where to write, or why there is nowhere.
+    created: tuple[str, str] = ("", "")
     if comm.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
         tmp_name = f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
-        (root / tmp_name).mkdir()
-    tmp = root / comm.broadcast(tmp_name)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / tmp_name).mkdir()
+            created = (tmp_name, "")
+        except OSError as exc:
+            created = ("", f"cannot create a checkpoint in {root} ({exc}); check --checkpoint-dir")
+    tmp_name, error = comm.broadcast(created)
+    if error:
+        raise CheckpointError(error)
+    tmp = root / tmp_name
 
     index = state.index_parameters(as_modules(modules))
     entries = state.model_entries(index)
@@ -125,13 +133,17 @@ def save_checkpoint(
 
     hashed = comm.gather(_hash_own_files(tmp, comm.rank))
     outcome: tuple[str, int, tuple[str, ...]] | str = ""
+    failure: Exception | None = None
     if comm.rank == 0:
         try:
             outcome = _finish_save(root, tmp, step, hashed, model, layout, config, trainer, keep)
-        except OSError as exc:
-            outcome = f"finishing the save of step {step} in {tmp} failed: {exc}"
+        except Exception as exc:  # told to every rank below, so that none waits forever
+            failure = exc
+            outcome = f"finishing the save of step {step} in {tmp} failed on rank 0: {exc}"
     # Doubles as the barrier: no rank returns before the checkpoint is visible.
     outcome = comm.broadcast(outcome)
+    if failure is not None and not isinstance(failure, OSError):
+        raise failure  # a bug (say, trainer state that is not JSON), not a bad input
     if isinstance(outcome, str):
         raise CheckpointError(outcome)
     final, total, removed = outcome

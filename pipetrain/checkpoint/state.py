@@ -185,6 +185,7 @@ def apply_optimizer_state(
             is_json = tensor.dtype == torch.uint8 and tensor.dim() == 1
             per_key.setdefault(key, {})[state_name] = decode_json(tensor) if is_json else tensor
     state: dict[int, dict[str, Any]] = {}
+    given: set[str] = set()
     groups: list[dict[str, Any]] = []
     position = 0
     for group in optimizer.param_groups:
@@ -195,13 +196,17 @@ def apply_optimizer_state(
         restored = {name: _restore_value(v) for name, v in hyper.items()}
         groups.append({**_hyper_parameters(group), **restored, "params": positions})
         for i in positions:
-            if keys[i] in per_key:
-                # Tied copies each need their own tensors: torch keeps the ones it is
-                # given when device and dtype already match, and would update one twice.
-                state[i] = {
-                    name: v.clone() if isinstance(v, torch.Tensor) else v
-                    for name, v in per_key[keys[i]].items()
+            if keys[i] not in per_key:
+                continue
+            entries = per_key[keys[i]]
+            if keys[i] in given:
+                # A second tied copy needs tensors of its own: torch keeps the ones it is
+                # given when device and dtype already match, and would update them twice.
+                entries = {
+                    n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in entries.items()
                 }
+            given.add(keys[i])
+            state[i] = dict(entries)
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from pipetrain.checkpoint import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointIncompatibleError,
     Layout,
     choose_resume,
@@ -314,3 +315,23 @@ def test_resume_falls_back_to_the_previous_valid_checkpoint(
 
 def test_resume_from_an_empty_directory_is_none(tmp_path: Path) -> None:
     assert resume_checkpoint(tmp_path / "absent", modules=_pipeline(SPLITS["one"])) is None
+
+
+def test_a_root_that_cannot_be_created_is_one_line_naming_it(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(
+        CheckpointError, match=r"cannot create a checkpoint in .*file.*--checkpoint-dir"
+    ):
+        save_checkpoint(blocker / "ckpt", 1, modules=_pipeline(SPLITS["one"]), model=MODEL)
+
+
+def test_trainer_state_that_is_not_json_fails_loudly_and_leaves_no_checkpoint(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        save_checkpoint(
+            tmp_path, 1, modules=_pipeline(SPLITS["one"]), model=MODEL, trainer={"x": object()}
+        )
+    found = list_checkpoints(tmp_path)
+    assert found.complete == () and len(found.partial) == 1
