@@ -1,6 +1,6 @@
 """``pipetrain plan``: where to cut a model for a schedule, what each rank holds, which micro-batch.
 
-    pipetrain plan --model llama-default --pp 3 [--schedule 1f1b] [--chunks V]
+    pipetrain plan --model llama-default [--set n_layers=24] --pp 3 [--schedule 1f1b] [--chunks V]
                    [--split 4,3,5 | --balance uniform|params|profile]
                    [--batch-size 32] [--seq-len 128] [--microbatches 8]
                    [--memory-limit 16GiB] [--json]
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
-from pipetrain.models.config import ModelConfig, get_model_config
+from pipetrain.models.config import ModelConfig, get_model_config, parse_overrides
 from pipetrain.partition.balance import LayerCost, parse_split
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
 from pipetrain.partition.overhead import split_fixed_cost
@@ -65,6 +65,13 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--model", required=True, metavar="NAME", help="a preset, e.g. llama-default, llama3-8b"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="change a field of the model preset, e.g. --set n_layers=24 (repeatable)",
     )
     p.add_argument("--pp", type=int, required=True, metavar="P", help="pipeline ranks")
     p.add_argument(
@@ -217,7 +224,7 @@ def _costs(
 
 
 def run(args: argparse.Namespace) -> int:
-    config = get_model_config(args.model)
+    config = get_model_config(args.model, **parse_overrides(args.set))
     seq_len = _check_args(args, config)
     spec = get_spec(args.schedule)
     split = parse_split(args.split) if args.split is not None else None

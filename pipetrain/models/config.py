@@ -7,12 +7,13 @@ tests to the real sizes the planner and the simulator reason about.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pipetrain.errors import InputError
 
-__all__ = ["PRESETS", "ModelConfig", "ModelConfigError", "get_model_config"]
+__all__ = ["PRESETS", "ModelConfig", "ModelConfigError", "get_model_config", "parse_overrides"]
 
 FAMILIES = ("llama", "gpt2")
 
@@ -108,6 +109,30 @@ PRESETS: dict[str, ModelConfig] = {
         ),
     )
 }
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["n_layers=24", "tie_embeddings=true"]`` -> typed overrides for ``get_model_config``."""
+    kinds = {f.name: str(f.type) for f in dataclasses.fields(ModelConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or key not in kinds:
+            raise ModelConfigError(
+                f"model override {item!r} is not FIELD=VALUE with a field of {', '.join(kinds)}"
+            )
+        kind = kinds[key]
+        try:
+            if kind == "bool":
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(raw)
+                out[key] = raw.lower() in ("true", "1")
+            else:
+                out[key] = {"int": int, "float": float}.get(kind, str)(raw)
+        except ValueError:
+            raise ModelConfigError(f"model override {key}={raw!r} is not a valid {kind}") from None
+    return out
 
 
 def get_model_config(name: str, **overrides: Any) -> ModelConfig:

@@ -124,6 +124,25 @@ def test_profile_on_a_missing_gpu_says_so() -> None:
     assert "no CUDA device" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_preset_fields_can_be_changed() -> None:
+    done = _plan(
+        "--model",
+        "llama-tiny",
+        "--set",
+        "n_layers=7",
+        "--set",
+        "tie_embeddings=true",
+        "--pp",
+        "3",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert sorted(b for s in out["stages"] for b in s["blocks"]) == list(range(7))
+    done = _plan("--model", "llama-tiny", "--set", "n_heads=3", "--pp", "2")
+    assert done.returncode == 2 and "d_model=32 is not divisible by n_heads=3" in done.stderr
+
+
 def test_unknown_model_lists_the_presets() -> None:
     done = _plan("--model", "llama-huge", "--pp", "2")
     assert done.returncode == 2

@@ -20,6 +20,7 @@ from pipetrain.models import (
     get_model_config,
     model_spec,
 )
+from pipetrain.models.config import parse_overrides
 
 TINY = ("llama-tiny", "gpt2-tiny")
 
@@ -97,6 +98,15 @@ def test_bad_config_fields_are_named(overrides: dict[str, int], field: str) -> N
 
 def test_overrides_replace_fields() -> None:
     assert get_model_config("llama-tiny", n_layers=6).n_layers == 6
+    parsed = parse_overrides(["n_layers=6", "tie_embeddings=true", "norm_eps=1e-6"])
+    assert parsed == {"n_layers": 6, "tie_embeddings": True, "norm_eps": 1e-6}
+    for bad, field in (
+        (["colour=red"], "colour"),
+        (["n_layers=six"], "n_layers"),
+        (["d_model"], "d_model"),
+    ):
+        with pytest.raises(InputError, match=field):
+            parse_overrides(bad)
 
 
 @pytest.mark.parametrize("name", TINY)
