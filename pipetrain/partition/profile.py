@@ -3,7 +3,7 @@
 Each layer is built alone (``build_stage`` with one index) and fed the previous layer's
 output for one micro-batch, so the inputs have real shapes and values. Per layer:
 
-- forward: the median of a few timed forwards;
+- forward: the fastest of a few timed forwards, recording the graph as training does;
 - backward: on one retained graph, the full backward (input and parameters) and the
   input-only backward (``torch.autograd.grad`` w.r.t. the input alone); the weight part is
   the difference, which is what a split backward that does not redo the input work costs;
@@ -99,8 +99,8 @@ def _measure(
 ) -> tuple[float, float, float, float]:
     """Seconds of forward, full backward and input-only backward, and saved bytes."""
     params = list(dict.fromkeys(layer.parameters()))
-    with torch.no_grad():
-        forward = _timed(lambda: layer(x_in), dev, repeats)
+    # With autograd recording, as in training: saving tensors for the backward costs time too.
+    forward = _timed(lambda: layer(x_in), dev, repeats)
     # One forward with a graph, then the backward alone, repeated on the retained graph.
     loss = _output_loss(layer(x_in), is_head, torch.Generator().manual_seed(seed))
     wrt = [x_in, *params] if x_in.requires_grad else params
