@@ -26,8 +26,12 @@ Rules (which version a forward uses):
   uses version ``max(w - 1, 0)``; with a STEP after each window that is the update rule
   W(t+1) = W(t) - lr * grad f(W(t-1)) (W(-1) = W(0)), and at most two versions live.
 
-Version numbers and micro-batch numbers continue across ``begin_stream`` calls, so a run
-cut into several streams (each drained at its end) numbers them as one long stream.
+Streams. Version numbers continue from one ``stream`` to the next, and each stream drains
+at its end. A drain starts the next stream the way the run starts: nothing is in flight,
+so PipeDream's next forwards take the newest version, and 2BW's first window uses the
+newest version too (windows are counted from the stream's start: W(-1) = W(0) again).
+Between streams each stage therefore holds exactly one version, its parameters: a
+checkpoint there needs nothing beyond weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -122,8 +126,8 @@ class WeightVersions:
     """The weight versions of this process's stages under one rule; feeds the runtime's hooks.
 
     Pass ``compute_hook`` and ``step_hook`` to ``build_pipeline`` and run every training
-    step inside ``stream(...)``. ``optimizers`` maps each stage here to the optimizer of
-    that stage's parameters; ``grad_scale(stage, k)`` multiplies the gradients before the
+    step inside ``stream()``. ``optimizers`` maps each stage here to an optimizer holding
+    its parameters (stages may share one: a STEP hides the others' gradients); ``grad_scale(stage, k)`` multiplies the gradients before the
     STEP that follows backward k (the runtime divides every loss by the tokens of the whole
     stream; an update wants the mean over its own micro-batches).
     """
@@ -147,25 +151,41 @@ class WeightVersions:
         self.rule = rule
         self.window = dict(schedule.params).get("window", 1)
         self._stages = {s: _Stage(s, modules[s], optimizers[s]) for s in sorted(modules)}
+        # Stage -> parameters of the other stages here that share its optimizer.
+        self._shared = {
+            s: [
+                p
+                for other in self._stages.values()
+                if other.stage != s and other.optimizer is st.optimizer
+                for p in other.params
+            ]
+            for s, st in self._stages.items()
+        }
         self._grad_scale = grad_scale
         self._first_stage_steps = _steps_before_forwards(schedule, stage=0)
-        self._microbatches = schedule.microbatches
-        self._mb_offset = 0  # micro-batches of earlier streams
-        self._version_offset = 0  # first-stage versions made by earlier streams
+        self._version_offset = 0  # the versions made before this stream (every stage alike)
         self._training = False
 
     # ------------------------------------------------------------------ streams
     @contextlib.contextmanager
-    def stream(self, first_microbatch: int) -> Iterator[None]:
-        """Run one stream (a ``Pipeline.step``) whose micro-batch 0 is ``first_microbatch``.
+    def stream(self) -> Iterator[None]:
+        """Run one stream (a ``Pipeline.step``) inside this context.
 
         Saved tensors are packed as detached aliases while it runs (see the module doc).
-        When it ends every micro-batch has come back: only the versions the next stream
-        needs remain, and the parameters hold the newest (for evaluation and checkpoints).
+        When it ends every micro-batch has come back: only the newest version remains, and
+        the parameters hold it (for evaluation and checkpoints).
         """
-        self._mb_offset = first_microbatch
+        newest = {st.newest for st in self._stages.values()}
+        if len(newest) > 1:
+            raise PipelineInputError(
+                f"stages here start a stream at different versions {sorted(newest)}: a "
+                f"stream must start after a drained one"
+            )
         self._version_offset = min((st.newest for st in self._stages.values()), default=0)
         for st in self._stages.values():
+            # Between streams the parameters are the truth: a checkpoint load may have
+            # replaced or overwritten them.
+            st.versions = {st.newest: tuple(p.detach() for p in st.params)}
             st.users.clear()
             st.done.clear()
             st.next_undone = 0
@@ -178,7 +198,7 @@ class WeightVersions:
             for st in self._stages.values():
                 st.users.clear()
                 st.point_at(st.newest)
-                st.free(self._needed_after_stream(st))
+                st.free(None)
 
     # ------------------------------------------------------------------ the hooks
     def compute_hook(self, action: Action) -> None:
@@ -205,8 +225,14 @@ class WeightVersions:
             p.data = data.clone()
             if p.grad is not None and scale != 1.0:
                 p.grad.mul_(scale)
+        # An optimizer shared with other stages here must not step their pending gradients.
+        hidden = [(p, p.grad) for p in self._shared[stage]]
+        for p, _ in hidden:
+            p.grad = None
         st.optimizer.step()
         st.optimizer.zero_grad(set_to_none=True)
+        for p, grad in hidden:
+            p.grad = grad
         st.newest += 1
         st.created += 1
         st.versions[st.newest] = tuple(p.detach() for p in st.params)
@@ -219,12 +245,7 @@ class WeightVersions:
         if self.rule == "vertical":
             steps = self._first_stage_steps.get(k)
             return None if steps is None else self._version_offset + steps
-        return max((self._mb_offset + k) // self.window - 1, 0)
-
-    def _needed_after_stream(self, st: _Stage) -> int | None:
-        if self.rule == "window":
-            return max((self._mb_offset + self._microbatches) // self.window - 1, 0)
-        return None
+        return self._version_offset + max(k // self.window - 1, 0)
 
     def _version_for(self, st: _Stage, k: int) -> int:
         version = self._needed(k)
@@ -246,27 +267,6 @@ class WeightVersions:
     def live(self) -> dict[int, int]:
         """Stage -> versions alive now."""
         return {s: len(st.versions) for s, st in self._stages.items()}
-
-    def state(self) -> dict[int, tuple[int, dict[int, tuple[torch.Tensor, ...]]]]:
-        """Stage -> (newest number, the older versions kept for the next stream) for a save.
-
-        Between streams only 2BW keeps an older version (the one the next window uses);
-        the newest is in the parameters themselves.
-        """
-        return {
-            s: (st.newest, {v: t for v, t in st.versions.items() if v != st.newest})
-            for s, st in self._stages.items()
-        }
-
-    def restore(
-        self, state: Mapping[int, tuple[int, Mapping[int, tuple[torch.Tensor, ...]]]]
-    ) -> None:
-        """Continue from ``state()`` of a saved run; the parameters already hold the newest."""
-        for s, st in self._stages.items():
-            newest, older = state[s]
-            st.newest = newest
-            st.versions = {newest: tuple(p.detach() for p in st.params)}
-            st.versions.update({v: tuple(t) for v, t in older.items()})
 
 
 def _steps_before_forwards(schedule: Schedule, *, stage: int) -> dict[int, int]:

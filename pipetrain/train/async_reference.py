@@ -118,6 +118,7 @@ def _replay(
     counts = [float((t != IGNORE_INDEX).sum()) for t in targets]
     loss_sums = [0.0] * len(targets)
     first_versions: dict[int, int] = {}  # micro-batch -> version stage 0 used
+    base = stages[0].newest  # versions made before this stream, the same on every stage
     outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     input_grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     done: set[Action] = set()
@@ -126,7 +127,8 @@ def _replay(
 
     def version_for(s: int, k: int) -> int:
         if schedule.name == "pipedream-2bw":
-            return max((first_mb + k) // window - 1, 0)
+            # Windows count from the stream's start: its first window uses the newest.
+            return base + max(k // window - 1, 0)
         if vertical_sync and s > 0:
             return first_versions[k]  # the version that travels with the activations
         return st.newest

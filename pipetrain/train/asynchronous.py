@@ -4,11 +4,13 @@ A run of N training steps of m micro-batches is cut into streams of ``stream_ste
 steps. One stream is one ``pipedream(p, m, stream_steps)`` (or ``pipedream_2bw``)
 schedule: ``m x stream_steps`` micro-batches go through the 1F1B order without a flush, a
 STEP after every backward (PipeDream) or after every m backwards (2BW), and the pipeline
-drains only at the stream's end. Streams are chained with the version numbers carried
-over (``WeightVersions``), so a longer stream only removes drains; ``stream_steps`` equal
-to N is one stream for the whole run. Checkpoints, evaluation and logging happen between
-streams, where nothing is in flight: a save there is a drain-at-save-time checkpoint, and
-a resumed run cuts the same streams as an uninterrupted one, so it continues exactly.
+drains only at the stream's end. ``stream_steps`` equal to N is one stream for the whole
+run. A drain restarts staleness the way the run's start does (see
+pipetrain.runtime.weights): the forwards after it use the newest weights. Checkpoints,
+evaluation and logging happen between streams, where nothing is in flight and every
+stage holds one version: a save there is a drain-at-save-time checkpoint of weights and
+optimizer state, and a resumed run cuts the same streams as an uninterrupted one, so it
+continues exactly.
 
 What an update does. The gradient of a STEP is the mean over the tokens of the
 micro-batches whose backwards it collects (one for PipeDream, m for 2BW): the runtime
@@ -140,11 +142,13 @@ class AsyncTrainer:
                 "asynchronous schedules update each stage on its own and cannot keep a weight "
                 "tied across stages in step: use a model without tied embeddings (e.g. llama-tiny)"
             )
-        self.optimizers = {s: make_optimizer(m.named_parameters()) for s, m in modules.items()}
+        # One optimizer for this process's stages (a checkpoint saves it like a synchronous
+        # run's); a STEP of one stage steps only that stage's parameters.
+        self.optimizer = make_optimizer(self.pipeline.named_parameters())
         self.versions = WeightVersions(
             self.pipeline.schedule,
             modules,
-            self.optimizers,
+            {s: self.optimizer for s in modules},
             rule=rule_for(built, vertical_sync=vertical_sync),
             grad_scale=self._grad_scale,
         )
@@ -173,7 +177,7 @@ class AsyncTrainer:
     def _step_hook(self, stage: int, microbatch: int) -> None:
         if self._lr_at is not None:
             lr = self._lr_at((self._first_mb + microbatch) // self.window)
-            for group in self.optimizers[stage].param_groups:
+            for group in self.optimizer.param_groups:
                 group["lr"] = lr
         self.versions.step_hook(stage, microbatch)
 
@@ -202,7 +206,7 @@ class AsyncTrainer:
         self._loss_sums.clear()
         self._pending.clear()
         started = time.perf_counter()
-        with self.versions.stream(self._first_mb):
+        with self.versions.stream():
             result = self.pipeline.step(inputs, targets)
         wall = time.perf_counter() - started
         sums = torch.zeros(mbs, dtype=torch.float64, device=device)
