@@ -7,7 +7,8 @@
    2 stages with GPipe, ranks {2, 3} as a V shape (ZB-V: 4 stages on 2 ranks, the tied
    copies on one rank): the same losses.
 4. A save that dies (SIGKILL on rank 0 between the manifest and the rename) takes the
-   job down; the previous checkpoint stays valid and loadable, the partial one ignored.
+   job down; the previous checkpoint stays valid and loadable, the partial one ignored,
+   and its export into the single-process model gives the pipeline's loss.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetrain.checkpoint import choose_resume, list_checkpoints, load_checkpoint, verify_checkpoint
+from pipetrain.checkpoint import (
+    choose_resume,
+    export_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_weights,
+    verify_checkpoint,
+)
 from pipetrain.checkpoint.save import KILL_BEFORE_RENAME_ENV
 from pipetrain.models import build_full_model, get_model_config, model_spec
 
@@ -159,11 +167,17 @@ def test_save_4_stages_load_same_and_other_layouts_and_survive_a_kill(
     assert "an unfinished save" in caplog.text
     assert verify_checkpoint(choice.path).ok
 
-    # And it loads into the single-process model with the loss the pipeline had.
+    # Loaded directly, or exported to safetensors and read back, the single-process model
+    # gives the loss the 4-stage pipeline had on the next batch.
     config = get_model_config("gpt2-tiny")
-    full = build_full_model(model_spec(config), seed=7, device="cpu")
-    load_checkpoint(choice.path, modules=full)
     ids = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(2))
-    logits = full(ids[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1))
-    assert loss.item() == pytest.approx(reference[0], rel=1e-6)
+    exported = export_checkpoint(choice.path, tmp_path / "w.safetensors")
+    for fill in ("load_checkpoint", "export"):
+        full = build_full_model(model_spec(config), seed=7, device="cpu")
+        if fill == "export":
+            assert load_weights(full, exported.path) == ()
+        else:
+            load_checkpoint(choice.path, modules=full)
+        logits = full(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1))
+        assert loss.item() == pytest.approx(reference[0], rel=1e-6), fill
