@@ -187,7 +187,7 @@ class GuardedUpdate:
             self._bad_in_row += 1
             if self._bad_in_row >= self._config.max_bad_steps:
                 raise TrainingDiverged(
-                    f"step {step}: loss or gradients were not finite for {self._bad_in_row} steps in a row "
+                    f"step {step + 1}: loss or gradients were not finite for {self._bad_in_row} steps in a row "
                     f"(optim.max_bad_steps = {self._config.max_bad_steps}): lower --lr, raise the warm-up, "
                     f"or use --precision fp32"
                 )

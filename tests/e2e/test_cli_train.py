@@ -241,3 +241,23 @@ def test_two_torchrun_nodes_on_loopback(reference: list[dict[str, Any]], tmp_pat
     records = _records(tmp_path / "runs" / "nodes" / "metrics.jsonl")
     _assert_same_steps([r for r in records if "loss" in r], reference, "two nodes")
     assert len(records[-1]["peak_memory"]) == 2
+
+
+def test_non_finite_gradients_stop_every_rank_with_one_line(tmp_path: Path) -> None:
+    """A learning rate of 1e8 blows the gradients up: both ranks skip, then stop alike."""
+    done = _cli(
+        "train", *TINY, "--pp", "2", "--lr", "1e8", "--set", "optim.grad_clip=0.0",
+        "--set", "optim.warmup_steps=0", "--set", "optim.max_bad_steps=2", "--name", "nan",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1
+    stop = (
+        "step 3: loss or gradients were not finite for 2 steps in a row (optim.max_bad_steps = 2)"
+    )
+    for rank in range(2):
+        assert f"pipetrain train (rank {rank}): {stop}" in done.stderr, done.stderr[-3000:]
+    assert "pipetrain train: rank " in done.stderr and "exited with status 1 first" in done.stderr
+    assert "Traceback" not in done.stderr
+    steps = _steps(tmp_path / "runs" / "nan" / "metrics.jsonl")
+    assert [r["skipped"] for r in steps] == [False, True]
+    assert steps[1]["grad_norm"] is None  # not finite: written as null

@@ -134,6 +134,6 @@ def test_nan_loss_or_gradient_skips_and_k_in_a_row_stop() -> None:
     update.apply(4, Gradients.of(params), math.nan)
     with pytest.raises(
         TrainingDiverged,
-        match=r"step 5: .*3 steps in a row \(optim.max_bad_steps = 3\): lower --lr",
+        match=r"step 6: .*3 steps in a row \(optim.max_bad_steps = 3\): lower --lr",
     ):
         update.apply(5, Gradients.of(params), math.nan)
