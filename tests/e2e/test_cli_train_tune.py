@@ -1,0 +1,56 @@
+"""`pipetrain tune`: a few steps per micro-batch count, tokens/s and peak memory, best marked."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import main
+from pipetrain.cli.errors import UsageError
+from pipetrain.cli.tune import Candidate, format_table, parse_counts
+
+pytestmark = pytest.mark.e2e
+
+
+def test_tune_measures_each_candidate_and_marks_the_fastest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "tune", "--pp", "2", "--single-process", "--microbatches", "2,4,3", "--steps", "3",
+            "--model", "llama-tiny", "--batch-size", "8", "--seq-len", "32",
+            "--set", "data.max_bytes=100000", "--set", "pipeline.threads=1",
+            "--set", f"run.out_dir={json.dumps(str(tmp_path))}",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    table = out[out.index("micro-batches   size") :]
+    rows = {int(m.group(1)): m.group(0) for m in re.finditer(r"^\s+(\d+)\s+.*$", table, re.M)}
+    assert set(rows) == {2, 3, 4}
+    assert "skipped: data.batch_size 8 is not a multiple of pipeline.microbatches 3" in rows[3]
+    assert re.search(r"^\s+2\s+4\s+[\d,]+\s+[\d,]+ MiB", rows[2])
+    assert re.search(r"^\s+4\s+2\s+[\d,]+\s+[\d,]+ MiB", rows[4])
+    assert sum(row.endswith(" *") for row in rows.values()) == 1
+    best = next(m for m, row in rows.items() if row.endswith(" *"))
+    assert f"best: --microbatches {best} (" in table
+    # Candidates are short runs: no evaluation, no sample.
+    assert "eval loss" not in out and "sample (" not in out
+
+
+def test_format_table_marks_the_highest_throughput() -> None:
+    table = format_table(
+        [Candidate(2, 16, 900.0, 2**30), Candidate(4, 8, 1200.0, 2**29), Candidate(8, 4, error="x")]
+    )
+    lines = table.splitlines()
+    assert lines[2].endswith("512 MiB *") and not lines[1].endswith("*")
+    assert lines[-1] == "best: --microbatches 4 (1,200 tokens/s)"
+
+
+@pytest.mark.parametrize("text", ["2,x", "0,4", ""])
+def test_bad_counts_are_a_usage_error(text: str) -> None:
+    with pytest.raises(UsageError, match=r"--microbatches"):
+        parse_counts(text)
