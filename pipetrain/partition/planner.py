@@ -28,7 +28,6 @@ from pipetrain.schedules.schedule import Schedule, ScheduleError
 from pipetrain.sim.simulator import SimResult, simulate
 
 __all__ = [
-    "METHODS",
     "MicrobatchOption",
     "Overheads",
     "Plan",
@@ -37,7 +36,6 @@ __all__ = [
     "make_plan",
 ]
 
-METHODS = ("explicit", "uniform", "params", "profile", "cost")
 ScheduleFactory = Callable[[int], Schedule]  # micro-batches -> the schedule to plan for
 
 
@@ -98,7 +96,8 @@ class Plan:
     partition: Partition
     stages: tuple[StagePlan, ...]
     rank_time: tuple[float, ...]  # compute per step
-    rank_static_bytes: tuple[float, ...]  # parameters + gradients + optimizer state
+    # Parameters (every weight version held) + gradients + optimizer state.
+    rank_static_bytes: tuple[float, ...]
     rank_peak_activation_bytes: tuple[float, ...]
     step_time: float
     memory_limit: float | None
@@ -207,14 +206,19 @@ def _sim(
         message_bytes=overheads.message_bytes_per_sample * mb,
     )
     activations = tuple(a * mb for a in partition.activation_bytes_per_sample)
-    return simulate(schedule, costs, activation_bytes=activations, batch_scale=batch_scale)
+    weights = tuple(float(b) for b in partition.param_bytes)
+    return simulate(
+        schedule, costs, activation_bytes=activations, weight_bytes=weights, batch_scale=batch_scale
+    )
 
 
-def _static_bytes(partition: Partition, state_factor: float) -> tuple[float, ...]:
-    totals = [0.0] * partition.num_ranks
+def _static_bytes(partition: Partition, state_factor: float, sim: SimResult) -> tuple[float, ...]:
+    """Per rank: gradients and optimizer state of its stages, plus every weight version it
+    holds (one for synchronous schedules; PipeDream keeps stashed versions)."""
+    totals = list(sim.weight_bytes or (0.0,) * partition.num_ranks)
     for stage, ranks in enumerate(partition.stage_ranks):
         for rank in ranks:
-            totals[rank] += state_factor * partition.param_bytes[stage]
+            totals[rank] += (state_factor - 1) * partition.param_bytes[stage]
     return tuple(totals)
 
 
@@ -249,7 +253,7 @@ def make_plan(
     memory = None if memory_limit is None else MemoryModel(memory_limit, mb, live, state_factor)
     partition = split_for(method, costs, stage_ranks, split, memory)
     sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1)
-    static = _static_bytes(partition, state_factor)
+    static = _static_bytes(partition, state_factor, sim)
     peaks = sim.peak_activation_bytes or tuple(0.0 for _ in static)
     if memory_limit is not None:
         over = [r for r in range(len(static)) if static[r] + peaks[r] > memory_limit]
@@ -294,7 +298,7 @@ def make_plan(
         memory_limit=memory_limit,
         max_microbatch_size=_max_microbatch(static, peaks, mb, memory_limit),
         options=_options(
-            schedule_for, partition, batch_size, static, memory_limit, overheads, whole_batch
+            schedule_for, partition, batch_size, state_factor, memory_limit, overheads, whole_batch
         ),
     )
 
@@ -326,7 +330,7 @@ def _options(
     schedule_for: ScheduleFactory,
     partition: Partition,
     batch_size: int,
-    static: Sequence[float],
+    state_factor: float,
     limit: float | None,
     overheads: Overheads,
     whole_batch: bool,
@@ -341,6 +345,7 @@ def _options(
             continue  # this schedule does not run with m micro-batches (e.g. 1F1B needs m >= p)
         mb = batch_size // m
         sim = _sim(schedule, partition, mb, overheads, m if whole_batch else 1)
+        static = _static_bytes(partition, state_factor, sim)
         peaks = sim.peak_activation_bytes or tuple(0.0 for _ in static)
         peak = max(s + a for s, a in zip(static, peaks, strict=True))
         options.append(MicrobatchOption(m, mb, sim.makespan, peak, limit is None or peak <= limit))

@@ -135,3 +135,13 @@ def test_split_layers_for_a_placement() -> None:
     v_shape = split_layers(config, Placement.v_shape(3), method="params")
     assert len(v_shape) == 6 and [i for s in v_shape for i in s] == list(range(14))
     assert len(split_layers(config, Placement.bidirectional(4))) == 4
+
+
+def test_stashed_weight_versions_count_in_memory() -> None:
+    sync = _plan("1f1b", pp=4)
+    stash = _plan("pipedream", pp=4)
+    assert stash.partition.stages == sync.partition.stages
+    for rank in range(4):
+        versions = 4 - rank  # PipeDream: rank r keeps p - r versions
+        extra = (versions - 1) * stash.partition.param_bytes[rank]
+        assert stash.rank_static_bytes[rank] == pytest.approx(sync.rank_static_bytes[rank] + extra)
