@@ -329,9 +329,13 @@ class Pipeline:
         for ex in executors:
             ex.begin(step, input_mbs, target_mbs, float(max(tokens, 1)), training)
         expected = [k for ex in executors for k in ex.expected_receives]
-        self._transport.begin_step(step, expected)
         if self._group is None:
+            self._transport.begin_step(step, expected)
             return self._run_local(executors, step, tokens, training)
+        # The barrier first: gloo's monitored barrier uses point-to-point tags that could
+        # match receives posted early.
+        dist_barrier(self._group, executors[0].rank, step, self._timeout_s, self.device)
+        self._transport.begin_step(step, expected)
         return self._run_dist(executors[0], step, tokens, training)
 
     def _run_local(
@@ -364,7 +368,6 @@ class Pipeline:
         return StepResult(loss, tokens, timeline, elapsed)
 
     def _run_dist(self, ex: RankExecutor, step: int, tokens: int, training: bool) -> StepResult:
-        dist_barrier(self._group, ex.rank, step, self._timeout_s, self.device)
         origin = time.perf_counter_ns()
         ex.clock.origin_ns = origin
         ex.run()

@@ -19,7 +19,6 @@ one), and a message that is not the expected one is an error naming both stages.
 
 from __future__ import annotations
 
-import collections
 import datetime
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -127,10 +126,19 @@ def _parse_header(
     return specs
 
 
-class _Pending:
-    """A receive in flight: its header, then (once the header is in) its payload."""
+_Specs = list[tuple[torch.dtype, tuple[int, ...]]]
+# A boundary between two stages in one direction: (source stage, destination, is_grad).
+_Boundary = tuple[int, int, bool]
 
-    __slots__ = ("header", "header_work", "payload", "payload_works", "src")
+
+def _specs_of(tensors: tuple[torch.Tensor, ...]) -> _Specs:
+    return [(t.dtype, tuple(t.shape)) for t in tensors]
+
+
+class _Pending:
+    """A receive in flight: its header, and its payload once its shapes are known."""
+
+    __slots__ = ("header", "header_work", "payload", "payload_works", "predicted", "src")
 
     def __init__(self, src: int, header: torch.Tensor, header_work: Any) -> None:
         self.src = src
@@ -138,16 +146,30 @@ class _Pending:
         self.header_work = header_work
         self.payload: tuple[torch.Tensor, ...] | None = None
         self.payload_works: list[Any] = []
+        self.predicted: _Specs | None = None
 
 
 class DistTransport:
     """Point-to-point messages over a torch.distributed process group (gloo or nccl).
 
-    ``stage_ranks[s]`` is the group rank of stage ``s``. With gloo the headers of all of a
-    step's receives are posted when the step begins and each payload as soon as its header
-    is in (``progress`` is called between actions), so transfers overlap compute. NCCL
-    matches messages between two ranks by order, not tag, so there every receive is posted
-    when its action runs, in schedule order.
+    ``stage_ranks[s]`` is the group rank of stage ``s``.
+
+    Posting receives early (gloo). The headers of all of a step's receives are posted when
+    the step begins. A payload needs its shapes: the first message of a step on each
+    boundary is received header first; the later ones carry the same shapes (equal
+    micro-batches), so ``progress``, called as each compute action starts, posts the
+    payload receives of the next ``lookahead`` messages at once and the transfer overlaps
+    the compute. The sender enforces the premise: a message whose shapes differ from the
+    first one of its boundary in the step is an error (gloo would abort the process on a
+    message longer than the posted buffer). gloo's ``is_completed`` stays False until
+    ``wait``, so nothing here polls it.
+
+    NCCL matches messages between two ranks by order, not tag, so there every receive is
+    posted when its action runs, in schedule order, header first.
+
+    A send's buffers are kept until it is known to be complete: the activations of
+    micro-batch k once the gradient of k has come back from that stage (it was received
+    before that gradient was computed), everything else at the end of the step.
     """
 
     def __init__(
@@ -156,6 +178,7 @@ class DistTransport:
         stage_ranks: tuple[int, ...],
         device: torch.device,
         timeout_s: float,
+        lookahead: int = 2,
     ) -> None:
         self._group = group
         self._rank = dist.get_rank(group)
@@ -165,26 +188,28 @@ class DistTransport:
         self._timeout_s = timeout_s
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._early = dist.get_backend(group) == "gloo"
+        self._lookahead = lookahead if self._early else 0
         self._step = 0
         self._pending: dict[MessageKey, _Pending] = {}
-        self._sends: collections.deque[tuple[list[Any], tuple[torch.Tensor, ...], MessageKey]] = (
-            collections.deque()
-        )
+        self._sends: dict[MessageKey, tuple[list[Any], tuple[torch.Tensor, ...]]] = {}
+        self._sent_specs: dict[_Boundary, _Specs] = {}
+        self._recv_specs: dict[_Boundary, _Specs] = {}
 
     # ----------------------------------------------------------------- step bounds
     def begin_step(self, step: int, expected: Iterable[tuple[MessageKey, int]]) -> None:
         """Start a step; ``expected`` lists this rank's receives as (key, source stage)."""
         self._step = step
+        # Shapes may change from one step to the next (sequence length): learn them anew.
+        self._sent_specs.clear()
+        self._recv_specs.clear()
         if self._early:
             for key, src in expected:
                 self._post_header(key, src)
 
     def end_step(self) -> None:
         """Wait until every send of the step has left (its buffers may then be freed)."""
-        while self._sends:
-            works, _, key = self._sends.popleft()
-            for work in works:
-                self._wait(work, key, sending=True)
+        for key in list(self._sends):
+            self._release(key)
         if self._pending:
             keys = ", ".join(str(k) for k in self._pending)
             raise PipelineError(
@@ -193,6 +218,15 @@ class DistTransport:
 
     # ----------------------------------------------------------------- sending
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        specs = _specs_of(tensors)
+        boundary = (src_stage, key.dst_stage, key.is_grad)
+        first = self._sent_specs.setdefault(boundary, specs)
+        if specs != first:
+            raise StageMismatchError(
+                f"stage {src_stage} sends {specs} to stage {key.dst_stage} for micro-batch {key.microbatch} "
+                f"but {first} for an earlier micro-batch of step {self._step}: every micro-batch of a step "
+                f"must give the same shapes at a stage boundary"
+            )
         peer = self._stage_ranks[key.dst_stage]
         header = torch.tensor(
             _header(self._step, src_stage, key, tensors), dtype=torch.int64, device=self._device
@@ -204,10 +238,13 @@ class DistTransport:
             dist.isend(t, group=self._group, group_dst=peer, tag=tag + 1 + i)
             for i, t in enumerate(payload)
         ]
-        # Keep the buffers alive until the sends complete; drop finished ones cheaply.
-        self._sends.append((works, (header, *payload), key))
-        while self._sends and all(w.is_completed() for w in self._sends[0][0]):
-            self._sends.popleft()
+        self._sends[key] = (works, (header, *payload))
+
+    def _release(self, key: MessageKey) -> None:
+        entry = self._sends.pop(key, None)
+        if entry is not None:
+            for work in entry[0]:
+                self._wait(work, key, sending=True)
 
     # ----------------------------------------------------------------- receiving
     def _post_header(self, key: MessageKey, src: int) -> _Pending:
@@ -222,8 +259,7 @@ class DistTransport:
         self._pending[key] = pending
         return pending
 
-    def _post_payload(self, key: MessageKey, pending: _Pending) -> None:
-        specs = _parse_header(pending.header.tolist(), self._step, pending.src, key)
+    def _post_payload(self, key: MessageKey, pending: _Pending, specs: _Specs) -> None:
         peer = self._stage_ranks[pending.src]
         tag = key.tag(self._num_stages)
         payload = tuple(
@@ -236,22 +272,38 @@ class DistTransport:
         ]
 
     def progress(self) -> None:
-        """Post the payload receive of every message whose header has already arrived."""
+        """Post the payload receives of the next messages whose shapes are known."""
+        budget = self._lookahead
         for key, pending in self._pending.items():
+            if budget <= 0:
+                return
+            budget -= 1
             if pending.payload is None:
-                if not pending.header_work.is_completed():
-                    return
-                self._wait(pending.header_work, key)
-                self._post_payload(key, pending)
+                specs = self._recv_specs.get((pending.src, key.dst_stage, key.is_grad))
+                if specs is None:
+                    return  # a boundary's first message: its header must come first
+                pending.predicted = specs
+                self._post_payload(key, pending, specs)
 
     def recv(self, key: MessageKey, src_stage: int) -> tuple[torch.Tensor, ...]:
         pending = self._pending.get(key) or self._post_header(key, src_stage)
+        self._wait(pending.header_work, key)
+        specs = _parse_header(pending.header.tolist(), self._step, pending.src, key)
         if pending.payload is None:
-            self._wait(pending.header_work, key)
-            self._post_payload(key, pending)
+            self._post_payload(key, pending, specs)
+            self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), specs)
+        elif specs != pending.predicted:
+            raise StageMismatchError(
+                f"stage {pending.src} announced {specs} for micro-batch {key.microbatch} but stage "
+                f"{key.dst_stage} expected {pending.predicted} like the earlier micro-batches of step {self._step}"
+            )
         for work in pending.payload_works:
             self._wait(work, key)
         del self._pending[key]
+        if key.is_grad:
+            # The gradient of micro-batch k was computed from our activations of k: that
+            # send is complete, free its buffers now rather than at the end of the step.
+            self._release(MessageKey(src_stage, False, key.microbatch))
         assert pending.payload is not None
         return pending.payload
 
