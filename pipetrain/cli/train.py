@@ -56,6 +56,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         "save every N steps (0: at a stop, the end)",
     ),
     "--keep": ("run.keep", int, "keep the newest N checkpoints (0: all)"),
+    "--stream-steps": ("pipeline.stream_steps", int, "pipedream(-2bw): steps between drains"),
 }
 SWITCHES: dict[str, tuple[str, str]] = {
     "--recompute": ("pipeline.recompute", "recompute each block's activations in backward"),
@@ -63,6 +64,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "--single-process": ("pipeline.single_process", "run every rank in this process (debug mode)"),
     "--tensorboard": ("run.tensorboard", "write TensorBoard logs (needs tensorboard)"),
     "--resume": ("run.resume", "continue from the newest valid checkpoint in --checkpoint-dir"),
+    "--vertical-sync": ("pipeline.vertical_sync", "pipedream: stage 0's weight version for all"),
 }
 
 

@@ -36,9 +36,9 @@ from pipetrain.models import PipelineSpec
 from pipetrain.runtime import Pipeline, build_pipeline
 from pipetrain.runtime.stage import IGNORE_INDEX, token_cross_entropy
 from pipetrain.runtime.weights import StageVersionStats, WeightVersions, rule_for
-from pipetrain.schedules import Action, Kind, Schedule
+from pipetrain.schedules import Action, Kind
 from pipetrain.schedules.execution import Timeline
-from pipetrain.schedules.pipedream import pipedream, pipedream_2bw
+from pipetrain.train.async_plan import ASYNC_SCHEDULES, async_schedule
 
 __all__ = [
     "ASYNC_SCHEDULES",
@@ -49,8 +49,6 @@ __all__ = [
     "async_schedule",
     "predicted_versions",
 ]
-
-ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")
 
 # (named parameters of one stage) -> the optimizer of that stage.
 OptimizerFactory = Callable[[Iterable[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
@@ -77,16 +75,6 @@ def predicted_versions(
     from pipetrain.sim import simulate
 
     return simulate(async_schedule(schedule_name, pp, microbatches, steps)).weight_versions
-
-
-def async_schedule(name: str, pp: int, microbatches: int, steps: int) -> Schedule:
-    """The stream of ``steps`` windows of ``microbatches`` for ``name`` (pipedream, -2bw)."""
-    if name not in ASYNC_SCHEDULES:
-        raise AsyncInputError(
-            f"schedule {name!r} is not asynchronous: use {' or '.join(ASYNC_SCHEDULES)}"
-        )
-    build = pipedream_2bw if name == "pipedream-2bw" else pipedream
-    return build(pp, microbatches, steps)
 
 
 class AsyncTrainer:

@@ -84,6 +84,11 @@ class PipelineConfig:
     timeout_s: float = 300.0
     # Torch intra-op threads per process; 0 = the machine's cores / local processes (>= 1).
     threads: int = 0
+    # Asynchronous schedules (pipedream, pipedream-2bw): training steps per stream; the
+    # pipeline drains only between streams. 0 = as long as evaluation and checkpoints allow.
+    stream_steps: int = 0
+    # PipeDream: every stage uses the weight version the first stage chose for a micro-batch.
+    vertical_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -376,6 +381,7 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
     _at_least("pipeline.chunks", p.chunks, 1)
     _at_least("pipeline.microbatches", p.microbatches, 1)
     _at_least("pipeline.threads", p.threads, 0)
+    _at_least("pipeline.stream_steps", p.stream_steps, 0)
     if not p.schedule:
         raise ConfigError("pipeline.schedule is empty: name a schedule, e.g. --schedule 1f1b")
     if p.device not in _DEVICES:

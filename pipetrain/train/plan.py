@@ -70,11 +70,9 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
             f"pipeline.chunks {p.chunks} needs a schedule with several stages per rank "
             f"(interleaved-1f1b, looped-bfs); {p.schedule} has one: drop --chunks"
         )
-    if family.asynchronous:
-        raise ConfigError(
-            f"pipeline.schedule {p.schedule!r} is asynchronous (weights change inside a step): "
-            f"pipetrain train runs synchronous schedules; choose e.g. 1f1b or zb-h1"
-        )
+    from pipetrain.train.async_plan import check_async
+
+    check_async(config, asynchronous=family.asynchronous)
     try:
         schedule = build_schedule(
             p.schedule, p.pp, p.microbatches, p.chunks if p.chunks > 1 else None

@@ -47,7 +47,10 @@ def test_threads_share_the_cores() -> None:
 
 REJECTED: list[tuple[dict[str, Any], tuple[str, ...]]] = [
     ({"pipeline.chunks": 2}, ("pipeline.chunks 2", "interleaved-1f1b", "drop --chunks")),
-    ({"pipeline.schedule": "pipedream"}, ("asynchronous", "choose e.g. 1f1b")),
+    (
+        {"pipeline.schedule": "pipedream", "optim.grad_accum": 2},
+        ("optim.grad_accum 2", "--grad-accum 1"),
+    ),
     ({"pipeline.schedule": "1f1x"}, ("pipeline.schedule", "unknown schedule '1f1x'", "1f1b")),
     (
         {"pipeline.pp": 4, "pipeline.microbatches": 2, "data.batch_size": 2},

@@ -1,0 +1,256 @@
+"""``pipetrain train --schedule pipedream`` (or ``pipedream-2bw``): the asynchronous run.
+
+``pipetrain.train.loop`` hands a run over here when its schedule is asynchronous. The run
+is a sequence of streams (``pipetrain.train.asynchronous``): one ``train_stream`` call
+trains ``stream_steps`` steps without a flush, and evaluation, logging of the steps'
+losses, checkpoints and the stop signal are handled between streams, where the pipeline
+is drained. The data, the optimizer (AdamW with the warm-up and cosine learning rate of
+the config, per STEP by the step its micro-batch belongs to), the metrics records and the
+summary are those of a synchronous run, so runs of both kinds compare line by line. Not
+here: gradient clipping and the NaN guard (a global decision per STEP would be a
+collective after every backward); recompute, compile and bf16 are refused by the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
+from pipetrain.models import build_full_model, model_spec
+from pipetrain.train.async_plan import stream_steps_for
+from pipetrain.train.asynchronous import AsyncTrainer, predicted_versions
+from pipetrain.train.config import ConfigError, TrainConfig, config_to_dict
+from pipetrain.train.data import Batch, Corpus, eval_batches, load_corpus, train_batch
+from pipetrain.train.metrics import (
+    MetricsFile,
+    Progress,
+    RunSummary,
+    TensorBoard,
+    measured_bubble,
+    peak_memory_bytes,
+)
+from pipetrain.train.optim import build_optimizer, lr_at
+from pipetrain.train.plan import RunPlan
+from pipetrain.train.sample import gather_state_dict, generate
+
+__all__ = ["train_async"]
+
+
+def train_async(
+    config: TrainConfig,
+    role: Any,
+    plan: RunPlan,
+    device: torch.device,
+    group: Any,
+    out: IO[str],
+    started: float,
+) -> RunSummary | None:
+    """Train as one process of an asynchronous run; the summary on rank 0 (None elsewhere)."""
+    p, d, r = config.pipeline, config.data, config.run
+    stream = stream_steps_for(config)
+    trainer = AsyncTrainer(
+        model_spec(plan.model),
+        schedule=p.schedule,
+        pp=p.pp,
+        microbatches=p.microbatches,
+        stream_steps=stream,
+        make_optimizer=lambda named: build_optimizer(named, config.optim),
+        lr_at=lambda step: lr_at(step, config.optim, r.steps),
+        vertical_sync=p.vertical_sync,
+        group=group,
+        device=device,
+        seed=r.seed,
+        split=plan.split,
+        timeout_s=p.timeout_s,
+    )
+    pipeline = trainer.pipeline
+    placement = pipeline.schedule.placement
+    first = any(placement.is_first(s) for s in pipeline.stages)
+    last = any(placement.is_last(s) for s in pipeline.stages)
+    corpus: Corpus | None = load_corpus(d) if first or last else None
+    evals: list[Batch] = []
+    if corpus is not None:
+        evals = eval_batches(
+            corpus, batch_size=d.batch_size, seq_len=d.seq_len, count=d.eval_batches
+        )
+
+    progress = Progress(r.steps, out) if role.reporter else None
+    metrics = MetricsFile(config.metrics_path) if role.reporter else None
+    board = TensorBoard(config.run_dir / "tensorboard") if role.reporter and r.tensorboard else None
+
+    def report(record: dict[str, Any]) -> None:
+        if metrics is not None:
+            metrics.write(record)
+        if board is not None:
+            board.write(record)
+
+    def say(text: str) -> None:
+        if progress is not None:
+            progress.message(text)
+
+    if corpus is not None:
+        say(f"data: {corpus.description}")
+    say(
+        f"model {plan.model.name}: {plan.model.n_layers} blocks; schedule {p.schedule}"
+        f"{' with vertical sync' if p.vertical_sync else ''} on {p.pp} ranks, streams of "
+        f"{stream} steps x {p.microbatches} micro-batches (the pipeline drains between "
+        f"streams), device {device}"
+    )
+
+    def evaluate(step: int) -> float:
+        if not r.evaluate:
+            return math.nan
+        batches = [(b.inputs if first else None, b.targets if last else None) for b in evals] or [
+            (None, None)
+        ] * d.eval_batches
+        value = trainer.eval_loss(batches)
+        report({"step": step, "eval_loss": value})
+        say(f"eval loss after {step} steps: {value:.4f}")
+        return value
+
+    model_fields = dataclasses.asdict(plan.model)
+    model_fields.pop("name")
+    checkpoints = RunCheckpoints(
+        CheckpointPolicy(r.checkpoint_dir, r.checkpoint_every, r.keep, r.resume),
+        modules=pipeline.modules,
+        optimizer=trainer.optimizer,
+        model=model_fields,
+        layout=Layout(
+            p.pp, p.chunks, p.schedule, dist.get_world_size(group) if group else 1, plan.split
+        ),
+        config=config_to_dict(config),
+        total_steps=r.steps,
+        group=group,
+        device=device,
+        say=say,
+        # Saved between streams, where nothing is in flight (a drain at save time): the
+        # weights, the optimizer state and the step are all there is.
+        state=lambda done: {"step": done, "data_position": done},
+    )
+    start = checkpoints.resume()
+    if start % stream:
+        raise ConfigError(
+            f"the checkpoint is at step {start}, not between two streams of "
+            f"pipeline.stream_steps {stream}: resume with the --stream-steps of the saved run"
+        )
+    first_eval = evaluate(start)
+    last_eval = first_eval
+    tokens_seen, train_time, bubbles = 0, 0.0, []
+    done = start
+    for begin in range(start, r.steps, stream):
+        batches = (
+            [
+                train_batch(corpus, step, seed=r.seed, batch_size=d.batch_size, seq_len=d.seq_len)
+                for step in range(begin, begin + stream)
+            ]
+            if corpus is not None
+            else []
+        )
+        inputs = torch.cat([b.inputs for b in batches]) if first and batches else None
+        targets = torch.cat([b.targets for b in batches]) if last and batches else None
+        result = trainer.train_stream(begin, inputs, targets)
+        train_time += result.wall_s
+        tokens_seen += result.tokens
+        if role.distributed:
+            bubbles.append(measured_bubble(result.timeline))
+        tokens_per_s = result.tokens / result.wall_s if result.wall_s > 0 else math.nan
+        for i, loss in enumerate(result.losses):
+            step = begin + i
+            report(
+                {
+                    "step": step + 1,
+                    "loss": loss,
+                    "lr": lr_at(step, config.optim, r.steps),
+                    "tokens": result.tokens // stream,
+                    "tokens_per_s": tokens_per_s,
+                    "step_time_s": result.wall_s / stream,
+                }
+            )
+            if progress is not None:
+                progress.update(
+                    step,
+                    loss=loss,
+                    tokens_per_s=tokens_per_s,
+                    elapsed_s=time.perf_counter() - started,
+                )
+        done = begin + stream
+        if r.eval_every and done % r.eval_every == 0 and done < r.steps:
+            last_eval = evaluate(done)
+        if checkpoints.after_step(done):
+            break
+    checkpoints.close()
+    last_eval = evaluate(done)
+
+    measured = trainer.rank_peaks()
+    predicted = predicted_versions(p.schedule, p.pp, p.microbatches, stream)
+    say(
+        f"weight versions per rank: at most {list(measured)} alive at once "
+        f"(simulator: {list(predicted)})"
+    )
+    report({"weight_versions": list(measured), "predicted_weight_versions": list(predicted)})
+    summary = RunSummary(
+        steps=r.steps,
+        wall_s=time.perf_counter() - started,
+        tokens=tokens_seen,
+        tokens_per_s=tokens_seen / train_time if train_time > 0 else math.nan,
+        measured_bubble=sum(bubbles) / len(bubbles) if bubbles else None,
+        simulated_bubble=None,
+        first_eval_loss=first_eval,
+        final_eval_loss=last_eval,
+        peak_memory=_peak_memory(role, device),
+        skipped_steps=0,
+    )
+    if role.reporter:
+        say(summary.format())
+    if r.sample_tokens:
+        _sample(config, plan, trainer, group, corpus, say)
+    if metrics is not None:
+        metrics.write(summary.to_json())
+        metrics.close()
+    if board is not None:
+        board.close()
+    return summary if role.reporter else None
+
+
+def _peak_memory(role: Any, device: torch.device) -> tuple[int, ...]:
+    peak = peak_memory_bytes(str(device))
+    if not role.distributed:
+        return (peak,)
+    everyone: list[Any] = [None] * role.world_size
+    dist.all_gather_object(everyone, peak)
+    return tuple(int(v) for v in everyone)
+
+
+def _sample(
+    config: TrainConfig,
+    plan: RunPlan,
+    trainer: AsyncTrainer,
+    group: Any,
+    corpus: Corpus | None,
+    say: Any,
+) -> None:
+    """Rank 0 prints text from the model assembled from every stage's newest weights."""
+    state = gather_state_dict(trainer.pipeline.modules, group)
+    if state is None or corpus is None:
+        return
+    r = config.run
+    model = build_full_model(model_spec(plan.model), seed=r.seed, device="cpu")
+    model.load_state_dict(state)
+    model.eval()
+    ids = generate(
+        model,
+        corpus.tokenizer.encode(r.sample_prompt),
+        new_tokens=r.sample_tokens,
+        context=min(plan.model.max_seq_len, config.data.seq_len),
+        temperature=r.sample_temperature,
+        seed=r.seed,
+    )
+    say(
+        f"sample (temperature {r.sample_temperature}):\n{r.sample_prompt}{corpus.tokenizer.decode(ids)}\n"
+    )

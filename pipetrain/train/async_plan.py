@@ -1,0 +1,105 @@
+"""The settings of an asynchronous run (pipedream, pipedream-2bw), checked before launch.
+
+Torch-free, like ``pipetrain.train.plan`` which calls it, so a bad combination is one line
+before any process starts.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipetrain.errors import InputError
+from pipetrain.schedules import Schedule
+from pipetrain.schedules.pipedream import pipedream, pipedream_2bw
+from pipetrain.train.config import ConfigError, TrainConfig
+
+__all__ = ["ASYNC_SCHEDULES", "async_schedule", "check_async", "stream_steps_for"]
+
+ASYNC_SCHEDULES = ("pipedream", "pipedream-2bw")
+
+
+def async_schedule(name: str, pp: int, microbatches: int, steps: int) -> Schedule:
+    """The stream of ``steps`` windows of ``microbatches`` for ``name`` (pipedream, -2bw)."""
+    if name not in ASYNC_SCHEDULES:
+        raise ConfigError(
+            f"schedule {name!r} is not asynchronous: use {' or '.join(ASYNC_SCHEDULES)}"
+        )
+    build = pipedream_2bw if name == "pipedream-2bw" else pipedream
+    return build(pp, microbatches, steps)
+
+
+def stream_steps_for(config: TrainConfig) -> int:
+    """Training steps per stream: the setting, or the longest that evaluation and
+    checkpoints allow (every evaluation and save falls between two streams)."""
+    r = config.run
+    if config.pipeline.stream_steps:
+        return config.pipeline.stream_steps
+    steps = r.steps
+    for every in (r.eval_every if r.evaluate else 0, r.checkpoint_every):
+        if every:
+            steps = math.gcd(steps, every)
+    return steps
+
+
+def check_async(config: TrainConfig, *, asynchronous: bool) -> None:
+    """Raise ``ConfigError`` for settings an asynchronous run (or a synchronous one) cannot use."""
+    p, o, r = config.pipeline, config.optim, config.run
+    if not asynchronous:
+        if p.vertical_sync:
+            raise ConfigError(
+                f"pipeline.vertical_sync is for --schedule pipedream, not {p.schedule}: "
+                f"drop --vertical-sync"
+            )
+        if p.stream_steps:
+            raise ConfigError(
+                f"pipeline.stream_steps is for asynchronous schedules (pipedream, "
+                f"pipedream-2bw), not {p.schedule}: drop --stream-steps"
+            )
+        return
+    if p.vertical_sync and p.schedule != "pipedream":
+        raise ConfigError(
+            f"pipeline.vertical_sync is for pipedream: {p.schedule} already gives every stage "
+            f"of a micro-batch the same version; drop --vertical-sync"
+        )
+    if p.dp > 1:
+        raise ConfigError(
+            f"pipeline.dp {p.dp}: asynchronous schedules update each stage on its own and run "
+            f"one pipeline: use --dp 1"
+        )
+    if o.grad_accum > 1:
+        raise ConfigError(
+            f"optim.grad_accum {o.grad_accum}: an asynchronous schedule updates after every "
+            f"micro-batch (pipedream) or window (pipedream-2bw): use --grad-accum 1 and more "
+            f"--microbatches"
+        )
+    for name, value, flag in (
+        ("pipeline.recompute", p.recompute, "--recompute"),
+        ("pipeline.compile", p.compile, "--compile"),
+        ("pipeline.precision bf16", p.precision == "bf16", "--precision bf16"),
+    ):
+        # Each would run a forward, or cache a cast of the weights, outside the version
+        # the micro-batch is bound to.
+        if value:
+            raise ConfigError(
+                f"{name} is not supported with asynchronous schedules (weight stashing): drop {flag}"
+            )
+    if p.chunks > 1:
+        raise ConfigError(f"pipeline.chunks {p.chunks}: {p.schedule} has one stage per rank")
+    if p.stream_steps and r.steps % p.stream_steps:
+        raise ConfigError(
+            f"run.steps {r.steps} is not a multiple of pipeline.stream_steps {p.stream_steps}: "
+            f"use --steps {r.steps - r.steps % p.stream_steps or p.stream_steps} or another "
+            f"--stream-steps"
+        )
+    stream = stream_steps_for(config)
+    evals = r.eval_every if r.evaluate else 0
+    for name, every in (("run.eval_every", evals), ("run.checkpoint_every", r.checkpoint_every)):
+        if every and every % stream:
+            raise ConfigError(
+                f"{name} {every} does not fall between streams of pipeline.stream_steps "
+                f"{stream}: use a multiple of {stream}, or --stream-steps 0"
+            )
+    try:
+        async_schedule(p.schedule, p.pp, p.microbatches, stream)
+    except InputError as exc:
+        raise ConfigError(f"pipeline: {exc} (a stream is {stream} steps)") from None

@@ -1,0 +1,85 @@
+"""Settings of asynchronous runs: stream length, and what is rejected before any launch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pipetrain.train.async_plan import stream_steps_for
+from pipetrain.train.config import ConfigError, TrainConfig, load_config
+from pipetrain.train.plan import plan_run
+
+
+def _config(**overrides: Any) -> TrainConfig:
+    return load_config(
+        overrides={
+            "run.name": "t",
+            "run.steps": 12,
+            "optim.warmup_steps": 1,
+            "run.eval_every": 0,
+            **overrides,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "steps"),
+    [
+        ({}, 12),  # no evaluation or save inside the run: one stream
+        ({"run.eval_every": 4}, 4),
+        ({"run.eval_every": 6, "run.checkpoint_every": 4, "run.checkpoint_dir": "c"}, 2),
+        ({"run.eval_every": 5, "run.evaluate": False}, 12),
+        ({"pipeline.stream_steps": 3}, 3),
+    ],
+)
+def test_stream_steps(overrides: dict[str, Any], steps: int) -> None:
+    assert stream_steps_for(_config(**overrides)) == steps
+
+
+def test_async_schedules_plan() -> None:
+    for name in ("pipedream", "pipedream-2bw"):
+        plan = plan_run(_config(**{"pipeline.schedule": name}), vocab_size=256)
+        assert plan.schedule.asynchronous
+    plan_run(
+        _config(**{"pipeline.schedule": "pipedream", "pipeline.vertical_sync": True}),
+        vocab_size=256,
+    )
+
+
+REJECTED: list[tuple[dict[str, Any], tuple[str, ...]]] = [
+    ({"pipeline.vertical_sync": True}, ("pipeline.vertical_sync", "drop --vertical-sync")),
+    ({"pipeline.stream_steps": 2}, ("pipeline.stream_steps", "drop --stream-steps")),
+    (
+        {"pipeline.schedule": "pipedream-2bw", "pipeline.vertical_sync": True},
+        ("already gives every stage", "drop --vertical-sync"),
+    ),
+    ({"pipeline.schedule": "pipedream", "pipeline.dp": 2}, ("pipeline.dp 2", "--dp 1")),
+    ({"pipeline.schedule": "pipedream", "pipeline.recompute": True}, ("drop --recompute",)),
+    (
+        {"pipeline.schedule": "pipedream-2bw", "pipeline.precision": "bf16"},
+        ("drop --precision bf16",),
+    ),
+    (
+        {"pipeline.schedule": "pipedream", "pipeline.stream_steps": 5},
+        ("run.steps 12", "multiple of pipeline.stream_steps 5", "--steps 10"),
+    ),
+    (
+        {"pipeline.schedule": "pipedream", "pipeline.stream_steps": 4, "run.eval_every": 6},
+        ("run.eval_every 6", "multiple of 4"),
+    ),
+    (
+        {"pipeline.schedule": "pipedream-2bw", "pipeline.microbatches": 2, "data.batch_size": 8},
+        ("pipeline:", "--microbatches", "a stream is 12 steps"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "words"), REJECTED, ids=[str(o) for o, _ in REJECTED])
+def test_rejected_before_launch(overrides: dict[str, Any], words: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_run(_config(**overrides), vocab_size=256)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
