@@ -45,14 +45,12 @@ def stage_live_peaks(schedule: Schedule) -> tuple[int, ...]:
     """
     peaks = [0] * schedule.placement.num_stages
     live = [0] * schedule.placement.num_stages
-    split = schedule.splits_backward
-    release = Kind.W if split else Kind.B
     for rank_actions in schedule.actions:
         for action in rank_actions:
             if action.kind is Kind.F:
                 live[action.stage] += 1
                 peaks[action.stage] = max(peaks[action.stage], live[action.stage])
-            elif action.kind is release or (split and action.kind is Kind.B):
+            elif action.kind in (Kind.B, Kind.W):  # an I frees nothing: its W needs the inputs
                 live[action.stage] -= 1
     return tuple(peaks)
 
