@@ -28,7 +28,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--schedule": (
         "pipeline.schedule",
         str,
-        "schedule name (1f1b, gpipe, interleaved, zb-h1, ...)",
+        "schedule name (1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v, ...)",
     ),
     "--microbatches": ("pipeline.microbatches", int, "micro-batches per pipeline step"),
     "--batch-size": ("data.batch_size", int, "sequences per pipeline step"),
@@ -78,7 +78,10 @@ def add_config_flags(p: argparse.ArgumentParser, *, skip: frozenset[str] = froze
     for flag, (key, kind, text) in FLAGS.items():
         if flag in skip:
             continue
-        p.add_argument(flag, dest=_dest(flag), type=kind, default=None, help=f"{text} [{key}]")
+        metavar = key.rsplit(".", 1)[1].upper()
+        p.add_argument(
+            flag, dest=_dest(flag), type=kind, default=None, metavar=metavar, help=f"{text} [{key}]"
+        )
     for flag, (key, text) in SWITCHES.items():
         p.add_argument(
             flag, dest=_dest(flag), action="store_true", default=None, help=f"{text} [{key}]"
