@@ -247,7 +247,7 @@ def _train(
         seed=r.seed,
         split=plan.split,
         timeout_s=p.timeout_s,
-        compute_hook=replicas.stage_hook if replicas is not None else None,
+        grads_hook=replicas.grads_hook if replicas is not None else None,
     )
     if replicas is not None:
         replicas.attach(pipeline)

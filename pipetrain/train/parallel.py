@@ -215,7 +215,7 @@ class _Launched:
 class ReplicaGradients:
     """DDP for the stages of one pipeline rank: bucketed, asynchronous, per stage.
 
-    Build it, pass ``stage_hook`` to ``build_pipeline(compute_hook=...)``, then ``attach``
+    Build it, pass ``grads_hook`` to ``build_pipeline(grads_hook=...)``, then ``attach``
     the pipeline. Per optimizer step: ``begin(sync)`` before each pipeline step (sync only
     on the last of a gradient accumulation), ``finish(step)`` after the last one.
     """
@@ -234,11 +234,11 @@ class ReplicaGradients:
         self._bucket_bytes = bucket_bytes
         self._stage_buckets: dict[int, list[list[nn.Parameter]]] = {}
         self._late: list[list[nn.Parameter]] = []
-        # Next compute action after a stage's last B/W -> the stages whose gradients are done.
-        self._triggers: dict[Action, list[int]] = {}
         # Stages in the order their last B/W runs: the same on every replica.
         self._order: list[int] = []
         self._launched: set[int] = set()
+        # Stages launched by the hook (inside the pipeline step) in the last step.
+        self._early: tuple[int, ...] = ()
         self._in_flight: list[_Launched] = []
         self._sync = False
         self._waits: list[float] = []
@@ -272,27 +272,18 @@ class ReplicaGradients:
         self._plan(pipeline.schedule.actions[rank])
 
     def _plan(self, actions: Sequence[Action]) -> None:
-        compute = [a for a in actions if a.is_compute]
-        last: dict[int, int] = {}
-        for pos, a in enumerate(compute):
-            if a.kind in (Kind.B, Kind.W):
-                last[a.stage] = pos
+        last = {a.stage: pos for pos, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
         self._order = sorted(last, key=lambda s: last[s])
-        for stage, pos in last.items():
-            if pos + 1 < len(compute):
-                self._triggers.setdefault(compute[pos + 1], []).append(stage)
 
     # ----------------------------------------------------------------- per step
     def begin(self, sync: bool) -> None:
         """Before a pipeline step: ``sync`` on the last step of a gradient accumulation."""
         self._sync = sync
 
-    def stage_hook(self, action: Action) -> None:
-        """The pipeline's compute hook: runs before every F, B, I and W of this rank."""
-        stages = self._triggers.get(action)
-        if stages and self._sync:
-            for stage in stages:
-                self._launch_through(stage)
+    def grads_hook(self, stage: int) -> None:
+        """The pipeline's hook: ``stage`` has run its last B or W of the step."""
+        if self._sync:
+            self._launch_through(stage)
 
     def _launch_through(self, stage: int) -> None:
         # Launch in the canonical order, so that every replica issues the same collectives
@@ -316,6 +307,7 @@ class ReplicaGradients:
     def finish(self, step: int) -> None:
         """Wait for every bucket (launching what is left), then average over the replicas."""
         t0 = time.perf_counter()
+        self._early = tuple(s for s in self._order if s in self._launched)
         for stage in self._order:
             if stage not in self._launched:
                 self._launch(stage)
@@ -344,6 +336,11 @@ class ReplicaGradients:
         self._waits.append(time.perf_counter() - t0)
         self._in_flight.clear()
         self._launched.clear()
+
+    @property
+    def launched_in_step(self) -> tuple[int, ...]:
+        """Stages whose all-reduce started inside the last pipeline step (overlapped)."""
+        return self._early
 
     def stats(self, skip_first: int = 1) -> DataParallelStats:
         """The run's cost so far; the first ``skip_first`` steps (warm-up) are left out."""
