@@ -329,12 +329,18 @@ class Pipeline:
         for ex in executors:
             ex.begin(step, input_mbs, target_mbs, float(max(tokens, 1)), training)
         expected = [k for ex in executors for k in ex.expected_receives]
-        self._transport.begin_step(step, expected)
         if self._group is None:
-            return self._run_local(executors, step, tokens)
-        return self._run_dist(executors[0], step, tokens)
+            self._transport.begin_step(step, expected)
+            return self._run_local(executors, step, tokens, training)
+        # The barrier first: gloo's monitored barrier uses point-to-point tags that could
+        # match receives posted early.
+        dist_barrier(self._group, executors[0].rank, step, self._timeout_s, self.device)
+        self._transport.begin_step(step, expected)
+        return self._run_dist(executors[0], step, tokens, training)
 
-    def _run_local(self, executors: list[RankExecutor], step: int, tokens: int) -> StepResult:
+    def _run_local(
+        self, executors: list[RankExecutor], step: int, tokens: int, training: bool
+    ) -> StepResult:
         origin = time.perf_counter_ns()
         pending = list(executors)
         while pending:
@@ -350,7 +356,8 @@ class Pipeline:
                     f"step {step}: every rank waits for a message that never comes ({stuck})"
                 )
         self._transport.end_step()
-        self._reducer.finish(step)
+        if training:
+            self._reducer.finish(step)
         loss = sum(ex.loss_sum() for ex in executors)
         per_rank = []
         for ex in executors:
@@ -360,13 +367,13 @@ class Pipeline:
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, tokens, timeline, elapsed)
 
-    def _run_dist(self, ex: RankExecutor, step: int, tokens: int) -> StepResult:
-        dist_barrier(self._group, ex.rank, step, self._timeout_s, self.device)
+    def _run_dist(self, ex: RankExecutor, step: int, tokens: int, training: bool) -> StepResult:
         origin = time.perf_counter_ns()
         ex.clock.origin_ns = origin
         ex.run()
         self._transport.end_step()
-        self._reducer.finish(step)
+        if training:
+            self._reducer.finish(step)
         width = 2 + 2 * max(len(row) for row in self.schedule.actions)
         row = [ex.loss_sum(), float(tokens), *map(float, ex.clock.relative())]
         rows = dist_step_summary(
