@@ -261,3 +261,25 @@ def test_non_finite_gradients_stop_every_rank_with_one_line(tmp_path: Path) -> N
     steps = _steps(tmp_path / "runs" / "nan" / "metrics.jsonl")
     assert [r["skipped"] for r in steps] == [False, True]
     assert steps[1]["grad_norm"] is None  # not finite: written as null
+
+
+def test_gradient_accumulation_takes_several_pipeline_steps_per_update(tmp_path: Path) -> None:
+    flags = ["--pp", "2", "--single-process", "--grad-accum", "3", "--steps", "2"]
+    assert (
+        main(
+            [
+                "train",
+                *TINY,
+                *flags,
+                "--name",
+                "acc",
+                "--set",
+                f"run.out_dir={json.dumps(str(tmp_path))}",
+            ]
+        )
+        == 0
+    )
+    steps = _steps(tmp_path / "acc" / "metrics.jsonl")
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["tokens"] == 3 * 8 * 32 for r in steps)
+    assert all(r["grad_norm"] > 0 and not r["skipped"] for r in steps)
