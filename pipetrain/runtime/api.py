@@ -346,9 +346,9 @@ class Pipeline:
         while pending:
             progressed = False
             for ex in pending:
-                before = ex.blocked_on
+                before = ex.position
                 ex.run()
-                progressed = progressed or ex.blocked_on != before
+                progressed = progressed or ex.position != before
             pending = [ex for ex in pending if not ex.done]
             if pending and not progressed:
                 stuck = ", ".join(f"rank {ex.rank} at {ex.blocked_on}" for ex in pending)

@@ -147,6 +147,11 @@ class RankExecutor:
         return self._pos == len(self.actions)
 
     @property
+    def position(self) -> int:
+        """Index of the next action to run."""
+        return self._pos
+
+    @property
     def blocked_on(self) -> Action | None:
         return None if self.done else self.actions[self._pos]
 

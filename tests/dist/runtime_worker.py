@@ -57,9 +57,18 @@ USER_CSV = """0F0, 0F1, 0F2, 0B0, 0F3, 0B1, 0B2, 0B3
 """
 
 
-def schedules(p: int, out: Path) -> dict[str, Schedule]:
-    cases = {name: build_schedule(name, p, by_p[p]) for name, by_p in SCHEDULES.items()}
-    if p == 2:
+# Side by side, the pipelines' own groups matter, not the schedules: a linear, a looped
+# and a bidirectional placement (Chimera's subgroups) suffice.
+PAIR_SCHEDULES = ("1f1b", "interleaved-1f1b", "chimera")
+
+
+def schedules(p: int, out: Path, names: tuple[str, ...] | None = None) -> dict[str, Schedule]:
+    cases = {
+        name: build_schedule(name, p, by_p[p])
+        for name, by_p in SCHEDULES.items()
+        if names is None or name in names
+    }
+    if p == 2 and names is None:
         path = out / f"user-{dist.get_rank()}.csv"
         path.write_text(USER_CSV)
         cases["user-csv"] = load_csv(path)
@@ -93,7 +102,7 @@ def compare(pipe, debug, ref_grads) -> dict[str, object]:
 
 
 def one_step_cases(
-    spec, group, p: int, out: Path, prefix: str = ""
+    spec, group, p: int, out: Path, prefix: str = "", names: tuple[str, ...] | None = None
 ) -> dict[str, dict[str, object]]:
     x, y = batch(0)
     full = build_full_model(spec, seed=0, device="cpu")
@@ -101,7 +110,7 @@ def one_step_cases(
     ref_loss.backward()
     ref_grads = {n: q.grad for n, q in full.named_parameters()}
     results: dict[str, dict[str, object]] = {}
-    for name, schedule in schedules(p, out).items():
+    for name, schedule in schedules(p, out, names).items():
         kw = dict(
             schedule=schedule,
             microbatches=schedule.microbatches,
@@ -177,7 +186,7 @@ def run_equal(out: Path) -> None:
         # Two independent 2-rank pipelines in one world: the runtime uses only its group.
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         mine = groups[rank // 2]
-        results.update(one_step_cases(spec, mine, 2, out, prefix="pair-"))
+        results.update(one_step_cases(spec, mine, 2, out, prefix="pair-", names=PAIR_SCHEDULES))
     (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
 
 

@@ -67,7 +67,7 @@ def test_four_ranks_equal_one_process(four, name):
     check_one_step(four, name)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", ("1f1b", "interleaved-1f1b", "chimera"))
 def test_two_pipelines_side_by_side(four, name):
     check_one_step(four, "pair-" + name)
 
