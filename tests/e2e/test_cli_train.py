@@ -57,6 +57,15 @@ def _steps(path: Path) -> list[dict[str, Any]]:
     return [r for r in _records(path) if "loss" in r]
 
 
+def _train_here(out_dir: Path, name: str, *flags: str) -> list[dict[str, Any]]:
+    """`pipetrain train` in this process (no launch): the per-step records of the run."""
+    code = main(
+        ["train", *TINY, *flags, "--name", name, "--set", f"run.out_dir={json.dumps(str(out_dir))}"]
+    )
+    assert code == 0
+    return _steps(out_dir / name / "metrics.jsonl")
+
+
 def _assert_same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]], what: str) -> None:
     """Per-step loss and global grad norm equal to 1e-5 relative."""
     assert len(got) == len(want) == 5, what
@@ -71,22 +80,7 @@ def _assert_same_steps(got: list[dict[str, Any]], want: list[dict[str, Any]], wh
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Per-step records of --pp 1, the one-process reference."""
     out = tmp_path_factory.mktemp("ref")
-    assert (
-        main(
-            [
-                "train",
-                *TINY,
-                "--pp",
-                "1",
-                "--name",
-                "ref",
-                "--set",
-                f"run.out_dir={json.dumps(str(out))}",
-            ]
-        )
-        == 0
-    )
-    return _steps(out / "ref" / "metrics.jsonl")
+    return _train_here(out, "ref", "--pp", "1")
 
 
 def test_short_run_on_the_default_data(reference: list[dict[str, Any]], tmp_path: Path) -> None:
@@ -139,40 +133,12 @@ def test_short_run_on_the_default_data(reference: list[dict[str, Any]], tmp_path
 def test_loss_does_not_depend_on_the_split_in_one_process(
     reference: list[dict[str, Any]], tmp_path: Path, flags: tuple[str, ...]
 ) -> None:
-    assert (
-        main(
-            [
-                "train",
-                *TINY,
-                *flags,
-                "--name",
-                "x",
-                "--set",
-                f"run.out_dir={json.dumps(str(tmp_path))}",
-            ]
-        )
-        == 0
-    )
-    _assert_same_steps(_steps(tmp_path / "x" / "metrics.jsonl"), reference, " ".join(flags))
+    _assert_same_steps(_train_here(tmp_path, "x", *flags), reference, " ".join(flags))
 
 
 def test_bf16_stays_close_to_fp32(reference: list[dict[str, Any]], tmp_path: Path) -> None:
     flags = ["--pp", "2", "--single-process", "--precision", "bf16"]
-    assert (
-        main(
-            [
-                "train",
-                *TINY,
-                *flags,
-                "--name",
-                "x",
-                "--set",
-                f"run.out_dir={json.dumps(str(tmp_path))}",
-            ]
-        )
-        == 0
-    )
-    losses = [r["loss"] for r in _steps(tmp_path / "x" / "metrics.jsonl")]
+    losses = [r["loss"] for r in _train_here(tmp_path, "x", *flags)]
     fp32 = [r["loss"] for r in reference]
     assert len(losses) == 5
     for step, (a, b) in enumerate(zip(losses, fp32, strict=True)):
@@ -265,21 +231,7 @@ def test_non_finite_gradients_stop_every_rank_with_one_line(tmp_path: Path) -> N
 
 def test_gradient_accumulation_takes_several_pipeline_steps_per_update(tmp_path: Path) -> None:
     flags = ["--pp", "2", "--single-process", "--grad-accum", "3", "--steps", "2"]
-    assert (
-        main(
-            [
-                "train",
-                *TINY,
-                *flags,
-                "--name",
-                "acc",
-                "--set",
-                f"run.out_dir={json.dumps(str(tmp_path))}",
-            ]
-        )
-        == 0
-    )
-    steps = _steps(tmp_path / "acc" / "metrics.jsonl")
+    steps = _train_here(tmp_path, "acc", *flags)
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["tokens"] == 3 * 8 * 32 for r in steps)
     assert all(r["grad_norm"] > 0 and not r["skipped"] for r in steps)
