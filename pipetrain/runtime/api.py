@@ -13,13 +13,15 @@ Usage, in a script started on every rank (``torchrun --nproc-per-node 2 train.py
     pipe = build_pipeline(spec, schedule="1f1b", microbatches=8, group=dist.group.WORLD,
                           device=device, seed=0)
     opt = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
-    for step in range(100):
-        ids = torch.randint(0, 256, (32, 65))    # the same batch on every rank
-        result = pipe.step(ids[:, :-1], ids[:, 1:])
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)  # the same batch on every rank
+        ids = torch.randint(0, 256, (32, 65), generator=g)
+        result = pipe.step(ids[:, :-1], ids[:, 1:])  # inputs, targets (B, T)
         opt.step()
         pipe.zero_grad()
         if dist.get_rank() == 0:
             print(step, result.loss)             # the loss is known on every rank
+    dist.destroy_process_group()
 
 Without a process group (``group=None``) the pipeline runs every rank's actions in this
 one process with an in-memory transport (``ranks`` says how many), giving exactly the same
