@@ -349,6 +349,7 @@ def _train(
     train_tokens = 0
     skipped = 0
     last_timeline: Timeline | None = None
+    loop_started = time.perf_counter()
     for step in range(start, r.steps):
         t0 = time.perf_counter()
         losses: list[float] = []
@@ -419,7 +420,7 @@ def _train(
                 step,
                 loss=loss,
                 tokens_per_s=tokens_per_s,
-                elapsed_s=time.perf_counter() - started,
+                elapsed_s=time.perf_counter() - loop_started,
                 note=note,
             )
         if r.eval_every and (step + 1) % r.eval_every == 0 and step + 1 < r.steps:

@@ -122,13 +122,17 @@ class Progress:
         # Plain lines: about 100 for a long run, every step for a short one.
         self._every = max(1, total_steps // 100)
         self._open_line = False
+        # The first step this process trains (a resumed run starts later than 0).
+        self._first: int | None = None
 
     def update(
         self, step: int, *, loss: float, tokens_per_s: float, elapsed_s: float, note: str = ""
     ) -> None:
-        """After optimizer step ``step`` (from 0) finished, ``elapsed_s`` into the run."""
+        """After optimizer step ``step`` (from 0) finished, ``elapsed_s`` after the first began."""
+        if self._first is None:
+            self._first = step
         done = step + 1
-        eta = elapsed_s / done * (self._total - done) if done else math.nan
+        eta = elapsed_s / (done - self._first) * (self._total - done)
         text = f"step {done}/{self._total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {format_duration(eta)}"
         if note:
             text += f"  {note}"

@@ -121,3 +121,11 @@ def test_summary_text_and_json() -> None:
     record = summary.to_json()
     assert record["summary"] is True and record["peak_memory"] == [500 * 2**20, 400 * 2**20]
     json.dumps(record)
+
+
+def test_eta_counts_only_the_steps_this_process_trained() -> None:
+    out = io.StringIO()
+    progress = Progress(10, out)
+    # Resumed after 5 steps: step 5 (the 6th) took 2 s, so 4 left take 8 s.
+    progress.update(5, loss=1.0, tokens_per_s=1.0, elapsed_s=2.0)
+    assert out.getvalue().endswith("ETA 0:08\n")
