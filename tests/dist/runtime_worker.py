@@ -173,11 +173,34 @@ def adamw_case(spec, group, schedule: Schedule, steps: int = 3) -> dict[str, obj
     }
 
 
+def sequence_change_case(spec, group) -> dict[str, object]:
+    """Sequence length 16, then 9, then 24: each step's shapes are learned anew."""
+    pipe = build_pipeline(
+        spec, schedule="zb-v", microbatches=4, group=group, seed=0, device="cpu", timeout_s=60.0
+    )
+    full = build_full_model(spec, seed=0, device="cpu")
+    worst_loss, worst_grad = 0.0, 0.0
+    for t in (16, 9, 24):
+        x, y = batch(7, t=t)
+        full.zero_grad()
+        ref = token_cross_entropy(full(x), y) / (y != -100).sum()
+        ref.backward()
+        pipe.zero_grad()
+        worst_loss = max(worst_loss, abs(pipe.step(x, y).loss - ref.item()) / ref.item())
+        ref_grads = dict(full.named_parameters())
+        for name, q in pipe.named_parameters():
+            worst_grad = max(
+                worst_grad, rel(q.grad, ref_grads[pipe.tied_names.get(name, name)].grad)
+            )
+    return {"loss_rel": worst_loss, "grad_rel": worst_grad}
+
+
 def run_equal(out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = model_spec(get_model_config("llama-tiny", n_layers=6, tie_embeddings=True))
     results = one_step_cases(spec, dist.group.WORLD, world, out)
     if world == 2:
+        results["sequence-change"] = sequence_change_case(spec, dist.group.WORLD)
         results["adamw-zb-h1"] = adamw_case(spec, dist.group.WORLD, build_schedule("zb-h1", 2, 4))
         results["adamw-chimera"] = adamw_case(
             spec, dist.group.WORLD, build_schedule("chimera", 2, 4)

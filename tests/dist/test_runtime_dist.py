@@ -72,6 +72,12 @@ def test_two_pipelines_side_by_side(four, name):
     check_one_step(four, "pair-" + name)
 
 
+def test_sequence_length_changes_between_steps(two):
+    for report in two:
+        assert report["sequence-change"]["loss_rel"] < RTOL
+        assert report["sequence-change"]["grad_rel"] < RTOL
+
+
 @pytest.mark.parametrize("name", ("adamw-zb-h1", "adamw-chimera"))
 def test_adamw_steps_equal_one_process(two, name):
     for report in two:
