@@ -30,7 +30,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(world: int, args: list[str], timeout_s: float = 240.0) -> Launch:
+def launch(world: int, args: list[str], timeout_s: float = 240.0, worker: Path = WORKER) -> Launch:
     port = free_port()
     procs = []
     start = time.monotonic()
@@ -46,7 +46,7 @@ def launch(world: int, args: list[str], timeout_s: float = 240.0) -> Launch:
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
+                [sys.executable, str(worker), *args],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
