@@ -82,7 +82,10 @@ def describe_failure(exc: BaseException, timeout_s: float) -> str:
     """What a failed wait means, in words (gloo reports a dead peer as a closed connection)."""
     text = str(exc)
     if "Connection closed by peer" in text or "Connection reset" in text or "pair closure" in text:
-        return "was lost (its process died or closed the connection)"
+        return (
+            "was lost (its process died or closed the connection; if it failed on an error of "
+            "its own, its log names the first failure)"
+        )
     if "Timed out" in text or "timed out" in text or "Timeout" in text:
         return f"did not answer within {timeout_s:g} s (raise timeout_s if the stage is just slow)"
     return f"failed: {text.splitlines()[0] if text else type(exc).__name__}"
