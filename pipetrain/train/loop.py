@@ -225,6 +225,10 @@ def _train(
     started: float,
     mesh: Mesh | None = None,
 ) -> RunSummary | None:
+    if plan.schedule.asynchronous:  # pipedream, pipedream-2bw: weights change inside a step
+        from pipetrain.train.async_loop import train_async
+
+        return train_async(config, role, plan, device, group, out, started)
     p, d, r = config.pipeline, config.data, config.run
     spec = model_spec(plan.model)
     # Data parallelism: gradients averaged over the replicas, shards of every batch, and the
