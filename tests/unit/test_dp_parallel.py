@@ -1,0 +1,87 @@
+"""The process-free parts of pipetrain.train.parallel and the `dp` config field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from pipetrain.train.config import ConfigError, load_config
+from pipetrain.train.data import Batch
+from pipetrain.train.optim import Gradients
+from pipetrain.train.parallel import (
+    DataParallelStats,
+    Mesh,
+    _buckets,
+    allreduce_seconds,
+    norm_share,
+    shard_batch,
+)
+
+
+@given(st.integers(1, 6), st.integers(1, 5))
+def test_shards_cover_every_row_once_in_order(dp: int, per_replica: int) -> None:
+    rows = dp * per_replica
+    batch = Batch(torch.arange(rows * 3).view(rows, 3), torch.arange(rows * 3).view(rows, 3) + 1)
+    shards = [shard_batch(batch, r, dp) for r in range(dp)]
+    assert all(s.inputs.shape[0] == per_replica for s in shards)
+    assert torch.equal(torch.cat([s.inputs for s in shards]), batch.inputs)
+    assert torch.equal(torch.cat([s.targets for s in shards]), batch.targets)
+
+
+def test_a_batch_that_does_not_split_is_a_config_error() -> None:
+    batch = Batch(torch.zeros(6, 2, dtype=torch.long), torch.zeros(6, 2, dtype=torch.long))
+    with pytest.raises(ConfigError, match=r"multiple of pipeline\.dp"):
+        shard_batch(batch, 0, 4)
+
+
+def test_buckets_keep_order_and_respect_the_limit() -> None:
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5, 5, 5)]  # 4 bytes each
+    buckets = _buckets(params, limit=80)
+    assert [p for b in buckets for p in b] == params
+    assert [[p.numel() for p in b] for b in buckets] == [[10, 10], [30], [5, 5, 5]]
+    # A parameter larger than the limit gets a bucket of its own.
+    assert [[p.numel() for p in b] for b in _buckets(params[2:4], limit=40)] == [[30], [5]]
+
+
+def test_ring_allreduce_time() -> None:
+    # 2 (n - 1) / n of the buffer crosses each link: 1.5 x 100 MB at 1 GB/s for n = 4.
+    assert allreduce_seconds(100e6, 4, 1e9) == pytest.approx(0.15)
+    assert allreduce_seconds(100e6, 1, 1e9) == 0.0
+    with pytest.raises(ConfigError, match="bandwidth"):
+        allreduce_seconds(1.0, 2, 0.0)
+
+
+def test_only_the_first_replica_counts_its_squares() -> None:
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    grads = Gradients.of([a, b])
+    first = Mesh(2, 2, 1, 0, None, None, None)
+    second = dataclasses.replace(first, dp_rank=1)
+    assert norm_share(grads, first) == grads
+    share = norm_share(grads, second)
+    assert share.counted == () and share.all == grads.all  # still checked for NaN, still stepped
+    assert second.rank == 3
+
+
+def test_stats_text_and_json() -> None:
+    stats = DataParallelStats(replicas=2, bytes_per_step=2_500_000, wait_s=0.012, steps=5)
+    assert stats.format().startswith("data parallel: 2 replicas, 2.50 MB")
+    assert "12.0 ms" in stats.format()
+    assert stats.to_json() == {"dp_replicas": 2, "dp_bytes_per_step": 2_500_000, "dp_wait_s": 0.012}
+
+
+def test_config_dp_field() -> None:
+    config = load_config(
+        None, {"pipeline.dp": 2, "pipeline.microbatches": 4, "data.batch_size": 16}
+    )
+    assert config.pipeline.dp == 2
+    with pytest.raises(ConfigError, match=r"pipeline.dp is 0: it must be at least 1"):
+        load_config(None, {"pipeline.dp": 0})
+    with pytest.raises(ConfigError, match="use a batch size like 32"):
+        load_config(None, {"pipeline.dp": 4, "pipeline.microbatches": 8, "data.batch_size": 24})
+    with pytest.raises(ConfigError, match="drop --single-process"):
+        load_config(None, {"pipeline.dp": 2, "pipeline.single_process": True})
