@@ -1,0 +1,95 @@
+"""Pipeline x data parallelism at an equal number of processes: pp=4, pp=2 x dp=2, dp=4.
+
+    .venv/bin/python benchmarks/bench_dp.py [--model llama-default] [--steps 6] [--reps 2]
+                                            [--batch-size 32] [--seq-len 128] [--rows 4]
+
+Each layout trains the same global batch through ``pipetrain train`` (the real launcher,
+4 local processes, 1F1B, evaluation and sampling off) with micro-batches of ``--rows``
+sequences everywhere, so the layouts differ only in how the work is spread: pp=4 runs
+32/4 = 8 micro-batches through 4 stages; pp=2 x dp=2 runs 16 rows per replica in 4
+micro-batches through 2 stages; dp=4 runs 8 rows per replica in 2 micro-batches of the
+whole model. tokens/s is the run summary's (steps after the first, all replicas
+together). The layouts alternate within each repetition; the table shows medians.
+Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LAYOUTS = (("pp=4", 4, 1), ("pp=2 x dp=2", 2, 2), ("dp=4", 1, 4))
+
+
+def run(args: argparse.Namespace, pp: int, dp: int, out: Path, name: str) -> dict[str, float]:
+    microbatches = args.batch_size // (dp * args.rows)
+    command = [
+        sys.executable, "-m", "pipetrain.cli", "train", "--model", args.model,
+        "--pp", str(pp), "--dp", str(dp), "--microbatches", str(microbatches),
+        "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+        "--steps", str(args.steps), "--name", name,
+        "--set", f"run.out_dir={json.dumps(str(out))}", "--set", "run.evaluate=false",
+        "--set", "run.sample_tokens=0", "--set", "optim.warmup_steps=1",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=os.environ)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in records if r.get("summary"))
+    steps = [r for r in records if "loss" in r][1:]
+    dp_record = next((r for r in records if "dp_wait_s" in r), {})
+    return {
+        "tokens_per_s": float(summary["tokens_per_s"]),
+        "step_s": statistics.median(r["step_time_s"] for r in steps),
+        "bubble": float(summary["measured_bubble"] or 0.0),
+        "dp_wait_ms": 1e3 * float(dp_record.get("dp_wait_s", 0.0)),
+        "dp_mb": float(dp_record.get("dp_bytes_per_step", 0)) / 1e6,
+        "peak_mib": max(summary["peak_memory"]) / 2**20,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama-default")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch")
+    args = parser.parse_args()
+    results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in LAYOUTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            for label, pp, dp in LAYOUTS:
+                results[label].append(run(args, pp, dp, Path(tmp), f"pp{pp}dp{dp}-{rep}"))
+                print(f"# rep {rep}: {label}: {results[label][-1]}", file=sys.stderr, flush=True)
+    print(
+        f"model {args.model}, batch {args.batch_size} x {args.seq_len}, micro-batches of "
+        f"{args.rows}, 1F1B, {args.steps} steps (first left out), medians of {args.reps}\n"
+    )
+    print(
+        "| layout | tokens/s | step s | measured bubble | dp all-reduce MB/step/rank "
+        "| dp wait ms/step | peak MiB/rank |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for label, _, _ in LAYOUTS:
+        rows = results[label]
+
+        def med(key: str, rows: list[dict[str, float]] = rows) -> float:
+            return statistics.median(r[key] for r in rows)
+
+        print(
+            f"| {label} | {med('tokens_per_s'):,.0f} | {med('step_s'):.2f} | "
+            f"{med('bubble'):.1%} | {med('dp_mb'):.1f} | {med('dp_wait_ms'):.0f} | "
+            f"{med('peak_mib'):.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
