@@ -8,7 +8,7 @@ weights + exp_avg + exp_avg_sq, about 3x the weights. Compared, on one process:
 ``torch.save`` of the model and optimizer state dicts (then fsync, as a checkpoint
 must), and ``torch.load`` + ``load_state_dict``; pipetrain's ``save_checkpoint`` (DCP,
 fsync, sha256 of every file, manifest, atomic rename) and ``load_checkpoint`` with and
-without re-hashing the files. With ``--ranks R`` the pipetrain save and load also run
+without re-hashing the files, with one and with two writer (and hashing) threads. With ``--ranks R`` the pipetrain save and load also run
 on R gloo processes, each holding 1/R of the layers and writing its own file. Reads
 come from the page cache after a write: the load times are those of a warm cache.
 Prints a Markdown table (medians of ``--reps``).
@@ -78,12 +78,24 @@ def torch_save_load(module, optimizer, path: Path) -> tuple[float, float, int]:
     return timed(save), timed(load), path.stat().st_size
 
 
-def pipetrain_save_load(module, optimizer, fields, root: Path, step: int, group=None):
+def pipetrain_save_load(module, optimizer, fields, root: Path, step: int, group=None, threads=1):
     result = save_checkpoint(
-        root, step, modules=module, optimizer=optimizer, model=fields, keep=1, group=group
+        root,
+        step,
+        modules=module,
+        optimizer=optimizer,
+        model=fields,
+        keep=1,
+        threads=threads,
+        group=group,
     )
     hashed = load_checkpoint(
-        result.path, modules=module, optimizer=optimizer, model=fields, group=group
+        result.path,
+        modules=module,
+        optimizer=optimizer,
+        model=fields,
+        threads=threads,
+        group=group,
     ).seconds
     unhashed = load_checkpoint(
         result.path,
@@ -139,6 +151,10 @@ def main() -> None:
     ours = [
         pipetrain_save_load(module, optimizer, fields, out / "one", rep) for rep in range(args.reps)
     ]
+    threaded = [
+        pipetrain_save_load(module, optimizer, fields, out / "two", rep, threads=2)
+        for rep in range(args.reps)
+    ]
     del module, optimizer
 
     dist_rows = []
@@ -184,7 +200,11 @@ def main() -> None:
         f"| torch.save + fsync / torch.load | 1 | {save_s:.2f} | {load_s:.2f} | {size:,} | "
         f"{size / mb / save_s:.0f} |"
     )
-    for label, rows, procs in (("pipetrain", ours, 1), ("pipetrain", dist_rows, args.ranks)):
+    for label, rows, procs in (
+        ("pipetrain", ours, 1),
+        ("pipetrain, 2 writer threads,", threaded, 1),
+        ("pipetrain", dist_rows, args.ranks),
+    ):
         if not rows:
             continue
         save_s = median(r[0] for r in rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,9 +59,10 @@ class LoadResult:
         return self.manifest.trainer
 
 
-def _verify(path: Path, comm: Comm, *, checksums: bool) -> Verification:
+def _verify(path: Path, comm: Comm, *, checksums: bool, threads: int = 1) -> Verification:
     """Collective verification with the hashing shared out: rank 0 checks the marker,
-    the manifest and the sizes, then every rank hashes every ``size``-th file."""
+    the manifest and the sizes, then every rank hashes every ``size``-th file (``threads``
+    of them at once)."""
     first: Verification | None = (
         verify_checkpoint(path, checksums=False) if comm.rank == 0 else None
     )
@@ -69,11 +71,10 @@ def _verify(path: Path, comm: Comm, *, checksums: bool) -> Verification:
     if not checksums or not first.ok or first.manifest is None:
         return first
     files = first.manifest.files
-    mine = [
-        (i, problem)
-        for i in range(comm.rank, len(files), comm.size)
-        for problem in check_files(path, [files[i]], checksums=True)
-    ]
+    share = list(range(comm.rank, len(files), comm.size))
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(share)))) as pool:
+        found = pool.map(lambda i: check_files(path, [files[i]], checksums=True), share)
+        mine = [(i, p) for i, problems in zip(share, found, strict=True) for p in problems]
     problems = sorted(p for per_rank in comm.all_gather(mine) for p in per_rank)
     return Verification(path, tuple(problem for _, problem in problems), first.manifest)
 
@@ -120,6 +121,7 @@ def load_checkpoint(
     generators: Mapping[str, torch.Generator] | None = None,
     restore_rng: bool = True,
     checksums: bool = True,
+    threads: int = 1,
     group: Any = None,
 ) -> LoadResult:
     """Collective: load a verified checkpoint into this rank's stage modules (any layout).
@@ -132,7 +134,7 @@ def load_checkpoint(
     start = time.perf_counter()
     comm = Comm.of(group)
     path = Path(path)
-    verification = _verify(path, comm, checksums=checksums)
+    verification = _verify(path, comm, checksums=checksums, threads=threads)
     manifest = verification.manifest
     if manifest is not None and manifest.format_version != FORMAT_VERSION:
         raise CheckpointIncompatibleError(

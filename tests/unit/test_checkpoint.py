@@ -335,3 +335,23 @@ def test_trainer_state_that_is_not_json_fails_loudly_and_leaves_no_checkpoint(
         )
     found = list_checkpoints(tmp_path)
     assert found.complete == () and len(found.partial) == 1
+
+
+def test_two_writer_threads_write_two_files_hashed_and_verified_in_parallel(
+    tmp_path: Path,
+) -> None:
+    stages = _pipeline(SPLITS["two"])
+    opt = torch.optim.AdamW(_params(stages), lr=0.05)
+    _train(stages, opt, 1)
+    path = save_checkpoint(tmp_path, 1, modules=stages, optimizer=opt, model=MODEL, threads=2).path
+    data_files = sorted(f.name for f in read_manifest(path).files if f.name.endswith(".distcp"))
+    assert data_files == ["__0_0.distcp", "__0_1.distcp"]
+    fresh = _pipeline(SPLITS["one"])
+    load_checkpoint(path, modules=fresh, model=MODEL, threads=2)
+    assert all(torch.equal(t, _full_weights(fresh)[k]) for k, t in _full_weights(stages).items())
+    victim = path / "__0_1.distcp"
+    data = bytearray(victim.read_bytes())
+    data[7] ^= 0x04
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"__0_1\.distcp: sha256 differs"):
+        load_checkpoint(path, modules=fresh, model=MODEL, threads=2)
