@@ -1,0 +1,123 @@
+"""``pipetrain train --schedule pipedream / pipedream-2bw`` end to end (2 local processes).
+
+Per schedule: one run of 8 steps with a checkpoint every 4 (the loss goes down, the
+summary reports the live weight versions next to the simulator's), then a run resumed
+from its step-4 checkpoint, which must continue bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipetrain.checkpoint import list_checkpoints, read_weights
+
+pytestmark = pytest.mark.e2e
+
+TINY = [
+    "--model", "llama-tiny", "--pp", "2", "--steps", "8", "--batch-size", "8",
+    "--microbatches", "4", "--seq-len", "16", "--lr", "3e-3", "--eval-every", "4",
+    "--checkpoint-every", "4", "--set", "run.sample_tokens=0", "--set", "optim.warmup_steps=1",
+    "--set", "data.eval_batches=2",
+]  # fmt: skip
+SCHEDULES = {"pipedream": [2, 1], "pipedream-2bw": [2, 2]}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("async")
+    data = root / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    words = ["def", "class", "return", "import", "for", "while", "if", "lambda", "self", "x"]
+    for i in range(24):
+        lines = (" ".join(rng.choice(words) for _ in range(10)) for _ in range(60))
+        (data / f"doc{i:02d}.txt").write_text("\n".join(lines))
+    return root
+
+
+def run_train(work: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable, "-m", "pipetrain.cli", "train", *TINY, "--data", str(work / "data"),
+        "--name", name, "--set", f"run.out_dir={work / 'runs'}", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def records(work: Path, name: str) -> list[dict[str, Any]]:
+    lines = (work / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def losses(work: Path, name: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(work, name) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def full(work: Path) -> dict[str, subprocess.CompletedProcess[str]]:
+    return {
+        schedule: run_train(
+            work,
+            schedule,
+            "--schedule",
+            schedule,
+            "--checkpoint-dir",
+            str(work / f"ckpt-{schedule}"),
+        )
+        for schedule in SCHEDULES
+    }
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_trains_and_reports_versions(work: Path, full: Any, schedule: str) -> None:
+    result = full[schedule]
+    assert "streams of 4 steps x 4 micro-batches" in result.stdout
+    got = losses(work, schedule)
+    assert sorted(got) == list(range(1, 9))
+    assert sum(got[s] for s in (7, 8)) < sum(got[s] for s in (1, 2)) - 0.2, got
+    evals = [r["eval_loss"] for r in records(work, schedule) if "eval_loss" in r]
+    assert len(evals) == 3 and evals[2] < evals[1] < evals[0], evals
+    versions = [r for r in records(work, schedule) if "weight_versions" in r]
+    assert versions and versions[0]["weight_versions"] == SCHEDULES[schedule]
+    assert max(versions[0]["predicted_weight_versions"]) == 2
+    assert f"weight versions per rank: at most {SCHEDULES[schedule]} alive at once" in result.stdout
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_resume_continues_bit_for_bit(work: Path, full: Any, schedule: str) -> None:
+    saved = work / f"ckpt-{schedule}"
+    assert [s for s, _ in list_checkpoints(saved).complete] == [4, 8]
+    resumed = work / f"resumed-{schedule}"
+    resumed.mkdir()
+    shutil.copytree(saved / "step_000004", resumed / "step_000004")
+    name = f"{schedule}-resumed"
+    run_train(work, name, "--schedule", schedule, "--checkpoint-dir", str(resumed), "--resume")
+    expected = losses(work, schedule)
+    got = losses(work, name)
+    assert got == {s: expected[s] for s in range(5, 9)}  # bit-exact
+    a, _ = read_weights(saved / "step_000008")
+    b, _ = read_weights(resumed / "step_000008")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_combination_is_one_line(work: Path) -> None:
+    command = [
+        sys.executable, "-m", "pipetrain.cli", "train", *TINY, "--schedule", "1f1b",
+        "--vertical-sync", "--data", str(work / "data"), "--checkpoint-dir", str(work / "unused"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "drop --vertical-sync" in lines[0], result.stderr
