@@ -49,7 +49,6 @@ __all__ = [
     "DataParallelStats",
     "Mesh",
     "ReplicaGradients",
-    "allreduce_seconds",
     "build_mesh",
     "norm_share",
     "replica_mean",
@@ -138,19 +137,6 @@ def norm_share(grads: Gradients, mesh: Mesh) -> Gradients:
     if mesh.dp_rank == 0:
         return grads
     return Gradients(counted=(), all=grads.all)
-
-
-def allreduce_seconds(nbytes: float, replicas: int, bandwidth: float) -> float:
-    """Time of a ring all-reduce of ``nbytes`` over ``replicas`` at ``bandwidth`` bytes/s.
-
-    Each member sends and receives 2 (n - 1) / n of the buffer (reduce-scatter, then
-    all-gather); latency is left out.
-    """
-    if replicas <= 1 or nbytes <= 0:
-        return 0.0
-    if not bandwidth > 0:
-        raise ConfigError(f"bandwidth is {bandwidth}: give a positive number of bytes per second")
-    return 2.0 * (replicas - 1) / replicas * nbytes / bandwidth
 
 
 @dataclass(frozen=True)

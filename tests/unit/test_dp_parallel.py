@@ -17,7 +17,6 @@ from pipetrain.train.parallel import (
     DataParallelStats,
     Mesh,
     _buckets,
-    allreduce_seconds,
     norm_share,
     shard_batch,
 )
@@ -46,14 +45,6 @@ def test_buckets_keep_order_and_respect_the_limit() -> None:
     assert [[p.numel() for p in b] for b in buckets] == [[10, 10], [30], [5, 5, 5]]
     # A parameter larger than the limit gets a bucket of its own.
     assert [[p.numel() for p in b] for b in _buckets(params[2:4], limit=40)] == [[30], [5]]
-
-
-def test_ring_allreduce_time() -> None:
-    # 2 (n - 1) / n of the buffer crosses each link: 1.5 x 100 MB at 1 GB/s for n = 4.
-    assert allreduce_seconds(100e6, 4, 1e9) == pytest.approx(0.15)
-    assert allreduce_seconds(100e6, 1, 1e9) == 0.0
-    with pytest.raises(ConfigError, match="bandwidth"):
-        allreduce_seconds(1.0, 2, 0.0)
 
 
 def test_only_the_first_replica_counts_its_squares() -> None:
