@@ -346,11 +346,8 @@ def _train(
     first_eval = evaluate(start)
     last_eval = first_eval
     accum = config.optim.grad_accum
-    timelines: list[Timeline] = []
-    bubbles: list[float] = []
-    train_time = 0.0
-    timed_tokens = 0
-    train_tokens = 0
+    # (step time, tokens, timeline, bubble) of every step this process trains.
+    measured: list[tuple[float, int, Timeline, float]] = []
     skipped = 0
     last_timeline: Timeline | None = None
     loop_started = time.perf_counter()
@@ -392,12 +389,7 @@ def _train(
         assert last_timeline is not None
         # In one process the ranks take turns: their idle time says nothing of a pipeline.
         bubble = measured_bubble(last_timeline) if role.distributed else math.nan
-        if step >= _WARMUP_STEPS or r.steps <= _WARMUP_STEPS:
-            timelines.append(last_timeline)
-            bubbles.append(bubble)
-            train_time += elapsed
-            timed_tokens += tokens
-        train_tokens += tokens
+        measured.append((elapsed, tokens, last_timeline, bubble))
         skipped += int(outcome.skipped)
         tokens_per_s = tokens / elapsed if elapsed > 0 else math.nan
         report(
@@ -440,13 +432,18 @@ def _train(
         plot(last_timeline, r.timeline)
         say(f"measured timeline of the last step drawn to {r.timeline}")
     peaks = _peak_memory(role, device)
+    # Timing leaves out the warm-up steps, unless there is nothing else.
+    timed = measured[_WARMUP_STEPS:] or measured
+    train_time = sum(m[0] for m in timed)
     summary = RunSummary(
-        steps=r.steps,
+        steps=len(measured),
         wall_s=time.perf_counter() - started,
-        tokens=train_tokens,
-        tokens_per_s=timed_tokens / train_time if train_time > 0 else math.nan,
-        measured_bubble=statistics.mean(bubbles) if role.distributed and bubbles else None,
-        simulated_bubble=_simulated_bubble(plan, timelines) if p.pp > 1 else None,
+        tokens=sum(m[1] for m in measured),
+        tokens_per_s=sum(m[1] for m in timed) / train_time if train_time > 0 else math.nan,
+        measured_bubble=statistics.mean(m[3] for m in timed)
+        if role.distributed and timed
+        else None,
+        simulated_bubble=_simulated_bubble(plan, [m[2] for m in timed]) if p.pp > 1 else None,
         first_eval_loss=first_eval,
         final_eval_loss=last_eval,
         peak_memory=peaks,
