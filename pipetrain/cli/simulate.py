@@ -20,6 +20,7 @@ from pipetrain.cli.errors import UsageError
 from pipetrain.schedules.execution import Costs
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.sim.costs import parse_costs, stage_costs, stage_share
+from pipetrain.sim.data_parallel import DataParallelCost, data_parallel_cost
 from pipetrain.sim.render import ascii, plot, plot_compare, write_chrome_trace
 from pipetrain.sim.simulator import SimResult, simulate
 
@@ -77,6 +78,21 @@ def add_parser(subparsers: Any) -> None:
         type=float,
         default=None,
         help="parameter bytes of one rank's share of the model (split like --costs)",
+    )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel replicas of the pipeline: add each rank's gradient all-reduce "
+        "(its --weight-bytes) after its stages' last B/W (default 1: none)",
+    )
+    p.add_argument(
+        "--dp-bandwidth",
+        type=float,
+        default=None,
+        metavar="BYTES",
+        help="bytes per time unit of a rank's data-parallel link (default: bytes only, no time)",
     )
     p.add_argument("--plot", metavar="FILE", help="Gantt chart, .png or .svg")
     p.add_argument("--trace", metavar="FILE", help="Chrome trace JSON (Perfetto, chrome://tracing)")
@@ -203,6 +219,40 @@ def _summary(r: SimResult) -> str:
     return "\n".join(lines)
 
 
+def _data_parallel(
+    case: _Case, result: SimResult, args: argparse.Namespace
+) -> DataParallelCost | None:
+    """The dp all-reduce of each rank's gradients, with --dp above 1."""
+    if args.dp == 1:
+        return None
+    if args.dp < 1:
+        raise UsageError(f"--dp {args.dp}: give a whole number >= 1")
+    if args.weight_bytes is None:
+        raise UsageError(
+            "--dp needs --weight-bytes: the parameter bytes of a rank's share, which it all-reduces"
+        )
+    return data_parallel_cost(
+        result.timeline,
+        case.schedule.placement,
+        args.weight_bytes * stage_share(case.schedule),
+        replicas=args.dp,
+        bandwidth=args.dp_bandwidth,
+    )
+
+
+def _dp_summary(dp: DataParallelCost) -> str:
+    lines = [
+        f"  {f'dp={dp.replicas} all-reduce':<20}{_ranks(dp.bytes_per_rank)} bytes per rank, "
+        f"{_ranks(dp.traffic_per_rank)} through each link",
+    ]
+    if any(dp.allreduce_time):
+        lines.append(
+            f"  all-reduce time     {_ranks(dp.allreduce_time)}; step {dp.step_time:g} "
+            f"({dp.exposed:g} past the pipeline)"
+        )
+    return "\n".join(lines)
+
+
 def _grid_fits(r: SimResult) -> bool:
     return len(ascii(r.timeline, width=10**6).splitlines()[-1]) <= _AUTO_GRID_WIDTH
 
@@ -225,14 +275,17 @@ def run(args: argparse.Namespace) -> int:
         _need(args, "pp", "microbatches")
         case = _single(args)
     result = _run_case(case, costs, args)
+    dp = _data_parallel(case, result, args)
     if args.plot:
         plot(result.timeline, args.plot)
     if args.trace:
         write_chrome_trace(result.timeline, args.trace)
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps({**result.to_json(), **({"data_parallel": dp.to_json()} if dp else {})}))
         return 0
     print(_summary(result))
+    if dp is not None:
+        print(_dp_summary(dp))
     if args.ascii or _grid_fits(result):
         print()
         print(ascii(result.timeline, width=args.width))
@@ -246,6 +299,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace, costs: Costs) -> int:
     from pipetrain.schedules import registry
+
+    if args.dp != 1:
+        raise UsageError("--dp works with --schedule or --schedule-file: drop --compare")
 
     _need(args, "pp", "microbatches")
     results: list[SimResult] = []

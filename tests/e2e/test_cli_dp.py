@@ -167,3 +167,24 @@ def test_bad_dp_settings_are_one_line_and_exit_2(
     assert main(["train", *TINY, *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_simulate_adds_the_dp_all_reduce(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2"]
+    assert (
+        main([*flags, "--weight-bytes", "100", "--dp", "2", "--dp-bandwidth", "50", "--json"]) == 0
+    )
+    dp = json.loads(capsys.readouterr().out)["data_parallel"]
+    # Rank 1's all-reduce (2 units) hides under rank 0's cool-down; rank 0's sticks out.
+    assert dp == {
+        "dp": 2,
+        "bytes_per_rank": [100.0, 100.0],
+        "traffic_per_rank": [100.0, 100.0],
+        "allreduce_time": [2.0, 2.0],
+        "step_time": 11.0,
+        "exposed": 2.0,
+    }
+    assert main([*flags, "--weight-bytes", "100", "--dp", "2", "--dp-bandwidth", "50"]) == 0
+    assert "step 11 (2 past the pipeline)" in capsys.readouterr().out
+    assert main([*flags, "--dp", "2"]) == 2
+    assert "--dp needs --weight-bytes" in capsys.readouterr().err
