@@ -143,7 +143,7 @@ class RunConfig:
     """Length of the run, its outputs and its logging."""
 
     # Optimizer steps to train.
-    steps: int = 80
+    steps: int = 60
     # Seed of the weights and of the batch order.
     seed: int = 0
     # Run directory name under run.out_dir ("" = model-schedule-ppP-date-time).
