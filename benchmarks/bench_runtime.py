@@ -6,7 +6,8 @@ included. For each micro-batch count, each pair of rows runs alternately (ours, 
 for ``--rounds`` rounds; the table gives the median tokens/s, the peak RSS of the
 larger rank (VmHWM, reset before each run), and, for ours, the measured step time and
 action span against the simulator's makespan replayed with the measured median action
-times.
+times. Both sides train on the same batches from the same weights, so their last losses
+agree: the check that the two sides do the same work.
 
     .venv/bin/python benchmarks/bench_runtime.py [--microbatches 4 8 16] [--steps 3]
         [--rounds 2] [--json out.json]
@@ -199,7 +200,8 @@ def med(samples: list[dict[str, float]], key: str) -> float:
 
 HEADER = (
     f"{'m':>3} {'ours':<17} {'tok/s':>7} {'RSS MB':>7} | {'torch':<30} {'tok/s':>7} {'RSS MB':>7} | "
-    f"{'ratio':>5} | {'step s':>6} {'span s':>6} {'sim s':>6} {'step/sim':>8} | {'bubble meas/sim':>15}"
+    f"{'ratio':>5} | {'step s':>6} {'span s':>6} {'sim s':>6} {'step/sim':>8} | {'bubble meas/sim':>15} | "
+    f"{'last loss ours/torch':>20}"
 )
 
 
@@ -216,7 +218,8 @@ def format_row(row: dict[str, Any]) -> str:
         f"{row['m']:>3} {row['ours']:<17} {tps_ours:>7.0f} {med(ours, 'peak_rss_mb'):>7.0f} | "
         f"{row['torch']:<30} {tps_torch:>7.0f} {med(theirs, 'peak_rss_mb'):>7.0f} | "
         f"{tps_ours / tps_torch:>5.2f} | {step:>6.3f} {span:>6.3f} {sim:>6.3f} {step / sim:>8.3f} | "
-        f"{med(ours, 'bubble_measured'):>7.3f}/{med(ours, 'bubble_simulated'):.3f}"
+        f"{med(ours, 'bubble_measured'):>7.3f}/{med(ours, 'bubble_simulated'):.3f} | "
+        f"{ours[-1]['loss']:>10.5f}/{theirs[-1]['loss']:.5f}"
     )
 
 
