@@ -212,20 +212,29 @@ class AsyncTrainer:
     ) -> float:
         """Mean token loss over ``batches`` (each (inputs, targets)), forward only.
 
-        The pipeline splits a batch into a stream's micro-batches, so ``stream_steps``
-        batches go in together; the list is cycled to fill the last group.
+        The pipeline splits what it gets into a stream's micro-batches, so ``stream_steps``
+        batches go in together; the last group is filled up with repeated batches whose
+        losses are left out, so every batch counts once, as in a synchronous run.
         """
         if not batches:
             raise AsyncInputError("eval_loss needs at least one batch")
-        n = self.stream_steps
-        groups = -(-len(batches) // n)
-        total = 0.0
-        for g in range(groups):
-            chosen = [batches[(g * n + i) % len(batches)] for i in range(n)]
-            inputs = _cat([b[0] for b in chosen])
-            targets = _cat([b[1] for b in chosen])
-            total += self.pipeline.eval_loss(inputs, targets)
-        return total / groups
+        n, mbs = self.stream_steps, self.microbatches_per_stream
+        device = self.pipeline.device
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
+        for g in range(-(-len(batches) // n)):
+            chosen = [g * n + i for i in range(n)]
+            group = [batches[i % len(batches)] for i in chosen]
+            targets = _cat([b[1] for b in group])
+            self._loss_sums.clear()
+            self.pipeline.eval_loss(_cat([b[0] for b in group]), targets)
+            if self._last_stage not in self.pipeline.stages or targets is None:
+                continue  # the rank with the last stage adds the losses
+            for k, chunk in enumerate(targets.chunk(mbs, dim=0)):
+                if chosen[k // self.window] < len(batches):
+                    totals[0] += float(self._loss_sums[k])
+                    totals[1] += float((chunk != IGNORE_INDEX).sum())
+        self._reduce(totals, dist.ReduceOp.SUM)
+        return float(totals[0]) / max(float(totals[1]), 1.0)
 
     def _reduce(self, tensor: torch.Tensor, op: Any) -> None:
         if self._group is not None:

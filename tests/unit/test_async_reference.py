@@ -13,8 +13,9 @@ import copy
 import pytest
 import torch
 
-from pipetrain.models import get_model_config, model_spec
+from pipetrain.models import build_full_model, get_model_config, model_spec
 from pipetrain.runtime import even_split
+from pipetrain.runtime.stage import token_cross_entropy
 from pipetrain.train.async_reference import reference_run
 from pipetrain.train.asynchronous import AsyncTrainer, predicted_versions
 
@@ -169,3 +170,25 @@ def test_drained_state_is_enough_to_resume(schedule: str) -> None:
         whole.pipeline.named_parameters(), resumed.pipeline.named_parameters(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_eval_counts_every_batch_once() -> None:
+    """4 batches through streams of 3: the filler batches of the second group do not count."""
+    spec = _spec()
+    trainer = AsyncTrainer(
+        spec,
+        schedule="pipedream-2bw",
+        pp=2,
+        microbatches=WINDOW,
+        stream_steps=3,
+        make_optimizer=_optimizer("sgd"),
+        device="cpu",
+    )
+    batches = _batches(4)
+    model = build_full_model(spec, seed=0, device="cpu")
+    with torch.no_grad():
+        want = sum(float(token_cross_entropy(model(x), y)) / y.numel() for x, y in batches) / len(
+            batches
+        )
+    got = trainer.eval_loss([(x, y) for x, y in batches])
+    assert got == pytest.approx(want, rel=1e-6)
