@@ -24,6 +24,15 @@ is the gradient of the full batch's mean loss.
 Weights tied across pipeline ranks (and Chimera's replicated stages) are summed by the
 pipeline at the end of its step, after these buckets would have been filled: their dp
 all-reduce runs after the pipeline step instead (a sum over both is a sum in any order).
+
+Sharded parameters (FSDP2's ``fully_shard``) are not offered. Tried on gloo with one
+stage of llama-tiny on 2 processes and gradient sync held until the last micro-batch:
+with whole B actions FSDP2's gradients equal these; with the split backward of the
+zero-bubble schedules 29 of the 39 gradients (every Linear weight) are wrong, because W
+adds into the unsharded parameters after FSDP2's post-backward hook already
+reduce-scattered them at the end of I. Doing it right needs FSDP2's private post-backward
+entry points (those torch.distributed.pipelining calls), and DTensor-aware clipping,
+checkpoints and sampling.
 """
 
 from __future__ import annotations
