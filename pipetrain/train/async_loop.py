@@ -191,7 +191,8 @@ def train_async(
     predicted = predicted_versions(p.schedule, p.pp, p.microbatches, stream)
     say(
         f"weight versions per rank: at most {list(measured)} alive at once "
-        f"(simulator: {list(predicted)})"
+        f"(simulator{', which has no vertical sync' if p.vertical_sync else ''}: "
+        f"{list(predicted)})"
     )
     report({"weight_versions": list(measured), "predicted_weight_versions": list(predicted)})
     summary = RunSummary(
