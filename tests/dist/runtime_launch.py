@@ -1,15 +1,17 @@
 """Start N runtime_worker.py processes on a free local port, like torchrun but cheaper.
 
 Each process gets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and one thread; the caller
-gets their exit codes, output and the wall time.
+gets their exit codes, stderr, the wall time and when each process exited.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,8 @@ class Launch:
     returncodes: tuple[int, ...]
     stderr: tuple[str, ...]
     seconds: float
+    # time.time() at which each process was seen to exit (polled every 50 ms).
+    exited_at: tuple[float, ...] = ()
 
 
 def free_port() -> int:
@@ -32,35 +36,49 @@ def free_port() -> int:
 
 def launch(world: int, args: list[str], timeout_s: float = 240.0, worker: Path = WORKER) -> Launch:
     port = free_port()
-    procs = []
-    start = time.monotonic()
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(worker), *args],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
+    with contextlib.ExitStack() as stack:
+        # stderr to files, not pipes: a full pipe would block a worker while we poll.
+        logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world)]
+        procs = []
+        start = time.monotonic()
+        for rank in range(world):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
             )
-        )
-    errs = []
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
-            errs.append(err)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return Launch(tuple(p.returncode for p in procs), tuple(errs), time.monotonic() - start)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(worker), *args],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=logs[rank],
+                    text=True,
+                )
+            )
+        exited: dict[int, float] = {}
+        try:
+            while len(exited) < world and time.monotonic() - start < timeout_s:
+                for rank, proc in enumerate(procs):
+                    if rank not in exited and proc.poll() is not None:
+                        exited[rank] = time.time()
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        errs = []
+        for log in logs:
+            log.seek(0)
+            errs.append(log.read())
+    return Launch(
+        tuple(p.returncode for p in procs),
+        tuple(errs),
+        time.monotonic() - start,
+        tuple(exited.get(r, float("inf")) for r in range(world)),
+    )

@@ -89,11 +89,12 @@ def test_adamw_steps_equal_one_process(two, name):
 
 
 def test_a_killed_rank_stops_every_other_rank(tmp_path):
-    result = launch(3, ["kill", str(tmp_path)], timeout_s=90.0)
-    assert result.seconds < 60, result
+    result = launch(3, ["kill", str(tmp_path)], timeout_s=180.0)
+    killed_at = float((tmp_path / "killed_at").read_text())
     assert result.returncodes[1] != 0
     for rank in (0, 2):
         assert result.returncodes[rank] == 1, result.stderr[rank]
+        assert result.exited_at[rank] - killed_at < 60, result
         assert re.search(r"step 1, .*peer rank 1 was lost", result.stderr[rank]), result.stderr[
             rank
         ]
