@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -129,3 +131,13 @@ def test_debug_timeline_simulates_and_draws(tmp_path):
     )
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert names == {str(a) for row in pipe.schedule.actions for a in row}
+
+
+def test_the_runtime_imports_neither_the_trainer_nor_the_cli():
+    code = (
+        "import sys, pipetrain.runtime, pipetrain.runtime.timeline; "
+        "bad = sorted(m for m in sys.modules if m.startswith(('pipetrain.train', 'pipetrain.cli'))); "
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
