@@ -197,14 +197,14 @@ def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Paramet
     return buckets
 
 
+@dataclass(frozen=True)
 class _Launched:
-    """One bucket in flight: its flat buffer, its parameters, the collective's handle."""
+    """One bucket in flight: the collective's handle, its flat buffer, its parameters."""
 
-    def __init__(self, work: Any, flat: torch.Tensor, params: list[nn.Parameter], what: str):
-        self.work = work
-        self.flat = flat
-        self.params = params
-        self.what = what
+    work: Any
+    flat: torch.Tensor
+    params: list[nn.Parameter]
+    what: str
 
 
 class ReplicaGradients:
@@ -259,10 +259,8 @@ class ReplicaGradients:
             # Reverse order: the last layers' gradients are the first ones ready in a B.
             self._stage_buckets[stage] = _buckets(mine[::-1], self._bucket_bytes) if mine else []
         self._late = _buckets(late, self._bucket_bytes) if late else []
-        every = [p for m in pipeline.modules for p in m.parameters()]
-        self.bytes_per_step = sum(
-            p.numel() * p.element_size() for p in {id(p): p for p in every}.values()
-        )
+        buckets = [b for bs in self._stage_buckets.values() for b in bs] + self._late
+        self.bytes_per_step = sum(p.numel() * p.element_size() for b in buckets for p in b)
         rank = dist.get_rank(self._mesh.pp_group) if self._mesh.pp_group is not None else 0
         self._plan(pipeline.schedule.actions[rank])
 
