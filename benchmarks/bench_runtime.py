@@ -6,7 +6,8 @@ included. For each micro-batch count, each pair of rows runs alternately (ours, 
 for ``--rounds`` rounds; the table gives the median tokens/s, the peak RSS of the
 larger rank (VmHWM, reset before each run), and, for ours, the measured step time and
 action span against the simulator's makespan replayed with the measured median action
-times. Both sides train on the same batches from the same weights, so their last losses
+times, and the CPU seconds per step of both ranks together (waiting excluded: the work
+each side does, whatever the load of the machine). Both sides train on the same batches from the same weights, so their last losses
 agree: the check that the two sides do the same work.
 
     .venv/bin/python benchmarks/bench_runtime.py [--microbatches 4 8 16] [--steps 3]
@@ -73,16 +74,20 @@ def release_memory() -> None:
         pass
 
 
-def timed_steps(step_fn: Any, steps: int) -> float:
-    """Seconds per step over ``steps`` steps after one warm-up, slowest rank."""
+def timed_steps(step_fn: Any, steps: int) -> tuple[float, float]:
+    """Wall seconds per step (slowest rank) and CPU seconds per step (both ranks summed)
+    over ``steps`` steps after one warm-up. CPU time does not count waiting, so on a
+    shared machine it tells the work each side does apart from the load of others."""
     step_fn(0)
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i in range(steps):
         step_fn(1 + i)
     elapsed = torch.tensor([time.perf_counter() - start])
+    cpu = torch.tensor([time.process_time() - cpu_start])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed) / steps
+    dist.all_reduce(cpu)
+    return float(elapsed) / steps, float(cpu) / steps
 
 
 def run_ours(spec: Any, name: str, m: int, steps: int) -> dict[str, float]:
@@ -101,11 +106,12 @@ def run_ours(spec: Any, name: str, m: int, steps: int) -> dict[str, float]:
         opt.step()
         pipe.zero_grad()
 
-    per_step = timed_steps(step, steps)
+    per_step, cpu = timed_steps(step, steps)
     result = last[0]
     comparison = compare_with_simulation(result.timeline, pipe.schedule)
     return {
         "step_s": per_step,
+        "cpu_s": cpu,
         "loss": result.loss,
         "measured_step_s": result.step_time_s,
         "measured_span_s": comparison.measured_makespan_s,
@@ -157,10 +163,10 @@ def run_torch(spec: Any, schedule_name: str, v: int, m: int, steps: int) -> dict
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    per_step = timed_steps(step, steps)
+    per_step, cpu = timed_steps(step, steps)
     loss = torch.tensor([float(sum(float(t.detach()) for t in losses)) if last else 0.0])
     dist.all_reduce(loss)
-    return {"step_s": per_step, "loss": float(loss)}
+    return {"step_s": per_step, "cpu_s": cpu, "loss": float(loss)}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -199,8 +205,8 @@ def med(samples: list[dict[str, float]], key: str) -> float:
 
 
 HEADER = (
-    f"{'m':>3} {'ours':<17} {'tok/s':>7} {'RSS MB':>7} | {'torch':<30} {'tok/s':>7} {'RSS MB':>7} | "
-    f"{'ratio':>5} | {'step s':>6} {'span s':>6} {'sim s':>6} {'step/sim':>8} | {'bubble meas/sim':>15} | "
+    f"{'m':>3} {'ours':<17} {'tok/s':>7} {'RSS MB':>7} {'cpu s':>6} | {'torch':<30} {'tok/s':>7} "
+    f"{'RSS MB':>7} {'cpu s':>6} | {'ratio':>5} | {'step s':>6} {'span s':>6} {'sim s':>6} {'step/sim':>8} | {'bubble meas/sim':>15} | "
     f"{'last loss ours/torch':>20}"
 )
 
@@ -215,8 +221,9 @@ def format_row(row: dict[str, Any]) -> str:
         med(ours, "simulated_s"),
     )
     return (
-        f"{row['m']:>3} {row['ours']:<17} {tps_ours:>7.0f} {med(ours, 'peak_rss_mb'):>7.0f} | "
-        f"{row['torch']:<30} {tps_torch:>7.0f} {med(theirs, 'peak_rss_mb'):>7.0f} | "
+        f"{row['m']:>3} {row['ours']:<17} {tps_ours:>7.0f} {med(ours, 'peak_rss_mb'):>7.0f} "
+        f"{med(ours, 'cpu_s'):>6.2f} | {row['torch']:<30} {tps_torch:>7.0f} {med(theirs, 'peak_rss_mb'):>7.0f} "
+        f"{med(theirs, 'cpu_s'):>6.2f} | "
         f"{tps_ours / tps_torch:>5.2f} | {step:>6.3f} {span:>6.3f} {sim:>6.3f} {step / sim:>8.3f} | "
         f"{med(ours, 'bubble_measured'):>7.3f}/{med(ours, 'bubble_simulated'):.3f} | "
         f"{ours[-1]['loss']:>10.5f}/{theirs[-1]['loss']:.5f}"
