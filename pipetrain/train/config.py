@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import types
 import typing
@@ -24,7 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
 
 from pipetrain.errors import InputError
 
