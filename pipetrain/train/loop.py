@@ -451,15 +451,16 @@ def _train(
     )
     if role.reporter:
         say(summary.format())
-    if replicas is not None:
-        say(replicas.stats(_WARMUP_STEPS).format())
+    dp_stats = replicas.stats(_WARMUP_STEPS) if replicas is not None else None
+    if dp_stats is not None:
+        say(dp_stats.format())
     # The replicas hold the same weights: the first one samples.
     if r.sample_tokens and (mesh is None or mesh.dp_rank == 0):
         _sample(config, plan, pipeline, group, corpus, say)
     if metrics is not None:
         metrics.write(summary.to_json())
-        if replicas is not None:
-            metrics.write(replicas.stats(_WARMUP_STEPS).to_json())
+        if dp_stats is not None:
+            metrics.write(dp_stats.to_json())
         metrics.close()
     if board is not None:
         board.close()

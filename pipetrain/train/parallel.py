@@ -150,28 +150,28 @@ def norm_share(grads: Gradients, mesh: Mesh) -> Gradients:
 
 @dataclass(frozen=True)
 class DataParallelStats:
-    """What the dp gradient reduction of one rank cost over the run."""
+    """What the dp gradient reduction cost over the run, by pipeline rank."""
 
     replicas: int
-    # Gradient bytes this rank all-reduces per optimizer step (its stages' parameters).
-    bytes_per_step: int
-    # Seconds per step this rank waited for the all-reduces after its pipeline step ended
-    # (the part the schedule could not hide), mean over the steps.
-    wait_s: float
-    steps: int
+    # Gradient bytes each pipeline rank all-reduces per optimizer step (its stages').
+    bytes_per_step: tuple[int, ...]
+    # Seconds per step each pipeline rank waited for its all-reduces after its pipeline
+    # step ended (what the schedule did not hide), mean over the steps and the replicas.
+    wait_s: tuple[float, ...]
 
     def format(self) -> str:
+        sizes = ", ".join(f"{b / 1e6:.2f}" for b in self.bytes_per_step)
+        waits = ", ".join(f"{w * 1e3:.1f}" for w in self.wait_s)
         return (
-            f"data parallel: {self.replicas} replicas, {self.bytes_per_step / 1e6:.2f} MB of "
-            f"gradients all-reduced per step on this rank, {self.wait_s * 1e3:.1f} ms per step "
-            f"waited after the pipeline"
+            f"data parallel: {self.replicas} replicas; per step, by pipeline rank: {sizes} MB "
+            f"of gradients all-reduced, {waits} ms waited for them after the pipeline"
         )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "dp_replicas": self.replicas,
-            "dp_bytes_per_step": self.bytes_per_step,
-            "dp_wait_s": self.wait_s,
+            "dp_bytes_per_step": list(self.bytes_per_step),
+            "dp_wait_s": list(self.wait_s),
         }
 
 
@@ -336,7 +336,19 @@ class ReplicaGradients:
         return self._early
 
     def stats(self, skip_first: int = 1) -> DataParallelStats:
-        """The run's cost so far; the first ``skip_first`` steps (warm-up) are left out."""
+        """The run's cost so far, every rank's (collective: call it on every rank).
+
+        The first ``skip_first`` steps (warm-up) are left out of the waits.
+        """
         waits = self._waits[skip_first:] or self._waits
         wait = sum(waits) / len(waits) if waits else math.nan
-        return DataParallelStats(self._mesh.dp, self.bytes_per_step, wait, len(self._waits))
+        mine = (self._mesh.pp_rank, self.bytes_per_step, wait)
+        everyone: list[Any] = [None] * dist.get_world_size(self._mesh.world_group)
+        dist.all_gather_object(everyone, mine, group=self._mesh.world_group)
+        sizes = {pp_rank: nbytes for pp_rank, nbytes, _ in everyone}
+        by_rank = [[w for r, _, w in everyone if r == pp_rank] for pp_rank in sorted(sizes)]
+        return DataParallelStats(
+            self._mesh.dp,
+            tuple(sizes[r] for r in sorted(sizes)),
+            tuple(sum(w) / len(w) for w in by_rank),
+        )

@@ -119,7 +119,8 @@ def test_pp2_dp2_starts_4_processes_and_equals_one_process(
     # Tokens count the whole batch of every step, all replicas together.
     assert [r["tokens"] for r in records if "loss" in r] == [8 * 16] * 5
     dp = next(r for r in records if "dp_replicas" in r)
-    assert dp["dp_replicas"] == 2 and dp["dp_bytes_per_step"] > 0
+    assert dp["dp_replicas"] == 2 and len(dp["dp_bytes_per_step"]) == 2  # by pipeline rank
+    assert all(b > 0 for b in dp["dp_bytes_per_step"]) and len(dp["dp_wait_s"]) == 2
     assert "data parallel: 2 replicas" in pp2_dp2.stdout
     ckpt = out / "ckpt_pp2dp2"
     assert [s for s, _ in list_checkpoints(ckpt).complete] == [2, 4, 5]

@@ -59,10 +59,16 @@ def test_only_the_first_replica_counts_its_squares() -> None:
 
 
 def test_stats_text_and_json() -> None:
-    stats = DataParallelStats(replicas=2, bytes_per_step=2_500_000, wait_s=0.012, steps=5)
-    assert stats.format().startswith("data parallel: 2 replicas, 2.50 MB")
-    assert "12.0 ms" in stats.format()
-    assert stats.to_json() == {"dp_replicas": 2, "dp_bytes_per_step": 2_500_000, "dp_wait_s": 0.012}
+    stats = DataParallelStats(replicas=2, bytes_per_step=(2_500_000, 1_000), wait_s=(0.012, 0.0))
+    assert stats.format() == (
+        "data parallel: 2 replicas; per step, by pipeline rank: 2.50, 0.00 MB of gradients "
+        "all-reduced, 12.0, 0.0 ms waited for them after the pipeline"
+    )
+    assert stats.to_json() == {
+        "dp_replicas": 2,
+        "dp_bytes_per_step": [2_500_000, 1_000],
+        "dp_wait_s": [0.012, 0.0],
+    }
 
 
 def test_config_dp_field() -> None:
