@@ -2,6 +2,7 @@
 
     pipetrain train                                  # the main job: llama-default, 3 stages, 1F1B
     pipetrain train --pp 4 --schedule zb-h1 --steps 20
+    pipetrain train --pp 2 --dp 2                    # 2 replicas of a 2-stage pipeline: 4 processes
     pipetrain train --config configs/default.toml --set optim.warmup_steps=5
     torchrun --nnodes 2 --nproc-per-node 2 ... -m pipetrain.cli train --pp 4   # many nodes
 
