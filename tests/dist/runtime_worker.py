@@ -239,7 +239,7 @@ def run_kill(out: Path) -> None:
 
 
 def run_stall(out: Path) -> None:
-    """Rank 1 stops answering for 20 s in the middle of step 1; rank 0 gives up after 3 s."""
+    """Rank 1 stops answering for 10 s in the middle of step 1; rank 0 gives up after 3 s."""
     del out
     rank = dist.get_rank()
     spec = model_spec(get_model_config("llama-tiny"))
@@ -251,7 +251,7 @@ def run_stall(out: Path) -> None:
     def stall_in_step_1(module, inputs):
         calls.append(1)
         if rank == 1 and len(calls) == 2 + 1:  # the first forward of the second step
-            time.sleep(20)
+            time.sleep(10)
 
     pipe.modules[0].register_forward_pre_hook(stall_in_step_1)
     x, y = batch(0)
