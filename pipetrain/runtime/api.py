@@ -35,7 +35,6 @@ those of one large batch, however it is split into micro-batches.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -46,6 +45,13 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.models import PipelineSpec, StageModule, build_stage
+from pipetrain.runtime.build import (
+    as_spec,
+    default_device,
+    even_split,
+    forward_only,
+    resolve_schedule,
+)
 from pipetrain.runtime.collectives import (
     DistReducer,
     LocalReducer,
@@ -59,10 +65,8 @@ from pipetrain.runtime.executor import ComputeHook, GradsHook, RankExecutor, Ste
 from pipetrain.runtime.stage import IGNORE_INDEX, LossFn, StageRunner, token_cross_entropy
 from pipetrain.runtime.timeline import merge_timelines, rank_events
 from pipetrain.runtime.transport import DistTransport, InMemoryTransport, backend_for
-from pipetrain.schedules import Kind, Schedule
+from pipetrain.schedules import Schedule
 from pipetrain.schedules.execution import Timeline
-from pipetrain.schedules.lowering import lower
-from pipetrain.schedules.validate import validate
 
 __all__ = ["Pipeline", "StepResult", "build_pipeline", "default_device", "even_split"]
 
@@ -75,64 +79,6 @@ class StepResult:
     tokens: int  # target tokens that count (not -100)
     timeline: Timeline  # measured actions of every rank, seconds from the step's start
     step_time_s: float  # wall time of the step on this rank
-
-
-def default_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device(
-            "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        )
-    return torch.device("cpu")
-
-
-def even_split(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
-    """Consecutive layer ranges, as equal as possible, the larger ones first."""
-    if num_stages > num_layers:
-        raise PipelineInputError(
-            f"the schedule has {num_stages} model stages but the model only {num_layers} layers: "
-            f"use fewer ranks or chunks, or a model with more layers (n_layers)"
-        )
-    base, extra = divmod(num_layers, num_stages)
-    split, start = [], 0
-    for stage in range(num_stages):
-        size = base + (1 if stage < extra else 0)
-        split.append(tuple(range(start, start + size)))
-        start += size
-    return tuple(split)
-
-
-def _resolve_schedule(
-    schedule: str | Schedule, ranks: int, microbatches: int, chunks: int | None
-) -> Schedule:
-    if isinstance(schedule, Schedule):
-        if schedule.num_ranks != ranks:
-            raise PipelineInputError(
-                f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but the pipeline group has "
-                f"{ranks}: launch {schedule.num_ranks} processes or load a schedule for {ranks}"
-            )
-        # A whole-batch schedule (naive) runs one micro-batch whatever was asked for.
-        if schedule.microbatches not in (microbatches, 1):
-            raise PipelineInputError(
-                f"schedule {schedule.name!r} has {schedule.microbatches} micro-batches but microbatches="
-                f"{microbatches}: pass microbatches={schedule.microbatches}"
-            )
-        built = schedule
-    else:
-        from pipetrain.schedules.registry import build_schedule
-
-        built = build_schedule(schedule, ranks, microbatches, chunks=chunks)
-    validate(built)
-    lowered = lower(built)
-    validate(lowered)
-    return lowered
-
-
-def _forward_only(schedule: Schedule) -> Schedule:
-    """The forward actions of a schedule, in its order (evaluation)."""
-    keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
-    rows = tuple(tuple(a for a in row if a.kind in keep) for row in schedule.actions)
-    return Schedule(schedule.name + "/forward", schedule.placement, schedule.microbatches, rows)
 
 
 class Pipeline:
@@ -216,7 +162,7 @@ class Pipeline:
             for name, p in module.named_parameters(remove_duplicate=False):
                 if id(p) in by_id and name != by_id[id(p)]:
                     self.tied_names[name] = by_id[id(p)]
-        forward_schedule = _forward_only(schedule)
+        forward_schedule = forward_only(schedule)
         self._reducer: LocalReducer | DistReducer
         if group is None:
             transport: Any = InMemoryTransport()
@@ -395,16 +341,6 @@ class Pipeline:
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
 
 
-def _as_spec(model: PipelineSpec | Sequence[Any]) -> PipelineSpec:
-    if isinstance(model, PipelineSpec):
-        return model
-    if isinstance(model, (list, tuple)):
-        return PipelineSpec.from_layers(model)
-    raise PipelineInputError(
-        f"model is a {type(model).__name__}: pass a PipelineSpec (pipetrain.models.model_spec) or a list of layer factories"
-    )
-
-
 def build_pipeline(
     model: PipelineSpec | Sequence[Any],
     *,
@@ -434,7 +370,7 @@ def build_pipeline(
     runs right after a stage's last B or W of a training step (data parallelism). Every
     wait gives up after ``timeout_s`` seconds.
     """
-    spec = _as_spec(model)
+    spec = as_spec(model)
     if microbatches < 1:
         raise PipelineInputError(f"microbatches={microbatches}: use at least 1")
     if timeout_s <= 0:
@@ -463,7 +399,7 @@ def build_pipeline(
                 f"device {dev} with a {backend} group: create the group with backend 'nccl'"
             )
         num_ranks, local_ranks = dist.get_world_size(group), (dist.get_rank(group),)
-    built = _resolve_schedule(schedule, num_ranks, microbatches, chunks)
+    built = resolve_schedule(schedule, num_ranks, microbatches, chunks)
     placement = built.placement
     stage_split = (
         even_split(len(spec), placement.num_model_stages)
