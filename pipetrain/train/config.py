@@ -147,7 +147,7 @@ class RunConfig:
     """Length of the run, its outputs and its logging."""
 
     # Optimizer steps to train.
-    steps: int = 60
+    steps: int = 120
     # Seed of the weights and of the batch order.
     seed: int = 0
     # Run directory name under run.out_dir ("" = model-schedule-ppP-date-time).
@@ -160,7 +160,7 @@ class RunConfig:
     # (`pipetrain tune` measures throughput only).
     evaluate: bool = True
     # Evaluate every this many optimizer steps (and always at the start and the end); 0 = only then.
-    eval_every: int = 20
+    eval_every: int = 40
     # Write TensorBoard logs to <run dir>/tensorboard (needs the tensorboard package).
     tensorboard: bool = False
     # Draw the measured timeline of the last step into this PNG ("" = no picture).

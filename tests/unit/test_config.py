@@ -92,7 +92,7 @@ BAD_OVERRIDES: list[tuple[dict[str, object], tuple[str, ...]]] = [
     ({"data.tokenizer": "/nonexistent/tokenizer.json"}, ("data.tokenizer", "tokenizer.json")),
     ({"optim.lr": -1.0}, ("optim.lr", "positive learning rate")),
     ({"optim.lr": float("nan")}, ("optim.lr", "positive learning rate")),
-    ({"optim.warmup_steps": 80}, ("optim.warmup_steps 80", "fewer warm-up steps than run.steps")),
+    ({"optim.warmup_steps": 200}, ("optim.warmup_steps 200", "fewer warm-up steps than run.steps")),
     ({"optim.beta2": 1.0}, ("optim.beta2", "[0, 1)")),
     ({"optim.grad_clip": -1.0}, ("optim.grad_clip", "0 to turn clipping off")),
     ({"optim.grad_accum": 0}, ("optim.grad_accum", "at least 1")),
