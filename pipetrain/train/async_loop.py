@@ -28,10 +28,8 @@ from pipetrain.train.asynchronous import AsyncTrainer, predicted_versions
 from pipetrain.train.config import ConfigError, TrainConfig, config_to_dict
 from pipetrain.train.data import Batch, Corpus, eval_batches, load_corpus, train_batch
 from pipetrain.train.metrics import (
-    MetricsFile,
-    Progress,
+    RunOutput,
     RunSummary,
-    TensorBoard,
     measured_bubble,
     peak_memory_bytes,
 )
@@ -80,19 +78,14 @@ def train_async(
             corpus, batch_size=d.batch_size, seq_len=d.seq_len, count=d.eval_batches
         )
 
-    progress = Progress(r.steps, out) if role.reporter else None
-    metrics = MetricsFile(config.metrics_path) if role.reporter else None
-    board = TensorBoard(config.run_dir / "tensorboard") if role.reporter and r.tensorboard else None
-
-    def report(record: dict[str, Any]) -> None:
-        if metrics is not None:
-            metrics.write(record)
-        if board is not None:
-            board.write(record)
-
-    def say(text: str) -> None:
-        if progress is not None:
-            progress.message(text)
+    output = RunOutput(
+        active=role.reporter,
+        total_steps=r.steps,
+        stream=out,
+        metrics_path=config.metrics_path,
+        tensorboard_dir=config.run_dir / "tensorboard" if r.tensorboard else None,
+    )
+    progress, report, say = output.progress, output.report, output.say
 
     if corpus is not None:
         say(f"data: {corpus.description}")
@@ -211,11 +204,8 @@ def train_async(
         say(summary.format())
     if r.sample_tokens:
         _sample(config, plan, trainer, group, corpus, say)
-    if metrics is not None:
-        metrics.write(summary.to_json())
-        metrics.close()
-    if board is not None:
-        board.close()
+    output.record(summary.to_json())
+    output.close()
     return summary if role.reporter else None
 
 

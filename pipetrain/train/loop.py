@@ -37,10 +37,8 @@ from pipetrain.train.data import (
     train_batch,
 )
 from pipetrain.train.metrics import (
-    MetricsFile,
-    Progress,
+    RunOutput,
     RunSummary,
-    TensorBoard,
     measured_bubble,
     peak_memory_bytes,
 )
@@ -278,19 +276,14 @@ def _train(
     update = GuardedUpdate(optimizer, config.optim, total_steps=r.steps, group=everyone)
     grads = _gradients(pipeline) if mesh is None else norm_share(_gradients(pipeline), mesh)
 
-    progress = Progress(r.steps, out) if role.reporter else None
-    metrics = MetricsFile(config.metrics_path) if role.reporter else None
-    board = TensorBoard(config.run_dir / "tensorboard") if role.reporter and r.tensorboard else None
-
-    def report(record: dict[str, Any]) -> None:
-        if metrics is not None:
-            metrics.write(record)
-        if board is not None:
-            board.write(record)
-
-    def say(text: str) -> None:
-        if progress is not None:
-            progress.message(text)
+    output = RunOutput(
+        active=role.reporter,
+        total_steps=r.steps,
+        stream=out,
+        metrics_path=config.metrics_path,
+        tensorboard_dir=config.run_dir / "tensorboard" if r.tensorboard else None,
+    )
+    progress, report, say = output.progress, output.report, output.say
 
     if role.reporter and corpus is not None:
         n_params = sum(param.numel() for param in pipeline.parameters())
@@ -457,13 +450,10 @@ def _train(
     # The replicas hold the same weights: the first one samples.
     if r.sample_tokens and (mesh is None or mesh.dp_rank == 0):
         _sample(config, plan, pipeline, group, corpus, say)
-    if metrics is not None:
-        metrics.write(summary.to_json())
-        if dp_stats is not None:
-            metrics.write(dp_stats.to_json())
-        metrics.close()
-    if board is not None:
-        board.close()
+    output.record(summary.to_json())
+    if dp_stats is not None:
+        output.record(dp_stats.to_json())
+    output.close()
     return summary if role.reporter else None
 
 

@@ -156,6 +156,49 @@ class Progress:
         self._stream.flush()
 
 
+class RunOutput:
+    """Where a run's output goes: on the reporting rank a progress bar (plain lines when not
+    on a terminal), the metrics file and TensorBoard when asked; on every other rank nothing,
+    so that their logs stay quiet unless something is wrong."""
+
+    def __init__(
+        self,
+        *,
+        active: bool,
+        total_steps: int,
+        stream: IO[str] | None,
+        metrics_path: Path,
+        tensorboard_dir: Path | None,
+    ) -> None:
+        self.progress = Progress(total_steps, stream) if active else None
+        self._metrics = MetricsFile(metrics_path) if active else None
+        self._board = (
+            TensorBoard(tensorboard_dir) if active and tensorboard_dir is not None else None
+        )
+
+    def report(self, record: Mapping[str, Any]) -> None:
+        """A record for the metrics file and TensorBoard."""
+        if self._metrics is not None:
+            self._metrics.write(record)
+        if self._board is not None:
+            self._board.write(record)
+
+    def record(self, record: Mapping[str, Any]) -> None:
+        """A record for the metrics file only (summaries that are not per-step scalars)."""
+        if self._metrics is not None:
+            self._metrics.write(record)
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.message(text)
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._board is not None:
+            self._board.close()
+
+
 @dataclass(frozen=True)
 class RunSummary:
     """The numbers a finished run is judged by."""
