@@ -221,3 +221,39 @@ def test_a_real_process_exits_2_with_one_line_and_no_traceback() -> None:
     assert "Traceback" not in proc.stderr
     assert "'nope' is not a known schedule" in proc.stderr
     assert all(name in proc.stderr for name in registry.SCHEDULE_NAMES)
+
+
+def test_a_closed_pipe_is_not_a_traceback() -> None:
+    """`pipetrain simulate --ascii | head -1`: the reader leaves early; no traceback.
+
+    The pipe is shrunk to one page so that the grid (about 10 kB) cannot fit in it: the
+    child's write fails for real once the reader has gone.
+    """
+    import fcntl
+
+    read_fd, write_fd = os.pipe()
+    fcntl.fcntl(read_fd, fcntl.F_SETPIPE_SZ, 4096)
+    args = [
+        "simulate",
+        "--schedule",
+        "1f1b",
+        "--pp",
+        "8",
+        "--microbatches",
+        "64",
+        "--ascii",
+        "--width",
+        "2000",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipetrain.cli", *args],
+        stdout=write_fd,
+        stderr=subprocess.PIPE,
+    )
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as reader:
+        reader.readline()
+    assert proc.stderr is not None
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 141)
+    assert "Traceback" not in stderr
