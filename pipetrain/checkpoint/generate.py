@@ -23,6 +23,7 @@ from pipetrain.checkpoint.load import load_checkpoint
 from pipetrain.checkpoint.manifest import Manifest
 from pipetrain.errors import InputError
 from pipetrain.models import ModelConfig, StageModule, build_stage, model_spec
+from pipetrain.runtime.build import even_split
 
 __all__ = ["Generation", "PipelineModel", "generate_tokens", "load_pipeline_model"]
 
@@ -55,16 +56,6 @@ def model_config_of(manifest: Manifest, path: Path) -> ModelConfig:
     return ModelConfig(**dict(manifest.model))
 
 
-def _even_split(layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
-    base, extra = divmod(layers, stages)
-    out, start = [], 0
-    for s in range(stages):
-        size = base + (1 if s < extra else 0)
-        out.append(tuple(range(start, start + size)))
-        start += size
-    return tuple(out)
-
-
 def load_pipeline_model(
     path: Path, *, pp: int, device: torch.device, group: Any = None
 ) -> PipelineModel:
@@ -78,7 +69,7 @@ def load_pipeline_model(
         raise InputError(
             f"--pp {pp} does not fit a model of {len(spec)} layers: use 1 to {len(spec)} stages"
         )
-    split = _even_split(len(spec), pp)
+    split = even_split(len(spec), pp)
     held = [dist.get_rank(group)] if group is not None else range(pp)
     stages = tuple(build_stage(spec, split[s], seed=0, device=device) for s in held)
     load_checkpoint(path, modules=stages, restore_rng=False, group=group)

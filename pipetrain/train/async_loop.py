@@ -27,11 +27,11 @@ from pipetrain.train.async_plan import stream_steps_for
 from pipetrain.train.asynchronous import AsyncTrainer, predicted_versions
 from pipetrain.train.config import ConfigError, TrainConfig, config_to_dict
 from pipetrain.train.data import Batch, Corpus, eval_batches, load_corpus, train_batch
+from pipetrain.train.loop import peak_memory_per_rank
 from pipetrain.train.metrics import (
     RunOutput,
     RunSummary,
     measured_bubble,
-    peak_memory_bytes,
 )
 from pipetrain.train.optim import build_optimizer, lr_at
 from pipetrain.train.plan import RunPlan
@@ -197,7 +197,7 @@ def train_async(
         simulated_bubble=None,
         first_eval_loss=first_eval,
         final_eval_loss=last_eval,
-        peak_memory=_peak_memory(role, device),
+        peak_memory=peak_memory_per_rank(role, device),
         skipped_steps=0,
     )
     if role.reporter:
@@ -207,15 +207,6 @@ def train_async(
     output.record(summary.to_json())
     output.close()
     return summary if role.reporter else None
-
-
-def _peak_memory(role: Any, device: torch.device) -> tuple[int, ...]:
-    peak = peak_memory_bytes(str(device))
-    if not role.distributed:
-        return (peak,)
-    everyone: list[Any] = [None] * role.world_size
-    dist.all_gather_object(everyone, peak)
-    return tuple(int(v) for v in everyone)
 
 
 def _sample(

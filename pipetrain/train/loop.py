@@ -159,7 +159,8 @@ def _simulated_bubble(plan: RunPlan, timelines: list[Timeline]) -> float | None:
     return simulate(plan.schedule, costs).bubble.idle_fraction
 
 
-def _peak_memory(role: ProcessRole, device: torch.device) -> tuple[int, ...]:
+def peak_memory_per_rank(role: ProcessRole, device: torch.device) -> tuple[int, ...]:
+    """Every rank's peak memory in bytes, known on every rank (a collective)."""
     peak = peak_memory_bytes(str(device))
     if not role.distributed:
         return (peak,)
@@ -424,7 +425,7 @@ def _train(
 
         plot(last_timeline, r.timeline)
         say(f"measured timeline of the last step drawn to {r.timeline}")
-    peaks = _peak_memory(role, device)
+    peaks = peak_memory_per_rank(role, device)
     # Timing leaves out the warm-up steps, unless there is nothing else.
     timed = measured[_WARMUP_STEPS:] or measured
     train_time = sum(m[0] for m in timed)
