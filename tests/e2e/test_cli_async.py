@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -30,19 +29,6 @@ TINY = [
     "--set", "data.eval_batches=2",
 ]  # fmt: skip
 SCHEDULES = {"pipedream": [2, 1], "pipedream-2bw": [2, 2]}
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("async")
-    data = root / "data"
-    data.mkdir()
-    rng = random.Random(0)
-    words = ["def", "class", "return", "import", "for", "while", "if", "lambda", "self", "x"]
-    for i in range(24):
-        lines = (" ".join(rng.choice(words) for _ in range(10)) for _ in range(60))
-        (data / f"doc{i:02d}.txt").write_text("\n".join(lines))
-    return root
 
 
 def run_train(work: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -26,19 +25,6 @@ TINY = [
     "--seq-len", "16", "--eval-every", "0", "--set", "run.sample_tokens=0",
     "--set", "optim.warmup_steps=1",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("train")
-    data = root / "data"
-    data.mkdir()
-    rng = random.Random(0)
-    words = ["def", "class", "return", "import", "for", "while", "if", "lambda", "self", "x"]
-    for i in range(24):
-        lines = (" ".join(rng.choice(words) for _ in range(10)) for _ in range(60))
-        (data / f"doc{i:02d}.txt").write_text("\n".join(lines))
-    return root
 
 
 def train_command(work: Path, name: str, *extra: str) -> list[str]:
