@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipetrain.checkpoint.errors import CheckpointIncompatibleError
 
@@ -157,7 +158,7 @@ def optimizer_targets(
         else:
             continue
         if key in wanted:
-            out[name] = torch.empty(size, dtype=dtype)
+            out[name] = _target_like(index.tensors[key][0], size, dtype)
     for key in sorted(wanted):
         if OPTIM_GROUP + key not in out:
             raise CheckpointIncompatibleError(
@@ -165,6 +166,18 @@ def optimizer_targets(
                 "load the model only (no optimizer) or use a checkpoint of this model"
             )
     return out
+
+
+def _target_like(param: torch.Tensor, size: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor for a saved optimizer entry of ``param``.
+
+    A sharded parameter (FSDP2's DTensor) gets its state sharded the same way, so that DCP
+    reads only this rank's slice and the optimizer steps shard against shard; everything
+    else (plain parameters, the scalar ``step``) gets a whole tensor.
+    """
+    if isinstance(param, DTensor) and tuple(param.shape) == tuple(size):
+        return torch.empty_like(param, dtype=dtype).detach()
+    return torch.empty(size, dtype=dtype)
 
 
 def _restore_value(value: Any) -> Any:

@@ -63,6 +63,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "--recompute": ("pipeline.recompute", "recompute each block's activations in backward"),
     "--compile": ("pipeline.compile", "torch.compile each stage"),
     "--single-process": ("pipeline.single_process", "run every rank in this process (debug mode)"),
+    "--shard": ("pipeline.shard", "shard each stage over the --dp replicas (FSDP2 fully_shard)"),
     "--tensorboard": ("run.tensorboard", "write TensorBoard logs (needs tensorboard)"),
     "--resume": ("run.resume", "continue from the newest valid checkpoint in --checkpoint-dir"),
     "--vertical-sync": ("pipeline.vertical_sync", "pipedream: stage 0's weight version for all"),

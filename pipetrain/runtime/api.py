@@ -156,6 +156,9 @@ class Pipeline:
             s: [p for p in module.parameters() if p.requires_grad and id(p) not in tied_ids]
             for s, module in stage_modules.items()
         }
+        # Kept so that rebind_parameters can update, in place, what the reducers sum.
+        self._tied_params = tied_params
+        self._replica_params = replica_params
         self.tied_names: dict[str, str] = {}
         for module in stage_modules.values():
             by_id = {id(p): key for key, p in module.tied_parameters().items()}
@@ -224,22 +227,54 @@ class Pipeline:
         for _, p in self.named_parameters():
             yield p
 
+    def rebind_parameters(self) -> None:
+        """Point the gradient sums at the parameters the stage modules hold now.
+
+        For wrappers that replace a module's parameters after the pipeline was built
+        (FSDP2's ``fully_shard`` registers sharded ones): the sums of tied weights and of
+        Chimera's replicas would otherwise keep adding into the tensors that were replaced.
+        """
+        for key, stage in self._tied_params:
+            self._tied_params[(key, stage)] = self._stage_modules[stage].tied_parameters()[key]
+        tied_ids = {id(p) for p in self._tied_params.values()}
+        for stage, params in self._replica_params.items():
+            module = self._stage_modules[stage]
+            params[:] = [
+                p for p in module.parameters() if p.requires_grad and id(p) not in tied_ids
+            ]
+
     def zero_grad(self) -> None:
         for module in self.modules:
             module.zero_grad(set_to_none=True)
 
     # ----------------------------------------------------------------- steps
-    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StepResult:
+    def step(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        *,
+        denominator: float | None = None,
+    ) -> StepResult:
         """One forward and backward of the whole batch; gradients end up in ``.grad``.
 
         Every rank may pass the whole batch; ranks with a first stage need ``inputs``,
         ranks with a last stage ``targets`` (B, T) with -100 for tokens that do not count.
+        ``denominator``: what the summed loss is divided by, by default the targets that
+        count in this batch. Data parallelism passes the global batch's count over the
+        replicas, so that replicas with fewer tokens weigh less in the mean of replicas.
         """
-        return self._run(self._train, inputs, targets, training=True)
+        return self._run(self._train, inputs, targets, training=True, denominator=denominator)
 
-    def eval_loss(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
-        """The loss of a batch, forward only, without touching gradients."""
-        return self._run(self._eval, inputs, targets, training=False).loss
+    def eval_loss(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        *,
+        denominator: float | None = None,
+    ) -> float:
+        """The loss of a batch, forward only, without touching gradients (``denominator``
+        as in ``step``)."""
+        return self._run(self._eval, inputs, targets, training=False, denominator=denominator).loss
 
     def _split(self, name: str, batch: torch.Tensor | None, needed: bool) -> list[torch.Tensor]:
         m = self.schedule.microbatches
@@ -262,6 +297,7 @@ class Pipeline:
         inputs: torch.Tensor | None,
         targets: torch.Tensor | None,
         training: bool,
+        denominator: float | None = None,
     ) -> StepResult:
         step = self._step
         self._step += 1
@@ -270,12 +306,15 @@ class Pipeline:
         tokens = 0
         if targets is not None:
             tokens = int((targets != IGNORE_INDEX).sum())
-            if tokens == 0 and self._has_last:
+            if tokens == 0 and self._has_last and denominator is None:
                 raise PipelineInputError(
                     "every target is -100 (ignored): the batch has no token to learn from"
                 )
+        if denominator is not None and not denominator > 0:
+            raise PipelineInputError(f"denominator is {denominator}: pass a positive count")
+        divide_by = float(max(tokens, 1)) if denominator is None else float(denominator)
         for ex in executors:
-            ex.begin(step, input_mbs, target_mbs, float(max(tokens, 1)), training)
+            ex.begin(step, input_mbs, target_mbs, divide_by, training)
         expected = [k for ex in executors for k in ex.expected_receives]
         if self._group is None:
             self._transport.begin_step(step, expected)

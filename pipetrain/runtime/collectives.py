@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,11 +57,22 @@ class TiedGroup:
     ranks: tuple[int, ...]
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # A parameter sharded by FSDP2 (--shard) has a DTensor gradient: the sums run on this
+    # rank's shard, which is the same slice on every rank holding a copy (same dp layout).
+    # No DTensor exists unless its module was imported, and importing it costs about 1 s.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        local: torch.Tensor = tensor.to_local()
+        return local
+    return tensor
+
+
 def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    return [p.grad for p in params if p.grad is not None]
+    return [_local(p.grad) for p in params if p.grad is not None]
 
 
 def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
@@ -71,8 +83,9 @@ def _unflatten_into(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> None:
     offset = 0
     for p in params:
         assert p.grad is not None
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        grad = _local(p.grad)
+        n = grad.numel()
+        grad.copy_(flat[offset : offset + n].view_as(grad))
         offset += n
 
 
@@ -240,7 +253,7 @@ class DistReducer:
             for s in local:
                 param = self._tied_params[(tied.key, s)]
                 assert param.grad is not None
-                param.grad.copy_(total)
+                _local(param.grad).copy_(total)
 
 
 def dist_barrier(group: Any, rank: int, step: int, timeout_s: float, device: torch.device) -> None:

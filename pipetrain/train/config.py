@@ -68,6 +68,9 @@ class PipelineConfig:
     # Data-parallel replicas of the pipeline: pp x dp processes, each replica reads 1/dp of
     # every batch and gradients are averaged over the replicas (pipetrain.train.parallel).
     dp: int = 1
+    # Shard each stage's parameters, gradients and optimizer state over the dp replicas
+    # (FSDP2's fully_shard; pipetrain.train.sharded) instead of replicating them. Needs dp > 1.
+    shard: bool = False
     # Stages per rank (virtual stages): >1 only for schedules that loop over the ranks.
     chunks: int = 1
     # Schedule name from pipetrain.schedules.registry (`1f1b`, `gpipe`, `interleaved`, ...).
@@ -404,6 +407,15 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
     _at_least("data.seq_len", d.seq_len, 1)
     _at_least("data.eval_batches", d.eval_batches, 1)
     _at_least("data.max_bytes", d.max_bytes, 1024)
+    if p.shard and p.dp < 2:
+        raise ConfigError(
+            f"pipeline.shard shards each stage over data-parallel replicas but pipeline.dp is "
+            f"{p.dp}: add --dp 2 (or more) or drop --shard"
+        )
+    if p.shard and p.compile:
+        raise ConfigError(
+            "pipeline.shard with pipeline.compile is not supported: drop --compile or --shard"
+        )
     if p.dp > 1 and p.single_process:
         raise ConfigError(
             "pipeline.single_process runs one pipeline in one process: drop --single-process "

@@ -48,11 +48,14 @@ from pipetrain.train.parallel import (
     ReplicaGradients,
     build_mesh,
     norm_share,
+    replica_denominator,
     replica_mean,
     shard_batch,
+    state_bytes,
 )
 from pipetrain.train.plan import RunPlan, plan_run, threads_per_process
 from pipetrain.train.sample import gather_state_dict, generate
+from pipetrain.train.sharded import ShardedGradients, check_shardable
 from pipetrain.train.stage_options import StageOptionError, apply_stage_options
 
 __all__ = ["ProcessRole", "announce", "resolve_device", "train"]
@@ -224,21 +227,35 @@ def _train(
     started: float,
     mesh: Mesh | None = None,
 ) -> RunSummary | None:
+    p, d, r = config.pipeline, config.data, config.run
+    if p.shard:
+        check_shardable(plan.schedule)
     if plan.schedule.asynchronous:  # pipedream, pipedream-2bw: weights change inside a step
         from pipetrain.train.async_loop import train_async
 
         return train_async(config, role, plan, device, group, out, started)
-    p, d, r = config.pipeline, config.data, config.run
     spec = model_spec(plan.model)
-    # Data parallelism: gradients averaged over the replicas, shards of every batch, and the
-    # norm, the NaN decision and checkpoints over every process (the world group).
-    replicas = (
-        ReplicaGradients(mesh, timeout_s=p.timeout_s) if mesh is not None and mesh.dp > 1 else None
-    )
+    # Data parallelism: gradients averaged over the replicas (replicated or, with --shard,
+    # sharded stages), shards of every batch, and the norm, the NaN decision and
+    # checkpoints over every process (the world group).
+    replicas: ReplicaGradients | ShardedGradients | None = None
+    if mesh is not None and mesh.dp > 1:
+        replicas = (
+            ShardedGradients(mesh, timeout_s=p.timeout_s)
+            if p.shard
+            else ReplicaGradients(mesh, timeout_s=p.timeout_s)
+        )
+    sharded = replicas if isinstance(replicas, ShardedGradients) else None
     everyone = mesh.world_group if mesh is not None else group
 
-    def shard(batch: Batch) -> Batch:
-        return batch if mesh is None or mesh.dp == 1 else shard_batch(batch, mesh.dp_rank, mesh.dp)
+    def shard(batch: Batch) -> tuple[Batch, float | None]:
+        """This replica's rows, and what it divides its loss by (None: its own tokens)."""
+        if mesh is None or mesh.dp == 1:
+            return batch, None
+        return (
+            shard_batch(batch, mesh.dp_rank, mesh.dp),
+            replica_denominator(batch.targets, mesh.dp),
+        )
 
     pipeline = build_pipeline(
         spec,
@@ -252,8 +269,6 @@ def _train(
         timeout_s=p.timeout_s,
         grads_hook=replicas.grads_hook if replicas is not None else None,
     )
-    if replicas is not None:
-        replicas.attach(pipeline)
     for module in pipeline.modules:
         apply_stage_options(
             module,
@@ -262,9 +277,11 @@ def _train(
             recompute=p.recompute,
             compile_stage=p.compile,
         )
+    if replicas is not None:  # sharding replaces the parameters: before the optimizer
+        replicas.attach(pipeline)
     first, last = _holds(pipeline)
     corpus: Corpus | None = load_corpus(d) if first or last else None
-    evals: list[Batch] | None = None
+    evals: list[tuple[Batch, float | None]] | None = None
     if corpus is not None:
         evals = [
             shard(b)
@@ -300,13 +317,16 @@ def _train(
             return math.nan
         losses = []
         for i in range(d.eval_batches):
-            batch = evals[i] if evals is not None else None
+            batch, denominator = evals[i] if evals is not None else (None, None)
             losses.append(
                 pipeline.eval_loss(
                     batch.inputs if batch is not None and first else None,
                     batch.targets if batch is not None and last else None,
+                    denominator=denominator,
                 )
             )
+        if sharded is not None:  # the forwards gathered the parameters: free them
+            sharded.reshard()
         value = sum(losses) / len(losses)
         if mesh is not None:
             value = replica_mean([value], mesh, device)[0]
@@ -361,14 +381,19 @@ def _train(
                 if corpus is not None
                 else None
             )
+            denominator = None
             if batch is not None:
-                batch = shard(batch)
+                batch, denominator = shard(batch)
             inputs = batch.inputs if batch is not None and first else None
             targets = batch.targets if batch is not None and last else None
             if replicas is not None:
                 replicas.begin(sync=micro == accum - 1)
             result = _first_step_guard(
-                pipeline, inputs, targets, compiled=p.compile and step == 0 and micro == 0
+                pipeline,
+                inputs,
+                targets,
+                denominator,
+                compiled=p.compile and step == 0 and micro == 0,
             )
             losses.append(result.loss)
             tokens += result.tokens
@@ -445,12 +470,17 @@ def _train(
     )
     if role.reporter:
         say(summary.format())
-    dp_stats = replicas.stats(_WARMUP_STEPS) if replicas is not None else None
+    dp_stats = (
+        replicas.stats(_WARMUP_STEPS, state_bytes=state_bytes(pipeline.parameters(), optimizer))
+        if replicas is not None
+        else None
+    )
     if dp_stats is not None:
         say(dp_stats.format())
-    # The replicas hold the same weights: the first one samples.
-    if r.sample_tokens and (mesh is None or mesh.dp_rank == 0):
-        _sample(config, plan, pipeline, group, corpus, say)
+    # The replicas hold the same weights: the first one samples. Sharded, every replica
+    # takes part in gathering the full weights.
+    if r.sample_tokens and (mesh is None or mesh.dp_rank == 0 or sharded is not None):
+        _sample(config, plan, pipeline, group, corpus, say, here=mesh is None or mesh.dp_rank == 0)
     output.record(summary.to_json())
     if dp_stats is not None:
         output.record(dp_stats.to_json())
@@ -458,12 +488,14 @@ def _train(
     return summary if role.reporter else None
 
 
-def _first_step_guard(pipeline: Pipeline, inputs: Any, targets: Any, *, compiled: bool) -> Any:
+def _first_step_guard(
+    pipeline: Pipeline, inputs: Any, targets: Any, denominator: float | None, *, compiled: bool
+) -> Any:
     """Run a step; a failure of torch.compile (it compiles on the first call) becomes one line."""
     if not compiled:
-        return pipeline.step(inputs, targets)
+        return pipeline.step(inputs, targets, denominator=denominator)
     try:
-        return pipeline.step(inputs, targets)
+        return pipeline.step(inputs, targets, denominator=denominator)
     except InputError:
         raise
     except Exception as exc:
@@ -481,10 +513,15 @@ def _sample(
     group: Any,
     corpus: Corpus | None,
     say: Any,
+    *,
+    here: bool = True,
 ) -> None:
-    """Rank 0 prints text generated by the model assembled from every stage's weights."""
+    """Rank 0 prints text generated by the model assembled from every stage's weights.
+
+    ``here`` false: this process only helps gather the weights (another replica samples).
+    """
     state = gather_state_dict(pipeline.modules, group)
-    if state is None or corpus is None:
+    if state is None or corpus is None or not here:
         return
     r = config.run
     model = build_full_model(model_spec(plan.model), seed=r.seed, device="cpu")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pipetrain.train.config import OptimConfig
 
@@ -27,6 +28,7 @@ __all__ = [
     "TrainingDiverged",
     "build_optimizer",
     "check_gradients",
+    "local_grads",
     "lr_at",
     "param_groups",
 ]
@@ -109,22 +111,30 @@ class GradCheck:
     finite: bool
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # Sharded parameters (FSDP2, --shard) have DTensor gradients: each rank works on its
+    # own shard, and the sums over the world group add the shards up.
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's part of each existing gradient (the shard of a DTensor one)."""
+    return [_local(p.grad) for p in params if p.grad is not None]
+
+
 def check_gradients(grads: Gradients, loss: float, group: dist.ProcessGroup | None) -> GradCheck:
     """Global norm over every rank of ``group`` (None: this process holds all stages)."""
     device = next((p.device for p in grads.all), torch.device("cpu"))
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    for param in grads.counted:
-        if param.grad is not None:
-            squares += torch.linalg.vector_norm(param.grad, dtype=torch.float64) ** 2
+    for grad in local_grads(grads.counted):
+        squares += torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
     # Loss and every gradient, tied copies included, must be finite on every rank.
     counted = {id(p) for p in grads.counted}
     bad = 0 if math.isfinite(loss) else 1
     bad += sum(
         1
-        for param in grads.all
-        if param.grad is not None
-        and id(param) not in counted
-        and not torch.isfinite(param.grad).all()
+        for grad in local_grads(p for p in grads.all if id(p) not in counted)
+        if not torch.isfinite(grad).all()
     )
     if not torch.isfinite(squares):
         bad += 1
@@ -178,9 +188,7 @@ class GuardedUpdate:
         """
         lr = lr_at(step, self._config, self._total_steps)
         if accumulated > 1:
-            torch._foreach_mul_(
-                [p.grad for p in grads.all if p.grad is not None], 1.0 / accumulated
-            )
+            torch._foreach_mul_(local_grads(grads.all), 1.0 / accumulated)
         check = check_gradients(grads, loss, self._group)
         if not check.finite:
             self._optimizer.zero_grad(set_to_none=True)
@@ -196,7 +204,7 @@ class GuardedUpdate:
         factor = 1.0
         if self._config.grad_clip > 0 and check.norm > self._config.grad_clip:
             factor = self._config.grad_clip / (check.norm + _CLIP_EPS)
-            torch._foreach_mul_([p.grad for p in grads.all if p.grad is not None], factor)
+            torch._foreach_mul_(local_grads(grads.all), factor)
         for group in self._optimizer.param_groups:
             group["lr"] = lr
         self._optimizer.step()

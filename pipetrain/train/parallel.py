@@ -40,15 +40,17 @@ from __future__ import annotations
 import datetime
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipetrain.runtime import Pipeline, PipelineError
+from pipetrain.runtime.stage import IGNORE_INDEX
 from pipetrain.schedules import Action, Kind
 from pipetrain.train.config import ConfigError
 from pipetrain.train.data import Batch
@@ -59,9 +61,12 @@ __all__ = [
     "Mesh",
     "ReplicaGradients",
     "build_mesh",
+    "gather_stats",
     "norm_share",
+    "replica_denominator",
     "replica_mean",
     "shard_batch",
+    "state_bytes",
 ]
 
 # Like DDP's default bucket: large enough to amortise a collective's latency, small enough
@@ -80,6 +85,8 @@ class Mesh:
     pp_group: Any  # this process's pipeline (a row of the mesh)
     dp_group: Any  # the replicas of this process's stages (a column); None when dp == 1
     world_group: Any  # every process: clipping, the NaN decision, checkpoints
+    # The 1-D DeviceMesh of this process's dp group (FSDP2 shards over it); None when dp == 1.
+    dp_mesh: Any = None
 
     @property
     def rank(self) -> int:
@@ -111,6 +118,7 @@ def build_mesh(device_type: str, pp: int, dp: int) -> Mesh:
         mesh.get_group("pp"),
         mesh.get_group("dp"),
         dist.group.WORLD,
+        mesh["dp"],
     )
 
 
@@ -136,16 +144,30 @@ def replica_mean(values: Sequence[float], mesh: Mesh, device: torch.device) -> l
     return [v / mesh.dp for v in box.tolist()]
 
 
-def norm_share(grads: Gradients, mesh: Mesh) -> Gradients:
+def norm_share(grads: Gradients, mesh: Mesh, *, sharded: bool = False) -> Gradients:
     """The share of the global norm this rank adds, when the sum runs over the world group.
 
     After the dp all-reduce every replica holds the same gradients: only replica 0 counts
-    its squares, so the world sum is the norm of one model. Every rank still checks every
-    gradient of its own for non-finite values, so all ranks decide a skip together.
+    its squares, so the world sum is the norm of one model. Sharded, each replica holds a
+    different slice of them and counts its own (optim's ``check_gradients`` takes the
+    local shards). Every rank still checks every gradient of its own for non-finite
+    values, so all ranks decide a skip together.
     """
-    if mesh.dp_rank == 0:
+    if mesh.dp_rank == 0 or sharded:
         return grads
     return Gradients(counted=(), all=grads.all)
+
+
+def replica_denominator(targets: torch.Tensor, dp: int) -> float:
+    """What each replica divides its summed loss by: the global batch's target tokens / dp.
+
+    ``targets`` (B, T) is the global batch, -100 where a token does not count. Replica r
+    with n_r of the N tokens then has the loss sum_r / (N / dp) = (dp n_r / N) x its own
+    token mean, and the mean over the dp replicas (the all-reduce or reduce-scatter) is
+    sum / N, the full batch's, however unevenly the ignored tokens fall.
+    """
+    tokens = int((targets != IGNORE_INDEX).sum())
+    return max(tokens, 1) / dp
 
 
 @dataclass(frozen=True)
@@ -153,26 +175,79 @@ class DataParallelStats:
     """What the dp gradient reduction cost over the run, by pipeline rank."""
 
     replicas: int
-    # Gradient bytes each pipeline rank all-reduces per optimizer step (its stages').
+    # Gradient bytes each pipeline rank all-reduces (or reduce-scatters) per optimizer
+    # step: its stages' unsharded gradients.
     bytes_per_step: tuple[int, ...]
-    # Seconds per step each pipeline rank waited for its all-reduces after its pipeline
-    # step ended (what the schedule did not hide), mean over the steps and the replicas.
+    # Seconds per step each pipeline rank waited for its reductions, mean over the steps
+    # and the replicas. DDP: the wait after its pipeline step ended (what the schedule did
+    # not hide). Sharded: the time in the reduce-scatters, which block the rank (gloo).
     wait_s: tuple[float, ...]
+    # Sharded parameters and optimizer state (FSDP2, --shard) instead of replicated ones.
+    sharded: bool = False
+    # Bytes of parameters and optimizer state that each global rank stores.
+    state_bytes: tuple[int, ...] = ()
 
     def format(self) -> str:
         sizes = ", ".join(f"{b / 1e6:.2f}" for b in self.bytes_per_step)
         waits = ", ".join(f"{w * 1e3:.1f}" for w in self.wait_s)
-        return (
-            f"data parallel: {self.replicas} replicas; per step, by pipeline rank: {sizes} MB "
-            f"of gradients all-reduced, {waits} ms waited for them after the pipeline"
-        )
+        if self.sharded:
+            text = (
+                f"data parallel: {self.replicas} replicas, sharded (FSDP2); per step, by pipeline "
+                f"rank: {sizes} MB of gradients reduce-scattered, {waits} ms in the reduce-scatters"
+            )
+        else:
+            text = (
+                f"data parallel: {self.replicas} replicas; per step, by pipeline rank: {sizes} MB "
+                f"of gradients all-reduced, {waits} ms waited for them after the pipeline"
+            )
+        if self.state_bytes:
+            text += f"; parameters + optimizer state per rank: {max(self.state_bytes) / 1e6:.2f} MB"
+        return text
 
     def to_json(self) -> dict[str, Any]:
         return {
             "dp_replicas": self.replicas,
             "dp_bytes_per_step": list(self.bytes_per_step),
             "dp_wait_s": list(self.wait_s),
+            "dp_sharded": self.sharded,
+            "dp_state_bytes": list(self.state_bytes),
         }
+
+
+def state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank stores of ``params`` and of their optimizer state (a DTensor's
+    local shard only: what sharding saves)."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    total = 0
+    for p in params:
+        total += nbytes(p)
+        for value in optimizer.state.get(p, {}).values():
+            if isinstance(value, torch.Tensor):
+                total += nbytes(value)
+    return total
+
+
+def gather_stats(
+    mesh: Mesh, bytes_per_step: int, waits: Sequence[float], *, state_bytes: int, sharded: bool
+) -> DataParallelStats:
+    """Every rank's reduction cost, grouped by pipeline rank (collective: every rank)."""
+    wait = sum(waits) / len(waits) if waits else math.nan
+    mine = (mesh.pp_rank, bytes_per_step, wait, state_bytes)
+    everyone: list[Any] = [None] * dist.get_world_size(mesh.world_group)
+    dist.all_gather_object(everyone, mine, group=mesh.world_group)
+    sizes = {pp_rank: nbytes for pp_rank, nbytes, _, _ in everyone}
+    by_rank = [[w for r, _, w, _ in everyone if r == pp_rank] for pp_rank in sorted(sizes)]
+    return DataParallelStats(
+        mesh.dp,
+        tuple(sizes[r] for r in sorted(sizes)),
+        tuple(sum(w) / len(w) for w in by_rank),
+        sharded,
+        tuple(int(s) for _, _, _, s in everyone),
+    )
 
 
 def _grads_of(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
@@ -335,20 +410,12 @@ class ReplicaGradients:
         """Stages whose all-reduce started inside the last pipeline step (overlapped)."""
         return self._early
 
-    def stats(self, skip_first: int = 1) -> DataParallelStats:
+    def stats(self, skip_first: int = 1, *, state_bytes: int = 0) -> DataParallelStats:
         """The run's cost so far, every rank's (collective: call it on every rank).
 
         The first ``skip_first`` steps (warm-up) are left out of the waits.
         """
-        waits = self._waits[skip_first:] or self._waits
-        wait = sum(waits) / len(waits) if waits else math.nan
-        mine = (self._mesh.pp_rank, self.bytes_per_step, wait)
-        everyone: list[Any] = [None] * dist.get_world_size(self._mesh.world_group)
-        dist.all_gather_object(everyone, mine, group=self._mesh.world_group)
-        sizes = {pp_rank: nbytes for pp_rank, nbytes, _ in everyone}
-        by_rank = [[w for r, _, w in everyone if r == pp_rank] for pp_rank in sorted(sizes)]
-        return DataParallelStats(
-            self._mesh.dp,
-            tuple(sizes[r] for r in sorted(sizes)),
-            tuple(sum(w) / len(w) for w in by_rank),
-        )
+        return gather_stats(
+            self._mesh, self.bytes_per_step, self._waits[skip_first:] or self._waits,
+            state_bytes=state_bytes, sharded=False,
+        )  # fmt: skip

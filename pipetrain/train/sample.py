@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["gather_state_dict", "generate"]
 
@@ -20,6 +21,9 @@ def _local_state(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for module in modules:
         for name, tensor in module.state_dict().items():
+            if isinstance(tensor, DTensor):
+                # Sharded over the dp group (--shard): every replica takes part in the gather.
+                tensor = tensor.full_tensor()
             # Replicas (Chimera) repeat names with equal values: keep the first.
             state.setdefault(name, tensor.detach().to("cpu"))
     return state
@@ -29,7 +33,9 @@ def gather_state_dict(modules: Sequence[nn.Module], group: Any) -> dict[str, tor
     """The whole model's state dict on rank 0 of ``group`` (None elsewhere).
 
     ``group`` None: every stage is in this process. Meant for models small enough for one
-    process (the sample at the end of a run); large ones go through checkpoints.
+    process (the sample at the end of a run); large ones go through checkpoints. With
+    stages sharded over data-parallel replicas (FSDP2) every replica must call it, since
+    the full tensors are gathered over the dp group first.
     """
     local = _local_state(modules)
     if group is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from pipetrain.schedules.registry import build_schedule
 from pipetrain.train.config import ConfigError, load_config
 from pipetrain.train.data import Batch
 from pipetrain.train.optim import Gradients
@@ -18,8 +20,10 @@ from pipetrain.train.parallel import (
     Mesh,
     _buckets,
     norm_share,
+    replica_denominator,
     shard_batch,
 )
+from pipetrain.train.sharded import check_shardable, fsdp_internals, missing_fsdp_internals
 
 
 @given(st.integers(1, 6), st.integers(1, 5))
@@ -68,7 +72,77 @@ def test_stats_text_and_json() -> None:
         "dp_replicas": 2,
         "dp_bytes_per_step": [2_500_000, 1_000],
         "dp_wait_s": [0.012, 0.0],
+        "dp_sharded": False,
+        "dp_state_bytes": [],
     }
+    sharded = DataParallelStats(2, (2_500_000,), (0.003,), True, (1_000_000, 3_000_000))
+    assert sharded.format() == (
+        "data parallel: 2 replicas, sharded (FSDP2); per step, by pipeline rank: 2.50 MB of "
+        "gradients reduce-scattered, 3.0 ms in the reduce-scatters; parameters + optimizer "
+        "state per rank: 3.00 MB"
+    )
+    assert sharded.to_json()["dp_state_bytes"] == [1_000_000, 3_000_000]
+
+
+def test_sharded_replicas_each_count_their_own_shard() -> None:
+    grads = Gradients.of([nn.Parameter(torch.ones(2))])
+    second = Mesh(2, 2, 1, 1, None, None, None)
+    assert norm_share(grads, second, sharded=True) == grads
+
+
+def test_replica_denominator_weights_replicas_by_their_tokens() -> None:
+    targets = torch.ones(4, 5, dtype=torch.long)
+    targets[0, :3] = -100  # replica 0 (rows 0-1): 7 tokens; replica 1 (rows 2-3): 10
+    assert replica_denominator(targets, 2) == 17 / 2
+    # Each replica's loss sum over N / dp, averaged over the replicas: sum over N.
+    sums = torch.tensor([3.5, 9.0])
+    mean_of_replicas = float((sums / replica_denominator(targets, 2)).mean())
+    assert mean_of_replicas == pytest.approx(float(sums.sum()) / 17)
+    assert replica_denominator(torch.full((2, 3), -100), 2) == 0.5  # never a division by 0
+
+
+def test_fsdp2_internals_used_by_shard_are_present() -> None:
+    # --shard calls private FSDP2 methods (as torch.distributed.pipelining does): a torch
+    # that renames or drops them must fail here, not train with wrong gradients.
+    assert missing_fsdp_internals() == []
+    for name, found in fsdp_internals().items():
+        assert callable(found), name
+    group_post_backward = fsdp_internals()["FSDPParamGroup.post_backward"]
+    assert list(inspect.signature(group_post_backward).parameters)[:1] == ["self"]
+
+
+def test_config_shard_field() -> None:
+    config = load_config(
+        None,
+        {
+            "pipeline.dp": 2,
+            "pipeline.shard": True,
+            "pipeline.microbatches": 4,
+            "data.batch_size": 16,
+        },
+    )
+    assert config.pipeline.shard
+    with pytest.raises(ConfigError, match=r"pipeline.dp is 1: add --dp 2 \(or more\) or drop"):
+        load_config(None, {"pipeline.shard": True})
+    with pytest.raises(ConfigError, match="drop --compile or --shard"):
+        load_config(
+            None,
+            {
+                "pipeline.dp": 2,
+                "pipeline.shard": True,
+                "pipeline.compile": True,
+                "pipeline.microbatches": 4,
+                "data.batch_size": 16,
+            },
+        )
+
+
+def test_shard_refuses_asynchronous_and_replicated_schedules() -> None:
+    for name, problem in (("pipedream", "asynchronous"), ("chimera", "replicated")):
+        schedule = build_schedule(name, 2, 4)
+        with pytest.raises(ConfigError, match=problem):
+            check_shardable(schedule)
+    check_shardable(build_schedule("zb-h1", 2, 4))
 
 
 def test_config_dp_field() -> None:

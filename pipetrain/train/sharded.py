@@ -1,0 +1,229 @@
+"""Sharded data parallelism (``--shard``): FSDP2's ``fully_shard`` on each stage of a rank.
+
+Each stage module is sharded over the "dp" dimension of the (pp, dp) mesh: between steps
+a replica holds 1/dp of the stage's parameters, gradients and AdamW state. A step runs:
+
+    first F of the stage      all-gather the parameters (once: reshard_after_forward=False)
+    every F, B, I and W       on the unsharded parameters; gradients add up unsharded
+    after the last B or W     reduce-scatter the gradients into the shards, then reshard
+                              (the pipeline's grads_hook; the rest of the schedule goes on)
+
+FSDP2 would reduce-scatter in its post-backward hook, at the end of each autograd
+backward. With the split backward of the zero-bubble schedules that is the end of I,
+before W has added the weight gradients (runtime/stage.py runs W outside autograd), so
+the hook is held off for the whole step (gradient sync off, no reshard after backward)
+and ``_reduce_scatter_now`` runs FSDP2's post-backward itself once the stage's last W is
+done. FSDP2 has no public entry for that; torch.distributed.pipelining calls the same
+internal methods (``_PipelineStageBase.perform_reduce_grad``), and ``fsdp_internals``
+lists what is used so that a torch that changes them fails at start-up, not silently.
+
+The reduce-scatter sums and divides by dp (forced sum: gloo has no AVG), the mean of the
+replicas' gradients; the loop weights each replica's loss by its share of the batch's
+target tokens (``replica_denominator``) so that the mean is the full batch's gradient.
+
+Not supported, refused with a one-line error: asynchronous schedules (weight versions
+change inside a step), Chimera's replicated stages (their ALLREDUCE would sum sharded
+and unsharded gradients mid-step) and torch.compile (untested with FSDP2 here; refused by the config).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from pipetrain.runtime import Pipeline, PipelineError
+from pipetrain.schedules import Action, Kind, Schedule
+from pipetrain.train.config import ConfigError
+from pipetrain.train.parallel import DataParallelStats, Mesh, gather_stats
+
+__all__ = [
+    "ShardedGradients",
+    "check_shardable",
+    "fsdp_internals",
+    "missing_fsdp_internals",
+]
+
+# The torch version the private entry points below were read in and tested against.
+CHECKED_TORCH = "2.13.0"
+
+
+def fsdp_internals() -> dict[str, Any]:
+    """Name -> the private FSDP2 attribute ``_reduce_scatter_now`` relies on (None: gone)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
+
+    group_cls = getattr(_fsdp_param_group, "FSDPParamGroup", None)
+    state_cls = getattr(_fsdp_state, "FSDPState", None)
+    return {
+        "fully_shard.state": getattr(fully_shard, "state", None),
+        "FSDPParamGroup.post_backward": getattr(group_cls, "post_backward", None),
+        "FSDPState._root_post_backward_final_callback": getattr(
+            state_cls, "_root_post_backward_final_callback", None
+        ),
+    }
+
+
+def missing_fsdp_internals() -> list[str]:
+    """The entry points of ``fsdp_internals`` this torch lacks (empty when all are there)."""
+    return [name for name, found in fsdp_internals().items() if found is None]
+
+
+def _reduce_scatter_now(module: FSDPModule) -> None:
+    """FSDP2's post-backward of ``module``, now: reduce-scatter the unsharded gradients
+    accumulated over the step into the sharded ``.grad`` and reshard the parameters.
+
+    Private FSDP2 API, as torch.distributed.pipelining uses it, checked against torch
+    2.13.0 (``CHECKED_TORCH``): the state's context lists every FSDP state under this root
+    (``_state_ctx.all_states``), each holds parameter groups (``_fsdp_param_groups``)
+    whose ``post_backward`` reduce-scatters when gradient sync is on and reshards when
+    reshard-after-backward is on; ``_root_post_backward_final_callback`` then waits for the
+    reductions and resets the per-step state, as at the end of a last backward.
+    """
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for each in state._state_ctx.all_states:
+        for param_group in each._fsdp_param_groups:
+            param_group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def check_shardable(schedule: Schedule) -> None:
+    """Refuse, in one line, what ``--shard`` does not support."""
+    if schedule.asynchronous:
+        raise ConfigError(
+            f"pipeline.shard does not support the asynchronous schedule {schedule.name!r} (weights "
+            f"change inside a step): use a synchronous schedule such as 1f1b or drop --shard"
+        )
+    if schedule.placement.replicas > 1:
+        raise ConfigError(
+            f"pipeline.shard does not support {schedule.name!r}, whose stages are replicated "
+            f"inside the pipeline: use another schedule (1f1b, zb-h1, ...) or drop --shard"
+        )
+
+
+def _unsharded_bytes(module: nn.Module) -> int:
+    # DTensor parameters report their global shape: the bytes a reduce-scatter takes in.
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+class ShardedGradients:
+    """FSDP2 per stage: the counterpart of ``parallel.ReplicaGradients`` for ``--shard``.
+
+    Build it, pass ``grads_hook`` to ``build_pipeline(grads_hook=...)``, apply the stage
+    options, then ``attach`` the pipeline (this shards it: build the optimizer after).
+    Per optimizer step: ``begin(sync)`` before each pipeline step (sync only on the last
+    of a gradient accumulation), ``finish(step)`` after the last one; ``reshard()`` after
+    a forward outside training (evaluation).
+    """
+
+    def __init__(self, mesh: Mesh, *, timeout_s: float) -> None:
+        if mesh.dp_mesh is None:
+            raise ConfigError("pipeline.shard needs pipeline.dp > 1: add --dp 2 or drop --shard")
+        self._mesh = mesh
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._modules: dict[int, FSDPModule] = {}
+        # Stages in the order their last B/W runs: the same on every replica.
+        self._order: list[int] = []
+        self._reduced: list[int] = []
+        self._early: tuple[int, ...] = ()
+        self._sync = False
+        self._step = 0
+        self._in_step_s = 0.0
+        self._waits: list[float] = []
+        self.bytes_per_step = 0
+
+    # ----------------------------------------------------------------- set-up
+    def attach(self, pipeline: Pipeline) -> None:
+        """Shard every stage module of this rank over the dp group."""
+        check_shardable(pipeline.schedule)
+        missing = missing_fsdp_internals()
+        if missing:
+            raise ConfigError(
+                f"pipeline.shard relies on FSDP2 internals checked in torch {CHECKED_TORCH}, and "
+                f"torch {torch.__version__} lacks {', '.join(missing)}: use torch {CHECKED_TORCH} "
+                f"or drop --shard"
+            )
+        backend = dist.get_backend(self._mesh.dp_group)
+        for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
+            # Gathered at the stage's first forward of a step and kept to its last W.
+            fully_shard(module, mesh=self._mesh.dp_mesh, reshard_after_forward=False)
+            assert isinstance(module, FSDPModule)
+            if backend == "gloo":
+                # gloo has no AVG reduction: sum, then FSDP2 divides by dp.
+                module.set_force_sum_reduction_for_comms(True)
+            self._modules[stage] = module
+        pipeline.rebind_parameters()
+        self.bytes_per_step = sum(_unsharded_bytes(m) for m in pipeline.modules)
+        rank = dist.get_rank(self._mesh.pp_group) if self._mesh.pp > 1 else 0
+        self._plan(pipeline.schedule.actions[rank])
+
+    def _plan(self, actions: Sequence[Action]) -> None:
+        last = {a.stage: pos for pos, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
+        self._order = sorted(last, key=lambda s: last[s])
+
+    # ----------------------------------------------------------------- per step
+    def begin(self, sync: bool) -> None:
+        """Before a pipeline step: ``sync`` on the last step of a gradient accumulation."""
+        self._sync = sync
+        for module in self._modules.values():
+            # Every backward of the step only accumulates; _reduce_scatter_now reduces.
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
+
+    def grads_hook(self, stage: int) -> None:
+        """The pipeline's hook: ``stage`` has run its last B or W of the step."""
+        if self._sync:
+            self._reduce(stage)
+
+    def _reduce(self, stage: int) -> None:
+        if stage in self._reduced:
+            return
+        t0 = time.perf_counter()
+        try:
+            _reduce_scatter_now(self._modules[stage])
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise PipelineError(
+                f"rank {self._mesh.rank}: step {self._step}, reduce-scatter of stage {stage}'s "
+                f"gradients with the other replicas (dp group of pp rank {self._mesh.pp_rank}) "
+                f"failed or timed out: {first}"
+            ) from exc
+        self._in_step_s += time.perf_counter() - t0
+        self._reduced.append(stage)
+
+    def finish(self, step: int) -> None:
+        """Reduce what the hook did not (a stage without backward), in the canonical order."""
+        self._step = step
+        self._early = tuple(self._reduced)
+        for stage in [*self._order, *sorted(self._modules)]:
+            self._reduce(stage)
+        self._waits.append(self._in_step_s)
+        self._in_step_s = 0.0
+        self._reduced.clear()
+        self._step = step + 1
+
+    def reshard(self) -> None:
+        """Free the gathered parameters (after evaluation, whose forwards gathered them)."""
+        for module in self._modules.values():
+            module.reshard()
+
+    @property
+    def launched_in_step(self) -> tuple[int, ...]:
+        """Stages whose reduce-scatter ran inside the last pipeline step (overlapped)."""
+        return self._early
+
+    def stats(self, skip_first: int = 1, *, state_bytes: int = 0) -> DataParallelStats:
+        """The run's cost so far, every rank's (collective: call it on every rank)."""
+        return gather_stats(
+            self._mesh, self.bytes_per_step, self._waits[skip_first:] or self._waits,
+            state_bytes=state_bytes, sharded=True,
+        )  # fmt: skip
