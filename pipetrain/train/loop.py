@@ -55,7 +55,7 @@ from pipetrain.train.parallel import (
 )
 from pipetrain.train.plan import RunPlan, plan_run, threads_per_process
 from pipetrain.train.sample import gather_state_dict, generate
-from pipetrain.train.sharded import ShardedGradients, check_shardable
+from pipetrain.train.sharded import ShardedGradients
 from pipetrain.train.stage_options import StageOptionError, apply_stage_options
 
 __all__ = ["ProcessRole", "announce", "resolve_device", "train"]
@@ -227,13 +227,11 @@ def _train(
     started: float,
     mesh: Mesh | None = None,
 ) -> RunSummary | None:
-    p, d, r = config.pipeline, config.data, config.run
-    if p.shard:
-        check_shardable(plan.schedule)
     if plan.schedule.asynchronous:  # pipedream, pipedream-2bw: weights change inside a step
         from pipetrain.train.async_loop import train_async
 
         return train_async(config, role, plan, device, group, out, started)
+    p, d, r = config.pipeline, config.data, config.run
     spec = model_spec(plan.model)
     # Data parallelism: gradients averaged over the replicas (replicated or, with --shard,
     # sharded stages), shards of every batch, and the norm, the NaN decision and

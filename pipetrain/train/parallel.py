@@ -16,23 +16,22 @@ batch of B sequences, so the replicas together see each row of every batch exact
 Gradients (DDP per stage): once a stage's last backward piece of the step (its last B or
 W) has run, its gradients are copied into flat buckets and summed over the dp group by
 asynchronous all-reduces, while the rank goes on with the rest of its schedule (the
-cool-down); ``finish`` waits for them before the optimizer and divides by ``dp``. Each
-replica's loss is the mean over its shard's tokens, and every shard holds the same number
-of target tokens (windows of text, none ignored), so the mean of the replicas' gradients
-is the gradient of the full batch's mean loss.
+cool-down); ``finish`` waits for them before the optimizer and divides by ``dp``.
+
+Gradients (``--shard``, pipetrain.train.sharded): each stage is FSDP2-sharded over the dp
+group instead; the same hook reduce-scatters its gradients into the shards, and AdamW
+steps the shards.
+
+The mean over replicas is the full batch's gradient even when the replicas hold different
+numbers of target tokens (ignored ``-100`` targets): every rank loads the global batch, so
+each replica divides its summed loss by the global count over dp (``replica_denominator``)
+instead of by its own count, which weights replica r by dp * n_r / N.
 
 Weights tied across pipeline ranks (and Chimera's replicated stages) are summed by the
 pipeline at the end of its step, after these buckets would have been filled: their dp
 all-reduce runs after the pipeline step instead (a sum over both is a sum in any order).
-
-Sharded parameters (FSDP2's ``fully_shard``) are not offered. Tried on gloo with one
-stage of llama-tiny on 2 processes and gradient sync held until the last micro-batch:
-with whole B actions FSDP2's gradients equal these; with the split backward of the
-zero-bubble schedules 29 of the 39 gradients (every Linear weight) are wrong, because W
-adds into the unsharded parameters after FSDP2's post-backward hook already
-reduce-scattered them at the end of I. Doing it right needs FSDP2's private post-backward
-entry points (those torch.distributed.pipelining calls), and DTensor-aware clipping,
-checkpoints and sampling.
+Sharded, the tied copies on two pipeline ranks have the same dp layout, so the pipeline
+sums their local shards.
 """
 
 from __future__ import annotations

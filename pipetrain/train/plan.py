@@ -15,7 +15,7 @@ from pipetrain.models.config import ModelConfig, get_model_config
 from pipetrain.schedules import Schedule
 from pipetrain.train.config import ConfigError, TrainConfig
 
-__all__ = ["RunPlan", "block_split", "plan_run", "threads_per_process"]
+__all__ = ["RunPlan", "block_split", "check_shardable", "plan_run", "threads_per_process"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
         )
     except InputError as exc:
         raise ConfigError(f"pipeline: {exc}") from None
+    if p.shard:
+        check_shardable(schedule)
     stages = schedule.placement.num_model_stages
     if stages > model.n_layers:
         raise ConfigError(
@@ -94,6 +96,21 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
             )
     return RunPlan(model, schedule, block_split(model.n_layers, stages))
+
+
+def check_shardable(schedule: Schedule) -> None:
+    """Refuse, in one line, a schedule that sharded stages (``--shard``) do not support."""
+    if schedule.asynchronous:
+        raise ConfigError(
+            f"pipeline.shard does not support the asynchronous schedule {schedule.name!r} (weights "
+            f"change inside a step): use a synchronous schedule such as 1f1b or drop --shard"
+        )
+    if schedule.placement.replicas > 1:
+        # Their ALLREDUCE would sum mid-step gradients that FSDP2 has not reduced yet.
+        raise ConfigError(
+            f"pipeline.shard does not support {schedule.name!r}, whose stages are replicated "
+            f"inside the pipeline: use another schedule (1f1b, zb-h1, ...) or drop --shard"
+        )
 
 
 def _check_optional_packages(config: TrainConfig) -> None:

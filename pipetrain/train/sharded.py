@@ -39,13 +39,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from pipetrain.runtime import Pipeline, PipelineError
-from pipetrain.schedules import Action, Kind, Schedule
+from pipetrain.schedules import Action, Kind
 from pipetrain.train.config import ConfigError
 from pipetrain.train.parallel import DataParallelStats, Mesh, gather_stats
+from pipetrain.train.plan import check_shardable
 
 __all__ = [
     "ShardedGradients",
-    "check_shardable",
     "fsdp_internals",
     "missing_fsdp_internals",
 ]
@@ -93,20 +93,6 @@ def _reduce_scatter_now(module: FSDPModule) -> None:
         for param_group in each._fsdp_param_groups:
             param_group.post_backward()
     state._root_post_backward_final_callback()
-
-
-def check_shardable(schedule: Schedule) -> None:
-    """Refuse, in one line, what ``--shard`` does not support."""
-    if schedule.asynchronous:
-        raise ConfigError(
-            f"pipeline.shard does not support the asynchronous schedule {schedule.name!r} (weights "
-            f"change inside a step): use a synchronous schedule such as 1f1b or drop --shard"
-        )
-    if schedule.placement.replicas > 1:
-        raise ConfigError(
-            f"pipeline.shard does not support {schedule.name!r}, whose stages are replicated "
-            f"inside the pipeline: use another schedule (1f1b, zb-h1, ...) or drop --shard"
-        )
 
 
 def _unsharded_bytes(module: nn.Module) -> int:

@@ -46,6 +46,15 @@ WORKER = textwrap.dedent(
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    # FSDP2 all-gathers through dist.all_gather_single: count them inside pipeline steps.
+    GATHERS = [0]
+    _all_gather_single = dist.all_gather_single
+
+    def counting_all_gather_single(*args, **kwargs):
+        GATHERS[0] += 1
+        return _all_gather_single(*args, **kwargs)
+
+    dist.all_gather_single = counting_all_gather_single
     mesh = build_mesh("cpu", 2, 2)
     world = dist.group.WORLD
     cpu = torch.device("cpu")
@@ -118,9 +127,11 @@ WORKER = textwrap.dedent(
                 p for n, p in self.pipe.named_parameters() if n in self.pipe.tied_names])
             self.grads = grads if dp == 1 else norm_share(grads, mesh, sharded=mode == "shard")
             self.model = model
+            self.gathers, self.early = [], []
 
         def step(self, step, batches, accum=1):
             losses = []
+            GATHERS[0] = 0
             for micro in range(accum):
                 batch = batches[step * accum + micro]
                 if self.dp is None:
@@ -132,8 +143,10 @@ WORKER = textwrap.dedent(
                     shard.inputs, shard.targets,
                     denominator=replica_denominator(batch.targets, mesh.dp)).loss)
             loss = sum(losses) / len(losses)
+            self.gathers.append(GATHERS[0])
             if self.dp is not None:
                 self.dp.finish(step)
+                self.early.append(sorted(self.dp.launched_in_step))
                 loss = replica_mean([loss], mesh, cpu)[0]
             o = self.update.apply(step, self.grads, loss, accumulated=accum)
             return [loss, o.grad_norm, o.clip_factor]
@@ -199,6 +212,9 @@ WORKER = textwrap.dedent(
             "sharded_grads": mode == "shard" and all(
                 isinstance(p, DTensor) for p in run.pipe.parameters()),
             "state_bytes": state_bytes(run.pipe.parameters(), run.opt),
+            "stages": list(run.pipe.stages),
+            "gathers": run.gathers,
+            "early": run.early,
         }
         if name == "shard-1f1b":
             # After an eval the stages are sharded again: a step after it still matches.
@@ -338,6 +354,17 @@ def test_equals_one_process_on_the_full_batch(results: list[dict], case: str) ->
         assert not bad, (case, bad)
         assert got["eval"] == pytest.approx(got["ref_eval"], rel=1e-5), case
         assert got["sharded_grads"] == case.startswith("shard"), case
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("shard")])
+def test_gathered_once_per_step_and_reduced_inside_it(results: list[dict], case: str) -> None:
+    for out in results:
+        got = out["cases"][case]
+        # One all-gather per stage per optimizer step, not one per micro-batch: the
+        # parameters stay gathered through gradient accumulation too.
+        assert got["gathers"] == [len(got["stages"])] * 5, case
+        # Every stage's reduce-scatter ran in the pipeline step, right after its last B/W.
+        assert got["early"] == [got["stages"]] * 5, case
 
 
 def test_unequal_ignored_tokens_matter(results: list[dict]) -> None:

@@ -23,7 +23,8 @@ from pipetrain.train.parallel import (
     replica_denominator,
     shard_batch,
 )
-from pipetrain.train.sharded import check_shardable, fsdp_internals, missing_fsdp_internals
+from pipetrain.train.plan import check_shardable
+from pipetrain.train.sharded import fsdp_internals, missing_fsdp_internals
 
 
 @given(st.integers(1, 6), st.integers(1, 5))
