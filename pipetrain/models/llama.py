@@ -36,14 +36,29 @@ def rotary_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each (T, head_dim/2), in float32.
 
-    Computed per call rather than kept in a buffer: a buffer would be garbage after a meta
-    build, and at these sizes the cost is negligible next to attention.
+    Not a module buffer: a buffer would be garbage after a meta build. Every block of every
+    micro-batch asks for the same tables, so they are computed once per (length, width,
+    theta, device) and shared: recomputing them cost about 1% of a step on CPU.
     """
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    )
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    key = (seq_len, head_dim, theta, str(device))
+    tables = _ROTARY_CACHE.get(key)
+    if tables is None:
+        # Normal tensors even when first asked for under inference_mode: a cached inference
+        # tensor could not be saved for a later training backward.
+        with torch.inference_mode(False):
+            positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+            exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+            angles = torch.outer(positions, 1.0 / theta**exponents)
+            tables = (angles.cos(), angles.sin())
+        if len(_ROTARY_CACHE) >= _ROTARY_CACHE_SIZE:
+            _ROTARY_CACHE.pop(next(iter(_ROTARY_CACHE)))  # the oldest: lengths seen long ago
+        _ROTARY_CACHE[key] = tables
+    return tables
+
+
+# A few sequence lengths at most in a run (training, evaluation, generation's growing prefix).
+_ROTARY_CACHE_SIZE = 64
+_ROTARY_CACHE: dict[tuple[int, int, float, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -86,12 +101,12 @@ class LlamaAttention(nn.Module):
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rotary_tables(t, self.head_dim, self.rope_theta, x.device)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            # Each key/value head serves n_heads / n_kv_heads query heads.
-            repeat = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        # Each key/value head serves n_heads / n_kv_heads query heads; SDPA pairs them itself
+        # instead of materialising repeated keys and values (same numbers, 10-30% less time
+        # for attention on CPU).
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )  # (B, H, T, D)
         out: torch.Tensor = self.wo(y.transpose(1, 2).reshape(b, t, c))
         return out
 

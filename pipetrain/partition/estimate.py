@@ -48,14 +48,16 @@ def _block_activation_bytes(config: ModelConfig, seq_len: int) -> float:
 
     Counted from what autograd saves in these modules (the profiler's figure for the tiny
     presets, exactly): per token, the residual input, the norm outputs and the views the
-    linears keep, q, k, v (k and v after the GQA repeat), the attention output; the MLP's
+    linears keep, q, k, v (k and v at their own width: attention pairs the GQA heads without
+    repeating them), the attention output; the MLP's
     hidden tensors (SwiGLU keeps gate, up, their activation and product; GELU keeps two);
     the norm statistics, one log-sum-exp per head (memory-efficient attention keeps no
-    T x T matrix), and for Llama the rotary tables.
+    T x T matrix), and for Llama one head-width tensor per micro-batch in attention,
+    charged here to every sample (so a little high for micro-batches of several samples).
     """
     d, f, h = config.d_model, config.ffn_hidden, config.n_heads
     if config.family == "llama":
-        per_token = 11 * d + 4 * f + h + 2 + config.head_dim
+        per_token = 9 * d + 2 * config.kv_dim + 4 * f + h + 2 + config.head_dim
     else:
         per_token = 8 * d + 2 * f + h + 4
     return float(per_token * seq_len * _FP32)

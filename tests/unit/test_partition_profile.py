@@ -66,8 +66,8 @@ def test_profile_of_a_tiny_model_has_one_cost_per_layer() -> None:
     estimated = estimate_costs(config, 16)
     for measured, guess in zip(costs, estimated, strict=True):
         assert measured.params == guess.params
-    # The estimate counts the same saved tensors; it charges per-sequence tensors (rotary
-    # tables) to every sample, so it is a little high at a micro-batch of 2.
+    # The estimate counts the same saved tensors; it charges a per-micro-batch tensor of
+    # attention to every sample, so it is a little high at a micro-batch of 2.
     for i in (1, len(costs) - 1):
         assert costs[i].activation_bytes_per_sample == pytest.approx(
             estimated[i].activation_bytes_per_sample, rel=0.01
