@@ -25,6 +25,7 @@ from pipetrain.runtime.stage import StageRunner
 from pipetrain.runtime.timeline import ActionClock
 from pipetrain.runtime.transport import MessageKey
 from pipetrain.schedules import Action, Kind, Schedule
+from pipetrain.schedules.wire import PeerOrders, peer_orders, wire_orders
 
 __all__ = ["ComputeHook", "GradReducer", "GradsHook", "RankExecutor", "StepHook", "Transport"]
 
@@ -40,7 +41,7 @@ GradsHook = Callable[[int], None]
 
 
 class Transport(Protocol):
-    def begin_step(self, step: int, expected: Sequence[tuple[MessageKey, int]]) -> None: ...
+    def begin_step(self, step: int, wires: Sequence[PeerOrders]) -> None: ...
     def end_step(self) -> None: ...
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None: ...
     def recv(self, key: MessageKey, src_stage: int) -> tuple[torch.Tensor, ...] | None: ...
@@ -108,9 +109,10 @@ class RankExecutor:
         if grads_hook is not None:
             handlers = _after_last_grads(self.actions, handlers, grads_hook)
         self._handlers: tuple[Callable[[Action], bool], ...] = tuple(handlers)
-        self.expected_receives: tuple[tuple[MessageKey, int], ...] = tuple(
-            self._recv_key(a) for a in self.actions if a.kind in (Kind.RECV_F, Kind.RECV_B)
-        )
+        # The order of this program's messages with each peer rank, which a transport that
+        # matches messages by order (DistTransport) follows; a schedule that has none
+        # cannot run and fails here, when the pipeline is built.
+        self.wire: PeerOrders = peer_orders(wire_orders(schedule), rank)
         self.clock = ActionClock(len(self.actions))
         self._inbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._outbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}

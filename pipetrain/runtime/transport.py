@@ -5,22 +5,25 @@ the pipeline's process group) and ``InMemoryTransport`` (the single-process debu
 where every rank runs in one process). Stages on the same rank never use a transport: the
 executor hands their tensors over in memory.
 
-A message is named by ``MessageKey(dst_stage, is_grad, microbatch)`` and matched by that
-name, never by arrival order (see ``pipetrain.schedules.lowering``). On the wire each
-message is a fixed-size int64 header followed by its tensors:
+A message is named by ``MessageKey(dst_stage, is_grad, microbatch)``. Across processes
+messages are matched by order, not by name or tag, because NCCL can do nothing else: both
+ranks of a pair post their messages in the pair's wire order (``pipetrain.schedules.wire``;
+``DistTransport`` explains the rules). On the wire each message is a fixed-size int64
+header followed by its tensors, all with one tag:
 
     [MAGIC, step, src_stage, dst_stage, microbatch, is_grad, n,
      n x (dtype code, ndim, d0 .. d5)]
 
 The receiver allocates from the header, so a message of another shape cannot leave stale
 rows in a buffer (gloo accepts a shorter message silently) or abort the process (a longer
-one), and a message that is not the expected one is an error naming both stages.
+one), and a message that is not the expected one (the ranks disagree on the schedule or
+the order) is an error naming both stages.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.runtime.errors import PipelineError, StageMismatchError
+from pipetrain.schedules.wire import PeerOrders
 
 __all__ = [
     "DistTransport",
@@ -42,8 +46,8 @@ MAX_TENSORS = 8
 MAX_DIMS = 6
 _FIXED = 7
 HEADER_LEN = _FIXED + MAX_TENSORS * (2 + MAX_DIMS)
-# Tags per message: one for the header, one per tensor.
-_TAGS_PER_MESSAGE = 1 + MAX_TENSORS
+# Every message, header and payload, uses this one tag: messages match by order (class doc).
+TAG = 0
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -68,9 +72,9 @@ class MessageKey:
     is_grad: bool
     microbatch: int
 
-    def tag(self, num_stages: int) -> int:
-        slot = (self.microbatch * num_stages + self.dst_stage) * 2 + int(self.is_grad)
-        return slot * _TAGS_PER_MESSAGE
+    def __str__(self) -> str:
+        what = "gradient" if self.is_grad else "activations"
+        return f"{what} for stage {self.dst_stage} of micro-batch {self.microbatch}"
 
 
 def backend_for(device: torch.device) -> str:
@@ -141,7 +145,7 @@ def _specs_of(tensors: tuple[torch.Tensor, ...]) -> _Specs:
 class _Pending:
     """A receive in flight: its header, and its payload once its shapes are known."""
 
-    __slots__ = ("header", "header_work", "payload", "payload_works", "predicted", "src")
+    __slots__ = ("header", "header_work", "payload", "payload_works", "predicted", "specs", "src")
 
     def __init__(self, src: int, header: torch.Tensor, header_work: Any) -> None:
         self.src = src
@@ -149,7 +153,30 @@ class _Pending:
         self.header_work = header_work
         self.payload: tuple[torch.Tensor, ...] | None = None
         self.payload_works: list[Any] = []
-        self.predicted: _Specs | None = None
+        self.predicted: _Specs | None = None  # shapes the payload was posted with, unread
+        self.specs: _Specs | None = None  # shapes the header announced, once read
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One message of a peer's wire order, seen from this rank."""
+
+    key: MessageKey
+    src_stage: int
+    outgoing: bool
+
+
+class _Peer:
+    """The wire to one peer rank during a step: its messages in order, and how far we are."""
+
+    __slots__ = ("ahead", "head", "index", "order", "rank")
+
+    def __init__(self, rank: int, order: tuple[_Entry, ...]) -> None:
+        self.rank = rank
+        self.order = order
+        self.index = {entry.key: i for i, entry in enumerate(order)}
+        self.head = 0  # the next entry to post (a receive) or to issue (a send)
+        self.ahead = 0  # payload receives posted and not yet taken by a RECV
 
 
 class DistTransport:
@@ -157,18 +184,37 @@ class DistTransport:
 
     ``stage_ranks[s]`` is the group rank of stage ``s``.
 
-    Posting receives early (gloo). The headers of all of a step's receives are posted when
-    the step begins. A payload needs its shapes: the first message of a step on each
-    boundary is received header first; the later ones carry the same shapes (equal
-    micro-batches), so ``progress``, called as each compute action starts, posts the
-    payload receives of the next ``lookahead`` messages at once and the transfer overlaps
-    the compute. The sender enforces the premise: a message whose shapes differ from the
-    first one of its boundary in the step is an error (gloo would abort the process on a
-    message longer than the posted buffer). gloo's ``is_completed`` stays False until
-    ``wait``, so nothing here polls it.
+    Order, not tags. NCCL matches the messages between two ranks in the order they are
+    posted and runs all of a pair's sends and receives (both directions) on one stream,
+    where a send may wait for the peer's matching receive. So every message between two
+    ranks goes through one pump per peer that posts them strictly in the pair's wire order
+    (``pipetrain.schedules.wire``), which both ranks derive from the schedule, and every
+    message uses the same tag, on every backend: gloo then matches per source in posting
+    order exactly as NCCL does, and the multi-process tests on CPU run the order semantics
+    that NCCL needs. The header check (a message that is not the expected one names both
+    stages) now also catches a wire order that went wrong.
 
-    NCCL matches messages between two ranks by order, not tag, so there every receive is
-    posted when its action runs, in schedule order, header first.
+    The pump. At the head of a peer's order:
+
+    - a send is issued once its SEND action has run (the executor calls ``send``; the rule
+      of the wire order that a rank's sends keep its program order means nothing earlier
+      is missing then); the pump never waits for a send to complete;
+    - a receive gets its header posted, then its payload once the shapes are known. The
+      first message of a step on each boundary is received header first; the later ones
+      carry the same shapes (equal micro-batches), so their payloads are posted at once,
+      at most ``lookahead`` ahead of use, and the transfer overlaps compute. The sender
+      enforces the premise: a message whose shapes differ from the first one of its
+      boundary in the step is an error (gloo would abort the process on a message longer
+      than the posted buffer).
+
+    ``progress``, called as each compute action starts, moves every pump as far as it
+    goes without blocking: it stops at a send whose data does not exist yet, at a payload
+    whose shapes are unknown (the next operation on the wire from that peer is that
+    payload, so nothing after it may be posted), and at the look-ahead bound. ``send`` and
+    ``recv`` move their peer's pump through their own message; they may have to read the
+    header of an earlier message of the order first (blocking), which is always one that
+    the peer sent earlier in the replay that made the order, so these waits never close a
+    cycle. gloo's ``is_completed`` stays False until ``wait``, so nothing here polls it.
 
     A send's buffers are kept until it is known to be complete: the activations of
     micro-batch k once the gradient of k has come back from that stage (it was received
@@ -186,40 +232,133 @@ class DistTransport:
         self._group = group
         self._rank = dist.get_rank(group)
         self._stage_ranks = stage_ranks
-        self._num_stages = len(stage_ranks)
         self._device = device
         self._timeout_s = timeout_s
         self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._early = dist.get_backend(group) == "gloo"
-        self._lookahead = lookahead if self._early else 0
+        self._lookahead = lookahead
         self._step = 0
+        self._peers: dict[int, _Peer] = {}
+        self._ready: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._pending: dict[MessageKey, _Pending] = {}
         self._sends: dict[MessageKey, tuple[list[Any], tuple[torch.Tensor, ...]]] = {}
         self._sent_specs: dict[_Boundary, _Specs] = {}
         self._recv_specs: dict[_Boundary, _Specs] = {}
 
     # ----------------------------------------------------------------- step bounds
-    def begin_step(self, step: int, expected: Iterable[tuple[MessageKey, int]]) -> None:
-        """Start a step; ``expected`` lists this rank's receives as (key, source stage)."""
+    def begin_step(self, step: int, wires: Sequence[PeerOrders]) -> None:
+        """Start a step; ``wires`` holds this rank's wire orders by peer (one program)."""
+        if len(wires) != 1:
+            raise PipelineError(f"a DistTransport runs one rank's program, got {len(wires)}")
         self._step = step
         # Shapes may change from one step to the next (sequence length): learn them anew.
         self._sent_specs.clear()
         self._recv_specs.clear()
-        if self._early:
-            for key, src in expected:
-                self._post_header(key, src)
+        self._peers = {
+            peer: _Peer(
+                peer,
+                tuple(
+                    _Entry(
+                        MessageKey(m.dst_stage, m.is_grad, m.microbatch),
+                        m.src_stage,
+                        m.src_rank == self._rank,
+                    )
+                    for m in messages
+                ),
+            )
+            for peer, messages in wires[0].items()
+        }
+        self.progress()
 
     def end_step(self) -> None:
         """Wait until every send of the step has left (its buffers may then be freed)."""
         for key in list(self._sends):
             self._release(key)
-        if self._pending:
-            keys = ", ".join(str(k) for k in self._pending)
+        left = [
+            f"{entry.key} with rank {peer.rank}"
+            for peer in self._peers.values()
+            for entry in peer.order[peer.head :]
+        ]
+        left += [str(key) for key in self._pending]
+        if left:
             raise PipelineError(
-                f"rank {self._rank}: step {self._step} ended with receives never used: {keys}"
+                f"rank {self._rank}: step {self._step} ended with messages never sent or "
+                f"received: {', '.join(left)}"
             )
 
-    # ----------------------------------------------------------------- sending
+    # ----------------------------------------------------------------- the pumps
+    def progress(self) -> None:
+        """Move every peer's pump as far as it goes without blocking (class doc)."""
+        for peer in self._peers.values():
+            self._pump(peer, None)
+
+    def _pump(self, peer: _Peer, through: int | None) -> None:
+        """Post or issue ``peer``'s messages in order: through entry ``through``, reading
+        headers where needed, or, with None, as far as possible without blocking."""
+        while peer.head < len(peer.order) and (through is None or peer.head <= through):
+            entry = peer.order[peer.head]
+            if entry.outgoing:
+                tensors = self._ready.pop(entry.key, None)
+                if tensors is None:
+                    if through is None:
+                        return
+                    raise PipelineError(
+                        f"rank {self._rank}: step {self._step}, the wire order to rank {peer.rank} "
+                        f"sends {entry.key} before its SEND ran: the order breaks its own rules"
+                    )
+                self._issue(entry, peer.rank, tensors)
+            else:
+                pending = self._pending.get(entry.key) or self._post_header(entry, peer.rank)
+                if pending.payload is None:
+                    boundary = (entry.src_stage, entry.key.dst_stage, entry.key.is_grad)
+                    specs = self._recv_specs.get(boundary)
+                    if specs is None:
+                        if through is None:
+                            return  # a boundary's first message: its header comes first
+                        specs = self._read_header(entry.key, pending)
+                    elif through is None and peer.ahead >= self._lookahead:
+                        return
+                    else:
+                        pending.predicted = specs
+                    self._post_payload(pending, peer.rank, specs)
+                    peer.ahead += 1
+            peer.head += 1
+
+    def _issue(self, entry: _Entry, peer: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        key = entry.key
+        header = torch.tensor(
+            _header(self._step, entry.src_stage, key, tensors),
+            dtype=torch.int64,
+            device=self._device,
+        )
+        works = [dist.isend(header, group=self._group, group_dst=peer, tag=TAG)]
+        works += [dist.isend(t, group=self._group, group_dst=peer, tag=TAG) for t in tensors]
+        self._sends[key] = (works, (header, *tensors))
+
+    def _post_header(self, entry: _Entry, peer: int) -> _Pending:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
+        work = dist.irecv(header, group=self._group, group_src=peer, tag=TAG)
+        pending = _Pending(entry.src_stage, header, work)
+        self._pending[entry.key] = pending
+        return pending
+
+    def _read_header(self, key: MessageKey, pending: _Pending) -> _Specs:
+        """Wait for a header and check it; the first of a boundary sets its shapes."""
+        if pending.specs is None:
+            self._wait(pending.header_work, key)
+            pending.specs = _parse_header(pending.header.tolist(), self._step, pending.src, key)
+            self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), pending.specs)
+        return pending.specs
+
+    def _post_payload(self, pending: _Pending, peer: int, specs: _Specs) -> None:
+        payload = tuple(
+            torch.empty(shape, dtype=dtype, device=self._device) for dtype, shape in specs
+        )
+        pending.payload = payload
+        pending.payload_works = [
+            dist.irecv(t, group=self._group, group_src=peer, tag=TAG) for t in payload
+        ]
+
+    # ----------------------------------------------------------------- send, receive
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None:
         specs = _specs_of(tensors)
         boundary = (src_stage, key.dst_stage, key.is_grad)
@@ -230,18 +369,9 @@ class DistTransport:
                 f"but {first} for an earlier micro-batch of step {self._step}: every micro-batch of a step "
                 f"must give the same shapes at a stage boundary"
             )
-        peer = self._stage_ranks[key.dst_stage]
-        header = torch.tensor(
-            _header(self._step, src_stage, key, tensors), dtype=torch.int64, device=self._device
-        )
-        tag = key.tag(self._num_stages)
-        payload = tuple(t.detach().contiguous() for t in tensors)
-        works = [dist.isend(header, group=self._group, group_dst=peer, tag=tag)]
-        works += [
-            dist.isend(t, group=self._group, group_dst=peer, tag=tag + 1 + i)
-            for i, t in enumerate(payload)
-        ]
-        self._sends[key] = (works, (header, *payload))
+        peer = self._peer_of(key, self._stage_ranks[key.dst_stage])
+        self._ready[key] = tuple(t.detach().contiguous() for t in tensors)
+        self._pump(peer, peer.index[key])
 
     def _release(self, key: MessageKey) -> None:
         entry = self._sends.pop(key, None)
@@ -249,53 +379,12 @@ class DistTransport:
             for work in entry[0]:
                 self._wait(work, key, sending=True)
 
-    # ----------------------------------------------------------------- receiving
-    def _post_header(self, key: MessageKey, src: int) -> _Pending:
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
-        work = dist.irecv(
-            header,
-            group=self._group,
-            group_src=self._stage_ranks[src],
-            tag=key.tag(self._num_stages),
-        )
-        pending = _Pending(src, header, work)
-        self._pending[key] = pending
-        return pending
-
-    def _post_payload(self, key: MessageKey, pending: _Pending, specs: _Specs) -> None:
-        peer = self._stage_ranks[pending.src]
-        tag = key.tag(self._num_stages)
-        payload = tuple(
-            torch.empty(shape, dtype=dtype, device=self._device) for dtype, shape in specs
-        )
-        pending.payload = payload
-        pending.payload_works = [
-            dist.irecv(t, group=self._group, group_src=peer, tag=tag + 1 + i)
-            for i, t in enumerate(payload)
-        ]
-
-    def progress(self) -> None:
-        """Post the payload receives of the next messages whose shapes are known."""
-        budget = self._lookahead
-        for key, pending in self._pending.items():
-            if budget <= 0:
-                return
-            budget -= 1
-            if pending.payload is None:
-                specs = self._recv_specs.get((pending.src, key.dst_stage, key.is_grad))
-                if specs is None:
-                    return  # a boundary's first message: its header must come first
-                pending.predicted = specs
-                self._post_payload(key, pending, specs)
-
     def recv(self, key: MessageKey, src_stage: int) -> tuple[torch.Tensor, ...]:
-        pending = self._pending.get(key) or self._post_header(key, src_stage)
-        self._wait(pending.header_work, key)
-        specs = _parse_header(pending.header.tolist(), self._step, pending.src, key)
-        if pending.payload is None:
-            self._post_payload(key, pending, specs)
-            self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), specs)
-        elif specs != pending.predicted:
+        peer = self._peer_of(key, self._stage_ranks[src_stage])
+        self._pump(peer, peer.index[key])
+        pending = self._pending[key]
+        specs = self._read_header(key, pending)
+        if pending.predicted is not None and specs != pending.predicted:
             raise StageMismatchError(
                 f"stage {pending.src} announced {specs} for micro-batch {key.microbatch} but stage "
                 f"{key.dst_stage} expected {pending.predicted} like the earlier micro-batches of step {self._step}"
@@ -303,12 +392,22 @@ class DistTransport:
         for work in pending.payload_works:
             self._wait(work, key)
         del self._pending[key]
+        peer.ahead -= 1
         if key.is_grad:
             # The gradient of micro-batch k was computed from our activations of k: that
             # send is complete, free its buffers now rather than at the end of the step.
             self._release(MessageKey(src_stage, False, key.microbatch))
         assert pending.payload is not None
         return pending.payload
+
+    def _peer_of(self, key: MessageKey, rank: int) -> _Peer:
+        peer = self._peers.get(rank)
+        if peer is None or key not in peer.index:
+            raise PipelineError(
+                f"rank {self._rank}: step {self._step}, {key} with rank {rank} is not in this "
+                f"program's wire order: build the transport's step from the same schedule"
+            )
+        return peer
 
     # ----------------------------------------------------------------- failures
     def _wait(self, work: Any, key: MessageKey, sending: bool = False) -> None:
@@ -345,8 +444,8 @@ class InMemoryTransport:
         self._box: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._step = 0
 
-    def begin_step(self, step: int, expected: Iterable[tuple[MessageKey, int]]) -> None:
-        del expected  # nothing to post in advance in memory
+    def begin_step(self, step: int, wires: Sequence[PeerOrders]) -> None:
+        del wires  # messages are matched by name in memory: there is no wire to order
         self._step = step
 
     def end_step(self) -> None:

@@ -40,6 +40,7 @@ from pipetrain.schedules.schedule import Schedule, ScheduleError
 
 __all__ = [
     "Message",
+    "PeerOrders",
     "WireCheck",
     "check_order_matched",
     "issue_orders",
@@ -54,6 +55,8 @@ _RECVS = frozenset({Kind.RECV_F, Kind.RECV_B})
 _UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
 
 Pair = tuple[int, int]  # (lower rank, higher rank)
+# One rank's wire orders: for each peer rank, the messages between the two in order.
+PeerOrders = Mapping[int, tuple["Message", ...]]
 
 
 @dataclass(frozen=True, order=True)

@@ -3,7 +3,8 @@
 ``runtime_worker.py equal OUT``: every synchronous schedule for this world size, one step
 each on llama-tiny, compared with one process on the whole batch (loss and every
 gradient to 1e-5 relative) and with the debug mode (bit for bit); with 2 ranks also AdamW
-steps and a user CSV schedule, with 4 ranks two 2-rank pipelines side by side (the
+steps (two of them and an evaluation on V and looped schedules, whose wire orders differ
+from a program order) and a user CSV schedule, with 4 ranks two 2-rank pipelines side by side (the
 second on global ranks 2 and 3). Writes OUT/rank<r>.json.
 
 ``runtime_worker.py kill OUT``: rank 1 kills itself in the middle of step 1; the others
@@ -55,6 +56,11 @@ SCHEDULES: dict[str, dict[int, int]] = {
 USER_CSV = """0F0, 0F1, 0F2, 0B0, 0F3, 0B1, 0B2, 0B3
 1F0, 1I0, 1F1, 1I1, 1W0, 1F2, 1I2, 1W1, 1F3, 1I3, 1W3, 1W2
 """
+
+
+# Schedules whose messages between two ranks leave in another order than one side uses
+# them (V placements) or interleave both directions of several stages (loops), with v.
+WIRE_SCHEDULES = (("zb-v", 2), ("dualpipe-v", 2), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3))
 
 
 # Side by side, the pipelines' own groups matter, not the schedules: a linear, a looped
@@ -205,6 +211,12 @@ def run_equal(out: Path) -> None:
         results["adamw-chimera"] = adamw_case(
             spec, dist.group.WORLD, build_schedule("chimera", 2, 4)
         )
+        # Orders that differ from program order on one side: the V turn, and loops of 2 and
+        # 3 stages per rank; training and evaluation steps (different wire orders).
+        for name, v in WIRE_SCHEDULES:
+            results[f"wire-{name}-v{v}"] = adamw_case(
+                spec, dist.group.WORLD, build_schedule(name, 2, 4, chunks=v), steps=2
+            )
     if world == 4:
         # Two independent 2-rank pipelines in one world: the runtime uses only its group.
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -78,7 +78,17 @@ def test_sequence_length_changes_between_steps(two):
         assert report["sequence-change"]["grad_rel"] < RTOL
 
 
-@pytest.mark.parametrize("name", ("adamw-zb-h1", "adamw-chimera"))
+@pytest.mark.parametrize(
+    "name",
+    (
+        "adamw-zb-h1",
+        "adamw-chimera",
+        "wire-zb-v-v2",
+        "wire-dualpipe-v-v2",
+        "wire-interleaved-1f1b-v2",
+        "wire-interleaved-1f1b-v3",
+    ),
+)
 def test_adamw_steps_equal_one_process(two, name):
     for report in two:
         res = report[name]
