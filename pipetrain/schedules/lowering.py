@@ -17,8 +17,12 @@ activations one way and gradients the other (GPipe, 1F1B, interleaved 1F1B as ge
 here) the two orders agree. They can differ when one link carries both in the same
 direction, as on a V placement: with p = 2, rank 0 sends rank 1 the activations of stage 0
 and the gradients of stage 3, and may send ``0F1``'s activation before ``3B0``'s gradient
-while rank 1 runs ``2B0`` (receiving that gradient) before ``1F1`` (ZB-V does this). The
-runtime therefore matches messages by ``(stage, kind, micro-batch)``, never by order.
+while rank 1 runs ``2B0`` (receiving that gradient) before ``1F1`` (ZB-V does this). So
+neither side's program order can be the order of the wire. NCCL matches messages between
+two ranks only by the order in which they are posted (tags are ignored), so the runtime
+posts every pair's messages in one order that both ranks derive from the lowered schedule
+(``pipetrain.schedules.wire``), checks each message's header against the name it expects
+there, and uses one tag for all messages on every backend.
 """
 
 from __future__ import annotations
