@@ -290,7 +290,11 @@ def _train(
 
     optimizer = build_optimizer(pipeline.named_parameters(), config.optim)
     update = GuardedUpdate(optimizer, config.optim, total_steps=r.steps, group=everyone)
-    grads = _gradients(pipeline) if mesh is None else norm_share(_gradients(pipeline), mesh)
+    grads = (
+        _gradients(pipeline)
+        if mesh is None
+        else norm_share(_gradients(pipeline), mesh, sharded=sharded is not None)
+    )
 
     output = RunOutput(
         active=role.reporter,

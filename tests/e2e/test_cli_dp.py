@@ -2,8 +2,9 @@
 process on the full batch, and checkpoints move between (pp=2, dp=2) and (pp=4, dp=1).
 
 Three 4-process launches in all, chained through checkpoints: pp2 x dp2 from scratch
-(saving at steps 2 and 4), pp4 resumed from its step 2 (saving at 4), pp2 x dp2 resumed
-from that step 4. Every step's loss must equal the one-process run to 1e-5 relative.
+(saving at steps 2 and 4), pp4 resumed from its step 2 (saving at 4), pp2 x dp2 with
+sharded stages (--shard) resumed from that step 4. Every step's loss must equal the
+one-process run to 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -139,13 +140,15 @@ def test_checkpoints_move_between_pp2_dp2_and_pp4(
     assert "at step 2" in result.stdout and "saved with pp=2" in result.stdout
     _assert_losses(_losses(out / "pp4"), reference, [3, 4, 5], "pp=4 resumed from pp=2 dp=2")
 
-    # And back: saved under pp=4 at step 4, resumed under pp=2 x dp=2.
+    # And back: saved under pp=4 at step 4, resumed under pp=2 x dp=2 with sharded stages
+    # (FSDP2 loads its shards of the whole tensors pp=4 saved).
     back = _checkpoint_copy(pp4, 4, out / "ckpt_back")
     result = _train(
-        out, "back", "--pp", "2", "--dp", "2", "--checkpoint-dir", str(back), "--resume"
+        out, "back", "--pp", "2", "--dp", "2", "--shard", "--checkpoint-dir", str(back), "--resume"
     )
     assert "at step 4" in result.stdout and "saved with pp=4" in result.stdout
-    _assert_losses(_losses(out / "back"), reference, [5], "pp=2 dp=2 resumed from pp=4")
+    assert "sharded (FSDP2)" in result.stdout
+    _assert_losses(_losses(out / "back"), reference, [5], "pp=2 dp=2 --shard resumed from pp=4")
 
 
 @pytest.mark.parametrize(
