@@ -2,13 +2,15 @@
 
     .venv/bin/python benchmarks/bench_dp.py [--model llama-default] [--steps 6] [--reps 2]
                                             [--batch-size 32] [--seq-len 128] [--rows 4]
+                                            [--layouts "pp=2 x dp=2,pp=2 x dp=2 --shard"]
 
 Each layout trains the same global batch through ``pipetrain train`` (the real launcher,
 4 local processes, 1F1B, evaluation and sampling off) with micro-batches of ``--rows``
 sequences everywhere, so the layouts differ only in how the work is spread: pp=4 runs
 32/4 = 8 micro-batches through 4 stages; pp=2 x dp=2 runs 16 rows per replica in 4
 micro-batches through 2 stages; dp=4 runs 8 rows per replica in 2 micro-batches of the
-whole model. tokens/s is the run summary's (steps after the first, all replicas
+whole model. "pp=2 x dp=2 --shard" is the mixed layout with each stage sharded over its
+replicas (FSDP2) instead of replicated. tokens/s is the run summary's (steps after the first, all replicas
 together). The layouts alternate within each repetition; the table shows medians.
 Prints a Markdown table.
 """
@@ -17,21 +19,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
-LAYOUTS = (("pp=4", 4, 1), ("pp=2 x dp=2", 2, 2), ("dp=4", 1, 4))
+# (label, pp, dp, sharded stages)
+LAYOUTS = (
+    ("pp=4", 4, 1, False),
+    ("pp=2 x dp=2", 2, 2, False),
+    ("pp=2 x dp=2 --shard", 2, 2, True),
+    ("dp=4", 1, 4, False),
+)
 
 
-def run(args: argparse.Namespace, pp: int, dp: int, out: Path, name: str) -> dict[str, float]:
+def run(
+    args: argparse.Namespace, pp: int, dp: int, shard: bool, out: Path, name: str
+) -> dict[str, float]:
     microbatches = args.batch_size // (dp * args.rows)
     command = [
         sys.executable, "-m", "pipetrain.cli", "train", "--model", args.model,
-        "--pp", str(pp), "--dp", str(dp), "--microbatches", str(microbatches),
+        "--pp", str(pp), "--dp", str(dp), *(["--shard"] if shard else []),
+        "--microbatches", str(microbatches),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
         "--steps", str(args.steps), "--name", name,
         "--set", f"run.out_dir={json.dumps(str(out))}", "--set", "run.evaluate=false",
@@ -43,7 +56,7 @@ def run(args: argparse.Namespace, pp: int, dp: int, out: Path, name: str) -> dic
     records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     summary = next(r for r in records if r.get("summary"))
     steps = [r for r in records if "loss" in r][1:]
-    dp_record = next((r for r in records if "dp_wait_s" in r), {})
+    dp_record: dict[str, Any] = next((r for r in records if "dp_wait_s" in r), {})
     return {
         "tokens_per_s": float(summary["tokens_per_s"]),
         "step_s": statistics.median(r["step_time_s"] for r in steps),
@@ -52,6 +65,8 @@ def run(args: argparse.Namespace, pp: int, dp: int, out: Path, name: str) -> dic
         "dp_wait_ms": 1e3 * max(dp_record.get("dp_wait_s", [0.0])),
         "dp_mb": max(dp_record.get("dp_bytes_per_step", [0])) / 1e6,
         "peak_mib": max(summary["peak_memory"]) / 2**20,
+        # Parameters + AdamW state of the largest rank (reported by dp runs only).
+        "state_mb": max(dp_record.get("dp_state_bytes") or [math.nan]) / 1e6,
     }
 
 
@@ -63,12 +78,25 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument(
+        "--layouts",
+        default=",".join(label for label, *_ in LAYOUTS),
+        help="comma-separated labels of the layouts to run",
+    )
     args = parser.parse_args()
-    results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in LAYOUTS}
+    wanted = [label.strip() for label in args.layouts.split(",")]
+    unknown = [label for label in wanted if label not in {lay[0] for lay in LAYOUTS}]
+    if unknown:
+        raise SystemExit(
+            f"unknown layout(s) {unknown}: choose from {', '.join(lay[0] for lay in LAYOUTS)}"
+        )
+    layouts = [lay for lay in LAYOUTS if lay[0] in wanted]
+    results: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in layouts}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
-            for label, pp, dp in LAYOUTS:
-                results[label].append(run(args, pp, dp, Path(tmp), f"pp{pp}dp{dp}-{rep}"))
+            for label, pp, dp, shard in layouts:
+                name = f"pp{pp}dp{dp}{'shard' if shard else ''}-{rep}"
+                results[label].append(run(args, pp, dp, shard, Path(tmp), name))
                 print(f"# rep {rep}: {label}: {results[label][-1]}", file=sys.stderr, flush=True)
     print(
         f"model {args.model}, batch {args.batch_size} x {args.seq_len}, micro-batches of "
@@ -76,10 +104,10 @@ def main() -> None:
     )
     print(
         "| layout | tokens/s | step s | measured bubble | dp all-reduce MB/step/rank "
-        "| dp wait ms/step | peak MiB/rank |"
+        "| dp wait ms/step | peak MiB/rank | params + AdamW MB/rank |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for label, _, _ in LAYOUTS:
+    print("|---|---|---|---|---|---|---|---|")
+    for label, *_ in layouts:
         rows = results[label]
 
         def med(key: str, rows: list[dict[str, float]] = rows) -> float:
@@ -88,7 +116,7 @@ def main() -> None:
         print(
             f"| {label} | {med('tokens_per_s'):,.0f} | {med('step_s'):.2f} | "
             f"{med('bubble'):.1%} | {med('dp_mb'):.1f} | {med('dp_wait_ms'):.0f} | "
-            f"{med('peak_mib'):.0f} |"
+            f"{med('peak_mib'):.0f} | {med('state_mb'):.1f} |"
         )
 
 
