@@ -192,7 +192,7 @@ class DistTransport:
     message uses the same tag, on every backend: gloo then matches per source in posting
     order exactly as NCCL does, and the multi-process tests on CPU run the order semantics
     that NCCL needs. The header check (a message that is not the expected one names both
-    stages) now also catches a wire order that went wrong.
+    stages) also catches a wire order that went wrong.
 
     The pump. At the head of a peer's order:
 
@@ -372,6 +372,8 @@ class DistTransport:
         peer = self._peer_of(key, self._stage_ranks[key.dst_stage])
         self._ready[key] = tuple(t.detach().contiguous() for t in tensors)
         self._pump(peer, peer.index[key])
+        # What follows it may be receives the next action needs: post them now, not there.
+        self._pump(peer, None)
 
     def _release(self, key: MessageKey) -> None:
         entry = self._sends.pop(key, None)

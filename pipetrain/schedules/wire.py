@@ -347,7 +347,7 @@ class _Model:
         where = st.index[message]
         if action.kind in _SENDS:
             self.ready[rank].add(message)
-            return self.pump(rank, peer, where)
+            return self.pump(rank, peer, where) and self.pump(rank, peer, None)
         if not self.pump(rank, peer, where) or st.done <= where:
             return False
         if self.headers:
