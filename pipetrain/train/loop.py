@@ -394,8 +394,8 @@ def _train(
                 pipeline,
                 inputs,
                 targets,
-                denominator,
                 compiled=p.compile and step == 0 and micro == 0,
+                denominator=denominator,
             )
             losses.append(result.loss)
             tokens += result.tokens
@@ -491,7 +491,12 @@ def _train(
 
 
 def _first_step_guard(
-    pipeline: Pipeline, inputs: Any, targets: Any, denominator: float | None, *, compiled: bool
+    pipeline: Pipeline,
+    inputs: Any,
+    targets: Any,
+    *,
+    compiled: bool,
+    denominator: float | None = None,
 ) -> Any:
     """Run a step; a failure of torch.compile (it compiles on the first call) becomes one line."""
     if not compiled:

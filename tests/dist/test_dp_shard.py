@@ -149,6 +149,7 @@ WORKER = textwrap.dedent(
                 self.early.append(sorted(self.dp.launched_in_step))
                 loss = replica_mean([loss], mesh, cpu)[0]
             o = self.update.apply(step, self.grads, loss, accumulated=accum)
+            self.skipped = o.skipped
             return [loss, o.grad_norm, o.clip_factor]
 
         def weights(self):
@@ -213,8 +214,8 @@ WORKER = textwrap.dedent(
                 isinstance(p, DTensor) for p in run.pipe.parameters()),
             "state_bytes": state_bytes(run.pipe.parameters(), run.opt),
             "stages": list(run.pipe.stages),
-            "gathers": run.gathers,
-            "early": run.early,
+            "gathers": list(run.gathers),
+            "early": list(run.early),
         }
         if name == "shard-1f1b":
             # After an eval the stages are sharded again: a step after it still matches.
@@ -227,6 +228,20 @@ WORKER = textwrap.dedent(
         if name == "ddp-ignored":
             ddp_bytes = state_bytes(run.pipe.parameters(), run.opt)
     out = {"cases": cases, "ddp_state_bytes": ddp_bytes}
+
+    # A NaN in rank 3's shard of one weight (the sharded tied run, last stage of replica
+    # 1): the reduce-scatter spreads it to some shards only, the loss to every replica
+    # through the mean, and the world-wide check makes all four ranks skip.
+    if dist.get_rank() == 3:
+        with torch.no_grad():
+            next(iter(run.pipe.parameters())).to_local().view(-1)[0] = float("nan")
+    before = [p.to_local().detach().clone() for p in run.pipe.parameters()]
+    run.step(0, IGNORED)
+    out["nan_skipped"] = run.skipped
+    out["nan_moved"] = any(
+        not torch.equal(a.nan_to_num(), p.to_local().detach().nan_to_num())
+        for a, p in zip(before, run.pipe.parameters())
+    )
 
     # What the ignored-token cases guard against: each replica's own token mean, averaged
     # with weight 1/dp, is not the full batch's gradient when the token counts differ.
@@ -365,6 +380,11 @@ def test_gathered_once_per_step_and_reduced_inside_it(results: list[dict], case:
         assert got["gathers"] == [len(got["stages"])] * 5, case
         # Every stage's reduce-scatter ran in the pipeline step, right after its last B/W.
         assert got["early"] == [got["stages"]] * 5, case
+
+
+def test_a_nan_in_one_shard_makes_every_rank_skip(results: list[dict]) -> None:
+    assert [out["nan_skipped"] for out in results] == [True] * 4
+    assert [out["nan_moved"] for out in results] == [False] * 4
 
 
 def test_unequal_ignored_tokens_matter(results: list[dict]) -> None:
