@@ -10,12 +10,14 @@ without asking the other. The order must keep
 
 1. a rank's sends to the peer in its program order (a send can be posted only once its
    SEND action has produced the data), and
-2. message j before message i when a rank RECVs j before it SENDs i (it cannot post i
-   before it has j).
+2. message j before message i when a rank RECVs j before it SENDs i (it reaches SEND i
+   only once j has arrived).
 
 Each rule says "the SEND of the first message happens before the SEND of the second in
-every run", so a cycle among them means the schedule deadlocks even with messages matched
-by name (the validator rejects such schedules; ``wire_orders`` names the cycle). We take
+every run". So an order that keeps them makes a message wait only for SENDs that happen
+before its own anyway, and runs on those streams whenever the schedule runs with messages
+matched by name; and a cycle among the rules means the schedule deadlocks even then (the
+validator rejects such schedules; ``wire_orders`` names the cycle). We take
 one order that keeps them: replay the schedule once, one action at a time, with unit costs
 (F = I = W = 1, B = 2, free messages), and order each pair's messages by when their SEND
 ran. Every rule holds (a SEND follows the RECVs before it, and a RECV its own SEND). One

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipetrain.runtime.build import forward_only
 from pipetrain.schedules import Action, Kind, Placement, Schedule, ScheduleError, parse_action
@@ -152,3 +154,74 @@ def test_a_message_never_received_is_an_error():
     schedule = Schedule.build("lost", Placement.linear(2), 1, [rank0, rank1])
     with pytest.raises(ScheduleError, match=r"activations 0->1 of micro-batch 0 .* never received"):
         wire_orders(schedule)
+
+
+@st.composite
+def executed_schedules(draw: st.DrawFn) -> Schedule:
+    """A schedule read off one random execution on a random placement (so it is valid)."""
+    ranks = draw(st.integers(2, 4))
+    stages = draw(st.integers(ranks, 2 * ranks))
+    stage_to_rank = list(range(ranks)) + draw(
+        st.lists(st.integers(0, ranks - 1), min_size=stages - ranks, max_size=stages - ranks)
+    )
+    stage_to_rank = draw(st.permutations(stage_to_rank))
+    m = draw(st.integers(1, 4))
+    split = draw(st.booleans())
+    done: set[tuple[int, str, int]] = set()
+    rows: list[list[Action]] = [[] for _ in range(ranks)]
+    todo = [(s, k) for s in range(stages) for k in range(m)]
+    total = len(todo) * (3 if split else 2)
+    while len(done) < total:
+        ready = []
+        for s, k in todo:
+            if (s, "F", k) not in done:
+                if s == 0 or (s - 1, "F", k) in done:
+                    ready.append(Action(s, Kind.F, k))
+            elif (s, "B", k) not in done:
+                if s == stages - 1 or (s + 1, "B", k) in done:
+                    ready.append(Action(s, Kind.I if split else Kind.B, k))
+            elif split and (s, "W", k) not in done:
+                ready.append(Action(s, Kind.W, k))
+        action = draw(st.sampled_from(ready))
+        assert action.microbatch is not None
+        kind = {Kind.F: "F", Kind.B: "B", Kind.I: "B", Kind.W: "W"}[action.kind]
+        done.add((action.stage, kind, action.microbatch))
+        rows[stage_to_rank[action.stage]].append(action)
+    return Schedule.build("drawn", Placement.custom(tuple(stage_to_rank), ranks), m, rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(executed_schedules())
+def test_any_valid_schedule_on_any_placement_runs_on_nccl_streams(schedule):
+    lowered = lower(schedule)
+    validate(lowered)
+    issue = issue_orders(wire_orders(lowered))
+    for lookahead in (0, 2):
+        result = check_order_matched(lowered, issue, lookahead=lookahead)
+        assert result.ok, result.problem
+
+
+def test_orders_chosen_pair_by_pair_can_deadlock_across_three_ranks():
+    # Stages on ranks 0, 1, 2, 0 (a ring). The orders below keep rules 1 and 2 pair by pair,
+    # and run when messages are atomic; with headers, rank 0 must read the header of the
+    # gradient of micro-batch 0 before it may post activations 1 to rank 1, rank 1 that of
+    # the gradient from rank 2 before it posts activations 2, and rank 2 waits for rank 0.
+    # One replay ordering all pairs (wire_orders) never makes such a wait run backwards.
+    rows = [
+        "0F0 0F2 0F1 3F0 3B0 0B0 3F2 3B2 0B2 3F1 3B1 0B1",
+        "1F0 1F2 1B0 1B2 1F1 1B1",
+        "2F0 2B0 2F2 2B2 2F1 2B1",
+    ]
+    actions = [[parse_action(t) for t in row.split()] for row in rows]
+    schedule = lower(Schedule.build("ring", Placement.custom((0, 1, 2, 0)), 3, actions))
+    validate(schedule)
+    orders = wire_orders(schedule)
+    assert check_order_matched(schedule, issue_orders(orders)).ok
+    chosen = dict(orders)
+    for pair, text in (((0, 1), "a0 a2 g0 a1 g2 g1"), ((1, 2), "a0 g0 a2 g2 a1 g1")):
+        by_name = {("g" if m.is_grad else "a") + str(m.microbatch): m for m in orders[pair]}
+        chosen[pair] = tuple(by_name[name] for name in text.split())
+    assert_rules_hold(schedule, chosen)
+    assert check_order_matched(schedule, issue_orders(chosen), headers=False).ok
+    result = check_order_matched(schedule, issue_orders(chosen))
+    assert result.problem == "deadlock: rank 0 at 0SEND_F1, rank 1 at 1SEND_F2, rank 2 at 2RECV_B0"
