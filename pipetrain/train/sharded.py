@@ -23,7 +23,8 @@ target tokens (``replica_denominator``) so that the mean is the full batch's gra
 
 Not supported, refused with a one-line error: asynchronous schedules (weight versions
 change inside a step), Chimera's replicated stages (their ALLREDUCE would sum sharded
-and unsharded gradients mid-step) and torch.compile (untested with FSDP2 here; refused by the config).
+and unsharded gradients mid-step), both in the preflight plan, and torch.compile
+(untested with FSDP2 here) in the config.
 """
 
 from __future__ import annotations
@@ -69,9 +70,28 @@ def fsdp_internals() -> dict[str, Any]:
     }
 
 
-def missing_fsdp_internals() -> list[str]:
-    """The entry points of ``fsdp_internals`` this torch lacks (empty when all are there)."""
-    return [name for name, found in fsdp_internals().items() if found is None]
+def missing_fsdp_internals(module: nn.Module | None = None) -> list[str]:
+    """The entry points of ``fsdp_internals`` this torch lacks (empty when all are there);
+    given a ``fully_shard``-ed module, also the state attributes they are reached through."""
+    missing = [name for name, found in fsdp_internals().items() if found is None]
+    if module is not None and not missing:
+        state = fully_shard.state(module)  # type: ignore[attr-defined]
+        context = getattr(state, "_state_ctx", None)
+        if not isinstance(getattr(context, "all_states", None), list):
+            missing.append("FSDPState._state_ctx.all_states")
+        if not isinstance(getattr(state, "_fsdp_param_groups", None), list):
+            missing.append("FSDPState._fsdp_param_groups")
+    return missing
+
+
+def _check_internals(module: nn.Module | None) -> None:
+    missing = missing_fsdp_internals(module)
+    if missing:
+        raise ConfigError(
+            f"pipeline.shard relies on FSDP2 internals checked in torch {CHECKED_TORCH}, and "
+            f"torch {torch.__version__} lacks {', '.join(missing)}: use torch {CHECKED_TORCH} "
+            f"or drop --shard"
+        )
 
 
 def _reduce_scatter_now(module: FSDPModule) -> None:
@@ -130,18 +150,13 @@ class ShardedGradients:
     def attach(self, pipeline: Pipeline) -> None:
         """Shard every stage module of this rank over the dp group."""
         check_shardable(pipeline.schedule)
-        missing = missing_fsdp_internals()
-        if missing:
-            raise ConfigError(
-                f"pipeline.shard relies on FSDP2 internals checked in torch {CHECKED_TORCH}, and "
-                f"torch {torch.__version__} lacks {', '.join(missing)}: use torch {CHECKED_TORCH} "
-                f"or drop --shard"
-            )
+        _check_internals(None)
         backend = dist.get_backend(self._mesh.dp_group)
         for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
             # Gathered at the stage's first forward of a step and kept to its last W.
             fully_shard(module, mesh=self._mesh.dp_mesh, reshard_after_forward=False)
             assert isinstance(module, FSDPModule)
+            _check_internals(module)
             if backend == "gloo":
                 # gloo has no AVG reduction: sum, then FSDP2 divides by dp.
                 module.set_force_sum_reduction_for_comms(True)

@@ -112,6 +112,40 @@ def test_fsdp2_internals_used_by_shard_are_present() -> None:
     assert list(inspect.signature(group_post_backward).parameters)[:1] == ["self"]
 
 
+def test_fsdp2_post_backward_entry_points_reduce_into_the_shards() -> None:
+    # The whole private path on a one-process gloo group: a torch that changes it fails here.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from pipetrain.train.sharded import _reduce_scatter_now
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = nn.Linear(4, 3)
+        module = nn.Linear(4, 3)
+        module.load_state_dict(plain.state_dict())
+        fully_shard(module, mesh=init_device_mesh("cpu", (1,)), reshard_after_forward=False)
+        assert missing_fsdp_internals(module) == []
+        module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        module.set_reshard_after_backward(False)  # type: ignore[operator]
+        module.set_is_last_backward(False)  # type: ignore[operator]
+        x = torch.randn(5, 4)
+        for half in (x[:2], x[2:]):  # two backwards accumulate unsharded
+            module(half).sum().backward()
+            plain(half).sum().backward()
+        # Still gathered (plain tensors), gradients accumulating outside the shards.
+        assert not isinstance(module.weight, DTensor)
+        _reduce_scatter_now(module)  # type: ignore[arg-type]
+        assert isinstance(module.weight, DTensor)  # resharded
+        assert isinstance(module.weight.grad, DTensor)
+        assert torch.allclose(module.weight.grad.full_tensor(), plain.weight.grad)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_config_shard_field() -> None:
     config = load_config(
         None,
