@@ -1,0 +1,263 @@
+"""DistTransport under NCCL's matching rules, in one process: a fake of its point-to-point.
+
+gloo, which the multi-process tests use, matches per source in posting order but runs the
+two directions of a pair independently; NCCL runs all of a pair's operations on one
+stream per rank, in posting order, and an operation completes only when the peer's stream
+has the matching one at its head. ``FakeNccl`` does exactly that (ranks are threads), so a
+transport that posted in another order than its peer would deadlock here (the waits time
+out) or pair a send with the wrong receive (the sizes or the values differ).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import pipetrain.runtime.transport as transport_module
+from pipetrain.runtime.build import forward_only, resolve_schedule
+from pipetrain.runtime.executor import RankExecutor
+from pipetrain.runtime.transport import DistTransport
+from pipetrain.schedules import Placement, Schedule, parse_action
+from pipetrain.schedules.lowering import lower
+from pipetrain.schedules.wire import Message, message_of
+
+TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Op:
+    send: bool
+    tensor: torch.Tensor
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class FakeGroup:
+    rank: int
+
+
+@dataclass
+class FakeNccl:
+    """``get_rank``, ``isend`` and ``irecv`` with NCCL's order semantics (module doc)."""
+
+    streams: dict[tuple[int, int], list[_Op]] = field(default_factory=dict)
+    heads: dict[tuple[int, int], int] = field(default_factory=dict)
+    error: str = ""
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def get_rank(self, group: FakeGroup) -> int:
+        return group.rank
+
+    def isend(self, tensor, group, group_dst, tag):
+        return self._post(group.rank, group_dst, _Op(True, tensor), tag)
+
+    def irecv(self, tensor, group, group_src, tag):
+        return self._post(group.rank, group_src, _Op(False, tensor), tag)
+
+    def _post(self, rank: int, peer: int, op: _Op, tag: int) -> _Work:
+        assert tag == 0
+        with self.cond:
+            self.streams.setdefault((rank, peer), []).append(op)
+            self._run(min(rank, peer), max(rank, peer))
+            self.cond.notify_all()
+        return _Work(self, op)
+
+    def _run(self, a: int, b: int) -> None:
+        """Complete the heads of both streams of a pair while they are a send and a receive."""
+        while True:
+            sa, sb = self.streams.get((a, b), []), self.streams.get((b, a), [])
+            ha, hb = self.heads.get((a, b), 0), self.heads.get((b, a), 0)
+            if ha == len(sa) or hb == len(sb) or sa[ha].send == sb[hb].send:
+                return  # nothing to pair, or two sends (two receives) facing each other
+            send, recv = (sa[ha], sb[hb]) if sa[ha].send else (sb[hb], sa[ha])
+            if send.tensor.shape != recv.tensor.shape or send.tensor.dtype != recv.tensor.dtype:
+                self.error = (
+                    f"ranks {a} and {b} paired {send.tensor.shape} with {recv.tensor.shape}"
+                )
+                return
+            recv.tensor.copy_(send.tensor)
+            send.done = recv.done = True
+            self.heads[(a, b)], self.heads[(b, a)] = ha + 1, hb + 1
+
+
+@dataclass
+class _Work:
+    nccl: FakeNccl
+    op: _Op
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        with self.nccl.cond:
+            self.nccl.cond.wait_for(
+                lambda: self.op.done or bool(self.nccl.error), timeout.total_seconds()
+            )
+            if self.nccl.error:
+                raise RuntimeError(self.nccl.error)
+            if not self.op.done:
+                raise RuntimeError("Timed out waiting for a point-to-point operation")
+
+
+def _value(stage: int, mb: int, step: int) -> float:
+    return float(1000 * step + 10 * stage + mb)
+
+
+class FakeRunner:
+    """A stage that checks it gets exactly its own micro-batch's tensors from its neighbours.
+
+    Outputs are two tensors (float and int64) whose shapes differ per boundary, filled with
+    a value naming (step, stage, micro-batch), so a message matched with the wrong receive
+    shows up as another size or value.
+    """
+
+    def __init__(self, stage: int, placement: Placement, steps: list[int]) -> None:
+        self.stage = stage
+        self.is_first = placement.is_first(stage)
+        self.is_last = placement.is_last(stage)
+        self.saved: dict[int, bool] = {}
+        self.loss_sum = None
+        self._steps = steps  # the step being run, shared with the test
+
+    def reset(self) -> None:
+        self.saved.clear()
+
+    def _pair(self, value: float, width: int) -> tuple[torch.Tensor, ...]:
+        return torch.full((2, width), value), torch.full((width,), int(value))
+
+    def _check(self, got: tuple[torch.Tensor, ...], value: float, width: int) -> None:
+        want = self._pair(value, width)
+        assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+    def forward(self, mb, inputs, target, denominator, training):
+        step = self._steps[0]
+        if not self.is_first:
+            self._check(inputs, _value(self.stage - 1, mb, step), 3 + self.stage)
+        self.saved[mb] = True
+        return self._pair(_value(self.stage, mb, step), 4 + self.stage)
+
+    def backward(self, mb, grads, weights):
+        step = self._steps[0]
+        del self.saved[mb]
+        if not self.is_last:
+            self._check(grads, -_value(self.stage + 1, mb, step), 20 + self.stage)
+        return self._pair(-_value(self.stage, mb, step), 19 + self.stage)
+
+    def weight(self, mb) -> None:
+        return None
+
+
+class _NoReducer:
+    def start(self, stage: int) -> None:
+        return None
+
+
+def run_over_fake_nccl(program: Schedule, steps: int = 2, timeout_s: float = TIMEOUT_S) -> str:
+    """Run every rank of a lowered program in a thread over FakeNccl; the errors, or ''."""
+    nccl = FakeNccl()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transport_module, "dist", nccl)
+        return _run_threads(nccl, program, steps, timeout_s)
+
+
+def _run_threads(nccl: FakeNccl, program: Schedule, steps: int, timeout_s: float) -> str:
+    placement = program.placement
+    errors: list[str] = []
+    current = [0]
+
+    def rank_main(rank: int) -> None:
+        try:
+            group, cpu = FakeGroup(rank), torch.device("cpu")
+            transport = DistTransport(group, placement.stage_to_rank, cpu, timeout_s)
+            runners = {s: FakeRunner(s, placement, current) for s in placement.stages_of(rank)}
+            ex = RankExecutor(
+                program, rank, runners, transport, _NoReducer(), step_hook=lambda s, k: None
+            )
+            inputs = [torch.zeros(1)] * program.microbatches
+            for step in range(steps):
+                ex.begin(step, inputs, inputs, 1.0, True)
+                transport.begin_step(step, [ex.wire])
+                ex.run()
+                transport.end_step()
+                barrier.wait(timeout_s)
+                if rank == 0:
+                    current[0] = step + 1
+                barrier.wait(timeout_s)
+        except Exception as exc:
+            errors.append(f"rank {rank}: {exc}")
+            barrier.abort()
+            with nccl.cond:
+                nccl.error = nccl.error or f"rank {rank} failed"
+                nccl.cond.notify_all()
+
+    barrier = threading.Barrier(placement.num_ranks)
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(placement.num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * timeout_s)
+    return "; ".join(errors)
+
+
+def _cases():
+    cases = []
+    for name, p, m, v in [
+        ("gpipe", 2, 3, None),
+        ("1f1b", 4, 5, None),
+        ("interleaved-1f1b", 2, 4, 2),
+        ("interleaved-1f1b", 2, 4, 3),
+        ("interleaved-1f1b", 4, 8, 2),
+        ("looped-bfs", 2, 3, 2),
+        ("zb-h1", 2, 4, None),
+        ("zb-h2", 4, 8, None),
+        ("zb-v", 2, 4, None),
+        ("zb-v", 4, 8, None),
+        ("dualpipe-v", 2, 4, None),
+        ("dualpipe-v", 4, 8, None),
+        ("chimera", 4, 4, None),
+        ("pipedream", 2, 4, None),
+    ]:
+        cases.append(pytest.param(name, p, m, v, id=f"{name}-p{p}-m{m}-v{v}"))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "p", "m", "v"), _cases())
+def test_schedules_run_over_nccl_order_semantics(name, p, m, v):
+    program = resolve_schedule(name, p, m, v)
+    assert run_over_fake_nccl(program) == ""
+    assert run_over_fake_nccl(forward_only(program)) == ""
+
+
+def test_a_ring_of_three_ranks_runs_over_nccl_order_semantics():
+    # The ring of test_wire, where orders chosen pair by pair deadlock.
+    rows = [
+        "0F0 0F2 0F1 3F0 3B0 0B0 3F2 3B2 0B2 3F1 3B1 0B1",
+        "1F0 1F2 1B0 1B2 1F1 1B1",
+        "2F0 2B0 2F2 2B2 2F1 2B1",
+    ]
+    actions = [[parse_action(t) for t in row.split()] for row in rows]
+    program = lower(Schedule.build("ring", Placement.custom((0, 1, 2, 0)), 3, actions))
+    assert run_over_fake_nccl(program) == ""
+
+
+def test_the_fake_fails_a_transport_that_posts_in_program_order(monkeypatch):
+    # Each rank's own program order (no agreed wire order) deadlocks even 1F1B on NCCL.
+    program = resolve_schedule("1f1b", 2, 4, None)
+
+    def own_order(self, step, wires):
+        mine: dict[int, list[Message]] = {}
+        for action in program.actions[self._rank]:
+            message = message_of(action, program)
+            if message is not None:
+                peer = message.dst_rank if message.src_rank == self._rank else message.src_rank
+                mine.setdefault(peer, []).append(message)
+        original(self, step, [{peer: tuple(msgs) for peer, msgs in mine.items()}])
+
+    original = DistTransport.begin_step
+    monkeypatch.setattr(DistTransport, "begin_step", own_order)
+    problem = run_over_fake_nccl(program, steps=1, timeout_s=1.0)
+    assert (
+        "rank 0: step 0, receiving gradient for stage 0 (micro-batch 0): peer rank 1 did not answer"
+        in problem
+    )
