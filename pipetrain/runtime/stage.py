@@ -88,7 +88,10 @@ class WeightGradQueue:
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
-    # What autograd's AccumulateGrad does, so that I + W matches B bit for bit.
+    # What autograd's AccumulateGrad does, so that I + W matches B bit for bit. Under
+    # autocast the product is in the low precision; B's cast node hands AccumulateGrad the
+    # gradient in the parameter's dtype, and so does this.
+    grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad
     else:
@@ -113,22 +116,37 @@ class _SplitLinear(torch.autograd.Function):
         bias: nn.Parameter | None,
         queue: WeightGradQueue,
     ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # What autocast does to F.linear, done by hand so that backward sees the same
+            # low-precision operands that B's autograd graph keeps (the casts' backward then
+            # returns fp32 gradients: autograd casts grad_x, _accumulate the weight's).
+            dtype = torch.get_autocast_dtype(device)
+            x, weight_op = x.to(dtype), weight.to(dtype)
+            bias_op = None if bias is None else bias.to(dtype)
+        else:
+            weight_op, bias_op = weight, bias
+        ctx.save_for_backward(x, weight_op)
+        ctx.weight = weight
         ctx.bias = bias
         ctx.queue = queue
-        return F.linear(x, weight, bias)
+        with torch.autocast(device, enabled=False):
+            return F.linear(x, weight_op, bias_op)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
+        x, weight_op = ctx.saved_tensors
         bias = ctx.bias
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None  # (..., out) @ (out, in)
+        grad = grad.to(weight_op.dtype)
+        grad_x = (
+            grad.matmul(weight_op) if ctx.needs_input_grad[0] else None
+        )  # (..., out) @ (out, in)
         wants_weight = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         if not wants_weight:
             return grad_x, None, None, None
         active = ctx.queue.active
         if active is not None:
-            active.append((weight, bias, x, grad))
+            active.append((ctx.weight, bias, x, grad))
             return grad_x, None, None, None
         grad_weight, grad_bias = _weight_grads(x, grad, bias is not None)
         return grad_x, grad_weight, grad_bias, None

@@ -135,3 +135,35 @@ def test_runner_sends_input_grads_at_i_and_checks_gradient_shapes():
     assert model[0].weight.grad is None
     runner.weight(1)
     assert model[0].weight.grad is not None
+
+
+def test_w_gives_the_gradient_of_b_under_bf16_autocast():
+    # Autocast runs each linear in bf16 on fp32 weights: I must hand back the input's
+    # dtype and W must accumulate fp32 gradients, equal to what B accumulates.
+    model = mlp(32, 64)
+    queue = install_split_backward(model)
+    x, g = torch.randn(4, 8, 32), torch.randn(4, 8, 32)
+
+    def run(split: bool) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        leaf = x.detach().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(leaf)
+        assert out.dtype == torch.bfloat16
+        if split:
+            queue.begin(0)
+        out.backward(g.to(out.dtype))
+        queue.end()
+        if split:
+            queue.run(0)
+        assert leaf.grad is not None
+        return leaf.grad
+
+    gx_b = run(split=False)
+    ref = grads(model)
+    gx_iw = run(split=True)
+    assert gx_iw.dtype == torch.float32
+    torch.testing.assert_close(gx_iw, gx_b, rtol=0, atol=0)
+    for name, grad in grads(model).items():
+        assert grad.dtype == torch.float32, name
+        torch.testing.assert_close(grad, ref[name], rtol=0, atol=0)
