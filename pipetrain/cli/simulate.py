@@ -20,9 +20,14 @@ from pipetrain.cli.errors import UsageError
 from pipetrain.schedules.execution import Costs
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.sim.costs import parse_costs, stage_costs, stage_share
-from pipetrain.sim.data_parallel import DataParallelCost, data_parallel_cost
+from pipetrain.sim.data_parallel import (
+    DataParallelCost,
+    ShardedCost,
+    data_parallel_cost,
+    sharded_cost,
+)
 from pipetrain.sim.render import ascii, plot, plot_compare, write_chrome_trace
-from pipetrain.sim.simulator import SimResult, simulate
+from pipetrain.sim.simulator import SimResult, scale_costs, simulate
 
 __all__ = ["add_parser", "run"]
 
@@ -86,6 +91,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="N",
         help="data-parallel replicas of the pipeline: add each rank's gradient all-reduce "
         "(its --weight-bytes) after its stages' last B/W (default 1: none)",
+    )
+    p.add_argument(
+        "--shard",
+        action="store_true",
+        help="with --dp: stages sharded over the replicas (FSDP, as train --shard): each "
+        "stage all-gathers its parameters before its first F and reduce-scatters its "
+        "gradients after its last B/W, instead of one all-reduce",
     )
     p.add_argument(
         "--dp-bandwidth",
@@ -183,6 +195,12 @@ def _from_file(args: argparse.Namespace) -> _Case:
     return _Case(schedule, 1)
 
 
+def _case_costs(case: _Case, costs: Costs) -> Costs:
+    # What simulate replays: the rank's share split over its stages, the batch scale on top.
+    per_stage = stage_costs(costs, case.schedule)
+    return scale_costs(per_stage, case.batch_scale) if case.batch_scale != 1 else per_stage
+
+
 def _run_case(case: _Case, costs: Costs, args: argparse.Namespace) -> SimResult:
     share = stage_share(case.schedule)
     return simulate(
@@ -220,27 +238,41 @@ def _summary(r: SimResult) -> str:
 
 
 def _data_parallel(
-    case: _Case, result: SimResult, args: argparse.Namespace
-) -> DataParallelCost | None:
-    """The dp all-reduce of each rank's gradients, with --dp above 1."""
-    if args.dp == 1:
-        return None
+    case: _Case, result: SimResult, costs: Costs, args: argparse.Namespace
+) -> DataParallelCost | ShardedCost | None:
+    """The dp all-reduce of each rank's gradients (sharded: gathers and reduce-scatters),
+    with --dp above 1."""
     if args.dp < 1:
         raise UsageError(f"--dp {args.dp}: give a whole number >= 1")
+    if args.dp == 1:
+        if args.shard:
+            raise UsageError("--shard shards stages over dp replicas: add --dp 2 (or more)")
+        return None
     if args.weight_bytes is None:
         raise UsageError(
             "--dp needs --weight-bytes: the parameter bytes of a rank's share, which it all-reduces"
         )
+    stage_bytes = args.weight_bytes * stage_share(case.schedule)
+    if args.shard:
+        return sharded_cost(
+            case.schedule,
+            _case_costs(case, costs),
+            stage_bytes,
+            replicas=args.dp,
+            bandwidth=args.dp_bandwidth,
+        )
     return data_parallel_cost(
         result.timeline,
         case.schedule.placement,
-        args.weight_bytes * stage_share(case.schedule),
+        stage_bytes,
         replicas=args.dp,
         bandwidth=args.dp_bandwidth,
     )
 
 
-def _dp_summary(dp: DataParallelCost) -> str:
+def _dp_summary(dp: DataParallelCost | ShardedCost) -> str:
+    if isinstance(dp, ShardedCost):
+        return _sharded_summary(dp)
     lines = [
         f"  {f'dp={dp.replicas} all-reduce':<20}{_ranks(dp.bytes_per_rank)} bytes per rank, "
         f"{_ranks(dp.traffic_per_rank)} through each link",
@@ -249,6 +281,20 @@ def _dp_summary(dp: DataParallelCost) -> str:
         lines.append(
             f"  all-reduce time     {_ranks(dp.allreduce_time)}; step {dp.step_time:g} "
             f"({dp.exposed:g} past the pipeline)"
+        )
+    return "\n".join(lines)
+
+
+def _sharded_summary(dp: ShardedCost) -> str:
+    lines = [
+        f"  {f'dp={dp.replicas} sharded':<20}{_ranks(dp.bytes_per_rank)} bytes per rank "
+        f"all-gathered and reduce-scattered, {_ranks(dp.traffic_per_rank)} through each link",
+    ]
+    if any(dp.gather_time) or any(dp.reduce_scatter_time):
+        lines.append(
+            f"  all-gather time     {_ranks(dp.gather_time)}; reduce-scatter "
+            f"{_ranks(dp.reduce_scatter_time)}; step {dp.step_time:g} ({dp.exposed:g} past "
+            f"the pipeline, {dp.gather_delay:g} of it first forwards waiting for gathers)"
         )
     return "\n".join(lines)
 
@@ -275,7 +321,7 @@ def run(args: argparse.Namespace) -> int:
         _need(args, "pp", "microbatches")
         case = _single(args)
     result = _run_case(case, costs, args)
-    dp = _data_parallel(case, result, args)
+    dp = _data_parallel(case, result, costs, args)
     if args.plot:
         plot(result.timeline, args.plot)
     if args.trace:
@@ -300,8 +346,8 @@ def run(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace, costs: Costs) -> int:
     from pipetrain.schedules import registry
 
-    if args.dp != 1:
-        raise UsageError("--dp works with --schedule or --schedule-file: drop --compare")
+    if args.dp != 1 or args.shard:
+        raise UsageError("--dp and --shard work with --schedule or --schedule-file: drop --compare")
 
     _need(args, "pp", "microbatches")
     results: list[SimResult] = []

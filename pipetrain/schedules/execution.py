@@ -8,7 +8,7 @@ runtime records the same ``Timeline`` type).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipetrain.schedules.actions import Action, Kind
@@ -124,10 +124,13 @@ class _Replay:
     action is woken when that action completes, so every action is examined a bounded
     number of times and the replay is linear in the schedule size (times the fan-in)."""
 
-    def __init__(self, schedule: Schedule, costs: Costs) -> None:
+    def __init__(
+        self, schedule: Schedule, costs: Costs, not_before: Mapping[Action, float]
+    ) -> None:
         costs.check(schedule.placement.num_model_stages)
         self.schedule = schedule
         self.costs = costs
+        self.not_before = not_before
         self.placement = schedule.placement
         self.lowered = schedule.is_lowered
         self.num_ranks = len(schedule.actions)
@@ -203,7 +206,7 @@ class _Replay:
                 woken.extend(r for r in group if r != rank)
                 continue
             pos = self.position[rank]
-            start = self.free_at[rank]
+            start = max(self.free_at[rank], self.not_before.get(action, 0.0))
             for dep, delay in self.needs[rank][pos]:
                 if dep is None:
                     return woken
@@ -291,7 +294,12 @@ def _stall_error(schedule: Schedule, stuck: list[_Blocked]) -> ScheduleError:
     )
 
 
-def replay(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
+def replay(
+    schedule: Schedule,
+    costs: Costs = Costs(),
+    *,
+    not_before: Mapping[Action, float] | None = None,
+) -> Timeline:
     """Timed replay of ``schedule``: when each action starts and ends.
 
     Each rank runs its actions in order; an action starts when its rank is free and its
@@ -302,6 +310,9 @@ def replay(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
     left, none can run) raises ``ScheduleError`` naming each stuck rank, position, action and
     what it waits for, with the grid of the schedule, stuck steps marked.
 
+    ``not_before`` holds actions back until a time whatever else they wait for: e.g. a
+    stage's first F until its sharded weights are all-gathered (``pipetrain.sim.data_parallel``).
+
     Events come grouped by rank, each rank's in the order it ran them.
     """
-    return _Replay(schedule, costs).run()
+    return _Replay(schedule, costs, not_before or {}).run()

@@ -11,6 +11,20 @@ pipeline and every all-reduce are done; what sticks out past the pipeline is exp
     rank 0  F0 F1 B0 B1 |ar s0.....|          ar = all-reduce of a stage's gradients
     rank 1     F0 B0 F1 B1 |ar s1..| ....     rank 1's starts during rank 0's cool-down
             ^ pipeline makespan       ^ step time; exposed = step time - makespan
+
+Sharded (``--shard``, FSDP2 per stage; ``sharded_cost``): a replica holds 1/d of each
+stage's parameters, so every step all-gathers them and reduce-scatters the gradients
+instead; each moves (d - 1) / d of the stage's bytes through every member's link, the
+pair as much as one all-reduce. As the runtime does (``pipetrain.train.sharded``), all of
+a rank's gathers are issued at the start of the step, one after another on its link in
+the order of the stages' first F, and a stage's first F cannot start before its gather
+has ended: the schedule is replayed again with those F held back, so a gather that ends
+while the rank still waits for its first activation (ranks > 0) costs nothing, and one
+that delays an F delays whatever depends on it. The reduce-scatters then follow on the
+same link as the stages' last B or W end::
+
+    rank 0  |ag|F0 F1 B0 B1 |rs|              ag = all-gather of the stage's parameters
+    rank 1  |ag|   F0 B0 F1 B1 |rs|           rank 1's gather hides under its wait for F0
 """
 
 from __future__ import annotations
@@ -20,23 +34,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipetrain.errors import InputError
-from pipetrain.schedules.actions import Kind
-from pipetrain.schedules.execution import Timeline
+from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.execution import Costs, Timeline, replay
 from pipetrain.schedules.placement import Placement
+from pipetrain.schedules.schedule import Schedule
 
-__all__ = ["DataParallelCost", "DataParallelError", "data_parallel_cost", "ring_allreduce_time"]
+__all__ = [
+    "DataParallelCost",
+    "DataParallelError",
+    "ShardedCost",
+    "data_parallel_cost",
+    "ring_allreduce_time",
+    "ring_gather_time",
+    "sharded_cost",
+]
 
 
 class DataParallelError(InputError):
     """Replica counts, bandwidths or byte sizes that make no sense."""
 
 
-def ring_allreduce_time(nbytes: float, replicas: int, bandwidth: float) -> float:
-    """Time of a ring all-reduce of ``nbytes`` over ``replicas`` at ``bandwidth`` bytes/unit.
-
-    Each member sends and receives 2 (n - 1) / n of the buffer (reduce-scatter, then
-    all-gather); latency is left out.
-    """
+def _ring_time(nbytes: float, replicas: int, bandwidth: float, passes: int) -> float:
     if replicas < 1:
         raise DataParallelError(f"replicas is {replicas}: use 1 or more (--dp)")
     if replicas == 1 or nbytes <= 0:
@@ -45,7 +63,24 @@ def ring_allreduce_time(nbytes: float, replicas: int, bandwidth: float) -> float
         raise DataParallelError(
             f"bandwidth is {bandwidth}: give a positive number of bytes per time unit"
         )
-    return 2.0 * (replicas - 1) / replicas * nbytes / bandwidth
+    return passes * (replicas - 1) / replicas * nbytes / bandwidth
+
+
+def ring_allreduce_time(nbytes: float, replicas: int, bandwidth: float) -> float:
+    """Time of a ring all-reduce of ``nbytes`` over ``replicas`` at ``bandwidth`` bytes/unit.
+
+    Each member sends and receives 2 (n - 1) / n of the buffer (reduce-scatter, then
+    all-gather); latency is left out.
+    """
+    return _ring_time(nbytes, replicas, bandwidth, 2)
+
+
+def ring_gather_time(nbytes: float, replicas: int, bandwidth: float) -> float:
+    """Time of a ring all-gather into (or reduce-scatter out of) ``nbytes`` over ``replicas``.
+
+    Each member sends and receives (n - 1) / n of the full buffer: half an all-reduce.
+    """
+    return _ring_time(nbytes, replicas, bandwidth, 1)
 
 
 @dataclass(frozen=True)
@@ -136,4 +171,161 @@ def data_parallel_cost(
         finishes.append(clock - start)
     return DataParallelCost(
         replicas, tuple(totals), tuple(traffic), tuple(times), tuple(finishes), makespan
+    )
+
+
+@dataclass(frozen=True)
+class ShardedCost:
+    """The sharded (FSDP) traffic of one step, per pipeline rank (tuples indexed by rank)."""
+
+    replicas: int
+    # Unsharded parameter bytes of each rank's stages: what it all-gathers per step, and
+    # as gradients what it reduce-scatters.
+    bytes_per_rank: tuple[float, ...]
+    # Bytes through each rank's link for the gathers, and for the reduce-scatters:
+    # (d - 1) / d of the above each.
+    gather_traffic_per_rank: tuple[float, ...]
+    reduce_scatter_traffic_per_rank: tuple[float, ...]
+    # Time each rank's link spends in them (0 when no bandwidth was given).
+    gather_time: tuple[float, ...]
+    reduce_scatter_time: tuple[float, ...]
+    # When each rank's last reduce-scatter ends.
+    finish: tuple[float, ...]
+    # The pipeline alone, and with every stage's first F held back until its gather ends.
+    pipeline_makespan: float
+    gathered_makespan: float
+
+    @property
+    def traffic_per_rank(self) -> tuple[float, ...]:
+        return tuple(
+            g + r
+            for g, r in zip(
+                self.gather_traffic_per_rank, self.reduce_scatter_traffic_per_rank, strict=True
+            )
+        )
+
+    @property
+    def step_time(self) -> float:
+        return max((self.gathered_makespan, *self.finish))
+
+    @property
+    def gather_delay(self) -> float:
+        """How much later the pipeline ends because first forwards waited for gathers."""
+        return self.gathered_makespan - self.pipeline_makespan
+
+    @property
+    def exposed(self) -> float:
+        """Gather and reduce-scatter time the pipeline could not hide."""
+        return self.step_time - self.pipeline_makespan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dp": self.replicas,
+            "sharded": True,
+            "bytes_per_rank": list(self.bytes_per_rank),
+            "traffic_per_rank": list(self.traffic_per_rank),
+            "all_gather_traffic_per_rank": list(self.gather_traffic_per_rank),
+            "reduce_scatter_traffic_per_rank": list(self.reduce_scatter_traffic_per_rank),
+            "all_gather_time": list(self.gather_time),
+            "reduce_scatter_time": list(self.reduce_scatter_time),
+            "gather_delay": self.gather_delay,
+            "step_time": self.step_time,
+            "exposed": self.exposed,
+        }
+
+
+def _first_forwards(schedule: Schedule) -> dict[int, Action]:
+    """Each stage's first F in its rank's program: the one its all-gather must precede."""
+    first: dict[int, Action] = {}
+    for row in schedule.actions:
+        for action in row:
+            if action.kind is Kind.F:
+                first.setdefault(action.stage, action)
+    return first
+
+
+def sharded_cost(
+    schedule: Schedule,
+    costs: Costs,
+    stage_bytes: float | Sequence[float],
+    *,
+    replicas: int,
+    bandwidth: float | None = None,
+) -> ShardedCost:
+    """All-gathers and reduce-scatters of every rank's sharded stages in one step of
+    ``schedule`` under ``costs`` (see the module docstring for the model).
+
+    ``stage_bytes``: parameter bytes of each model stage (one number: every stage).
+    ``bandwidth``: bytes per time unit of a rank's link; None counts bytes only.
+    """
+    # The runtime refuses the same two (pipetrain.train.plan.check_shardable).
+    why = (
+        "is asynchronous (weights change inside a step)"
+        if schedule.asynchronous
+        else "replicates stages inside the pipeline"
+        if schedule.placement.replicas > 1
+        else None
+    )
+    if why is not None:
+        raise DataParallelError(
+            f"sharded stages do not fit {schedule.name!r}, which {why}: pick a synchronous "
+            "schedule such as 1f1b or zb-h1, or drop --shard"
+        )
+    if replicas < 1:
+        raise DataParallelError(f"replicas is {replicas}: use 1 or more (--dp)")
+    placement = schedule.placement
+    sizes = _per_stage(stage_bytes, placement.num_model_stages)
+    first_f = _first_forwards(schedule)
+    position = {a: pos for row in schedule.actions for pos, a in enumerate(row)}
+
+    def gather_order(stage: int) -> tuple[int, int]:
+        # The order the runtime issues a rank's gathers: by first F in its program.
+        return (0, position[first_f[stage]]) if stage in first_f else (1, stage)
+
+    def took(stage: int) -> float:
+        nbytes = sizes[placement.model_stage(stage)]
+        return ring_gather_time(nbytes, replicas, bandwidth) if bandwidth is not None else 0.0
+
+    gathered: dict[Action, float] = {}
+    gather_times, rank_stages = [], []
+    for rank in range(len(schedule.actions)):
+        stages = sorted(placement.stages_of(rank), key=gather_order)
+        clock = 0.0
+        for stage in stages:
+            clock += took(stage)
+            if stage in first_f:
+                gathered[first_f[stage]] = clock
+        gather_times.append(clock)
+        rank_stages.append(stages)
+    # Both replays start at 0, with the gathers; the held one may start later on every
+    # rank, so its length is measured from 0 rather than from its first event.
+    plain = replay(schedule, costs)
+    held = replay(schedule, costs, not_before=gathered) if any(gather_times) else plain
+    held_end = max((e.end for e in held.events), default=0.0)
+    ready: dict[int, float] = {}
+    for event in held.events:
+        if event.action.kind in (Kind.B, Kind.W):
+            ready[event.action.stage] = max(ready.get(event.action.stage, 0.0), event.end)
+    totals, scatter_times, finishes = [], [], []
+    for rank, stages in enumerate(rank_stages):
+        clock = gather_times[rank]
+        busy = 0.0
+        for stage in sorted(stages, key=lambda s: (ready.get(s, 0.0), s)):
+            clock = max(clock, ready.get(stage, 0.0)) + took(stage)
+            busy += took(stage)
+        totals.append(sum(sizes[placement.model_stage(s)] for s in stages))
+        scatter_times.append(busy)
+        finishes.append(clock)
+    share = (replicas - 1) / replicas
+    traffic = tuple(share * t for t in totals)
+    return ShardedCost(
+        replicas,
+        tuple(totals),
+        traffic,
+        traffic,
+        tuple(gather_times),
+        tuple(scatter_times),
+        tuple(finishes),
+        plain.makespan,
+        held_end,
     )

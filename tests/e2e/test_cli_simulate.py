@@ -257,3 +257,55 @@ def test_a_closed_pipe_is_not_a_traceback() -> None:
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) in (0, 141)
     assert "Traceback" not in stderr
+
+
+def test_shard_adds_the_gathers_and_reduce_scatters(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--weight-bytes", "100"]
+    code, out, err = cli(capsys, *flags, "--dp", "2", "--dp-bandwidth", "50", "--shard", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    # The pipeline's own numbers stay those without dp; the gathers and reduce-scatters
+    # (50 bytes each at 50 per unit) are added on top: rank 0's gather holds its F0 to 1.
+    assert data["makespan"] == 9
+    assert data["data_parallel"] == {
+        "dp": 2,
+        "sharded": True,
+        "bytes_per_rank": [100.0, 100.0],
+        "traffic_per_rank": [100.0, 100.0],
+        "all_gather_traffic_per_rank": [50.0, 50.0],
+        "reduce_scatter_traffic_per_rank": [50.0, 50.0],
+        "all_gather_time": [1.0, 1.0],
+        "reduce_scatter_time": [1.0, 1.0],
+        "gather_delay": 1.0,
+        "step_time": 11.0,
+        "exposed": 2.0,
+    }
+    code, out, err = cli(capsys, *flags, "--dp", "2", "--dp-bandwidth", "50", "--shard")
+    assert code == 0, err
+    assert "dp=2 sharded        100 100 bytes per rank all-gathered and reduce-scattered" in out
+    assert "step 11 (2 past the pipeline, 1 of it first forwards waiting for gathers)" in out
+    code, out, err = cli(capsys, *flags, "--dp", "2", "--shard")
+    assert code == 0, err
+    assert "all-gather time" not in out  # bytes only without --dp-bandwidth
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--shard"], "--shard shards stages over dp replicas: add --dp 2"),
+        (
+            ["--shard", "--dp", "2", "--schedule", "chimera"],
+            "sharded stages do not fit 'chimera', which replicates stages",
+        ),
+        (["--shard", "--dp", "2", "--compare"], "drop --compare"),
+    ],
+)
+def test_bad_shard_options_are_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    base = ["--pp", "2", "--microbatches", "2", "--weight-bytes", "100"]
+    if "--schedule" not in flags and "--compare" not in flags:
+        base += ["--schedule", "1f1b"]
+    code, _out, err = cli(capsys, *base, *flags)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
