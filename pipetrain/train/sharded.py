@@ -3,7 +3,10 @@
 Each stage module is sharded over the "dp" dimension of the (pp, dp) mesh: between steps
 a replica holds 1/dp of the stage's parameters, gradients and AdamW state. A step runs:
 
-    first F of the stage      all-gather the parameters (once: reshard_after_forward=False)
+    start of the step         all-gather the parameters of every stage of the rank,
+                              asynchronously, in the order of the stages' first F
+    first F of the stage      wait for that gather (FSDP2's pre-forward); it stays
+                              gathered (reshard_after_forward=False)
     every F, B, I and W       on the unsharded parameters; gradients add up unsharded
     after the last B or W     reduce-scatter the gradients into the shards, then reshard
                               (the pipeline's grads_hook; the rest of the schedule goes on)
@@ -16,6 +19,13 @@ and ``_reduce_scatter_now`` runs FSDP2's post-backward itself once the stage's l
 done. FSDP2 has no public entry for that; torch.distributed.pipelining calls the same
 internal methods (``_PipelineStageBase.perform_reduce_grad``), and ``fsdp_internals``
 lists what is used so that a torch that changes them fails at start-up, not silently.
+
+Issued at the start of the step, a gather overlaps what the rank does before the stage's
+first F: on ranks after the first, the wait for the first activation (the warm-up), and
+for a rank's later stages, the forwards of its earlier ones. FSDP2 gathered in the
+pre-forward hook before, which blocked that F for the whole gather. ``unshard`` is a no-op
+on parameters still gathered (the later micro-steps of a gradient accumulation), so there
+is still one all-gather per stage per optimizer step.
 
 The reduce-scatter sums and divides by dp (forced sum: gloo has no AVG), the mean of the
 replicas' gradients; the loop weights each replica's loss by its share of the batch's
@@ -37,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, UnshardHandle, fully_shard
 
 from pipetrain.runtime import Pipeline, PipelineError
 from pipetrain.schedules import Action, Kind
@@ -136,8 +146,12 @@ class ShardedGradients:
         self._mesh = mesh
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._modules: dict[int, FSDPModule] = {}
-        # Stages in the order their last B/W runs: the same on every replica.
+        # Stages in the order their last B/W runs, and in the order of their first F: the
+        # same on every replica, so the dp group sees the same collectives in one order.
         self._order: list[int] = []
+        self._gather_order: list[int] = []
+        # Gathers issued by ``begin`` that no forward has waited for yet.
+        self._gathering: dict[int, UnshardHandle] = {}
         self._reduced: list[int] = []
         self._early: tuple[int, ...] = ()
         self._sync = False
@@ -169,6 +183,14 @@ class ShardedGradients:
     def _plan(self, actions: Sequence[Action]) -> None:
         last = {a.stage: pos for pos, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
         self._order = sorted(last, key=lambda s: last[s])
+        first: dict[int, int] = {}
+        for pos, action in enumerate(actions):
+            if action.kind is Kind.F:
+                first.setdefault(action.stage, pos)
+        # A stage without a forward (none in a training schedule) is gathered last.
+        self._gather_order = sorted(
+            self._modules, key=lambda s: (s not in first, first.get(s, 0), s)
+        )
 
     # ----------------------------------------------------------------- per step
     def begin(self, sync: bool) -> None:
@@ -179,6 +201,12 @@ class ShardedGradients:
             module.set_is_last_backward(False)
             module.set_reshard_after_backward(False)
             module.set_requires_gradient_sync(False)
+        for stage in self._gather_order:
+            # FSDP2's pre-forward waits for a pending unshard; the handle is kept for
+            # ``finish``, in case no forward did.
+            handle = self._modules[stage].unshard(async_op=True)
+            if handle is not None:
+                self._gathering[stage] = handle
 
     def grads_hook(self, stage: int) -> None:
         """The pipeline's hook: ``stage`` has run its last B or W of the step."""
@@ -202,9 +230,13 @@ class ShardedGradients:
         self._reduced.append(stage)
 
     def finish(self, step: int) -> None:
-        """Reduce what the hook did not (a stage without backward), in the canonical order."""
+        """Reduce what the hook did not (a stage without backward), in the canonical order,
+        after any gather that no forward waited for."""
         self._step = step
         self._early = tuple(self._reduced)
+        for handle in self._gathering.values():
+            handle.wait()  # a no-op once the stage's first forward has waited
+        self._gathering.clear()
         for stage in [*self._order, *sorted(self._modules)]:
             self._reduce(stage)
         self._waits.append(self._in_step_s)

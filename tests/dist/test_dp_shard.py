@@ -127,7 +127,7 @@ WORKER = textwrap.dedent(
                 p for n, p in self.pipe.named_parameters() if n in self.pipe.tied_names])
             self.grads = grads if dp == 1 else norm_share(grads, mesh, sharded=mode == "shard")
             self.model = model
-            self.gathers, self.early = [], []
+            self.gathers, self.early, self.prefetched = [], [], []
 
         def step(self, step, batches, accum=1):
             losses = []
@@ -139,6 +139,9 @@ WORKER = textwrap.dedent(
                     continue
                 shard = shard_batch(batch, mesh.dp_rank, mesh.dp)
                 self.dp.begin(sync=micro == accum - 1)
+                if micro == 0:
+                    # Sharded: the gathers are issued by begin, before any forward runs.
+                    self.prefetched.append(GATHERS[0])
                 losses.append(self.pipe.step(
                     shard.inputs, shard.targets,
                     denominator=replica_denominator(batch.targets, mesh.dp)).loss)
@@ -215,6 +218,7 @@ WORKER = textwrap.dedent(
             "state_bytes": state_bytes(run.pipe.parameters(), run.opt),
             "stages": list(run.pipe.stages),
             "gathers": list(run.gathers),
+            "prefetched": list(run.prefetched),
             "early": list(run.early),
         }
         if name == "shard-1f1b":
@@ -372,12 +376,16 @@ def test_equals_one_process_on_the_full_batch(results: list[dict], case: str) ->
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("shard")])
-def test_gathered_once_per_step_and_reduced_inside_it(results: list[dict], case: str) -> None:
+def test_gathered_once_per_step_up_front_and_reduced_inside_it(
+    results: list[dict], case: str
+) -> None:
     for out in results:
         got = out["cases"][case]
         # One all-gather per stage per optimizer step, not one per micro-batch: the
         # parameters stay gathered through gradient accumulation too.
         assert got["gathers"] == [len(got["stages"])] * 5, case
+        # All of them issued at the start of the step (prefetched), not at the first F.
+        assert got["prefetched"] == [len(got["stages"])] * 5, case
         # Every stage's reduce-scatter ran in the pipeline step, right after its last B/W.
         assert got["early"] == [got["stages"]] * 5, case
 
