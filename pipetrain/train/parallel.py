@@ -175,7 +175,8 @@ class DataParallelStats:
 
     replicas: int
     # Gradient bytes each pipeline rank all-reduces (or reduce-scatters) per optimizer
-    # step: its stages' unsharded gradients.
+    # step: its stages' unsharded gradients. Sharded, it all-gathers as many bytes of
+    # parameters too (once per step: they stay gathered to the stage's last B/W).
     bytes_per_step: tuple[int, ...]
     # Seconds per step each pipeline rank waited for its reductions, mean over the steps
     # and the replicas. DDP: the wait after its pipeline step ended (what the schedule did
@@ -192,7 +193,8 @@ class DataParallelStats:
         if self.sharded:
             text = (
                 f"data parallel: {self.replicas} replicas, sharded (FSDP2); per step, by pipeline "
-                f"rank: {sizes} MB of gradients reduce-scattered, {waits} ms in the reduce-scatters"
+                f"rank: {sizes} MB of parameters all-gathered and as many of gradients "
+                f"reduce-scattered, {waits} ms in the reduce-scatters"
             )
         else:
             text = (
@@ -204,13 +206,16 @@ class DataParallelStats:
         return text
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "dp_replicas": self.replicas,
             "dp_bytes_per_step": list(self.bytes_per_step),
             "dp_wait_s": list(self.wait_s),
             "dp_sharded": self.sharded,
             "dp_state_bytes": list(self.state_bytes),
         }
+        if self.sharded:
+            out["dp_all_gather_bytes_per_step"] = list(self.bytes_per_step)
+        return out
 
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:

@@ -79,10 +79,12 @@ def test_stats_text_and_json() -> None:
     sharded = DataParallelStats(2, (2_500_000,), (0.003,), True, (1_000_000, 3_000_000))
     assert sharded.format() == (
         "data parallel: 2 replicas, sharded (FSDP2); per step, by pipeline rank: 2.50 MB of "
-        "gradients reduce-scattered, 3.0 ms in the reduce-scatters; parameters + optimizer "
-        "state per rank: 3.00 MB"
+        "parameters all-gathered and as many of gradients reduce-scattered, 3.0 ms in the "
+        "reduce-scatters; parameters + optimizer state per rank: 3.00 MB"
     )
     assert sharded.to_json()["dp_state_bytes"] == [1_000_000, 3_000_000]
+    assert sharded.to_json()["dp_all_gather_bytes_per_step"] == [2_500_000]
+    assert "dp_all_gather_bytes_per_step" not in stats.to_json()
 
 
 def test_sharded_replicas_each_count_their_own_shard() -> None:
