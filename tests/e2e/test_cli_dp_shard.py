@@ -93,6 +93,12 @@ def test_sharded_pp2_dp2_equals_one_process(
     # Every rank stores about half of its stage's parameters and AdamW state.
     assert len(dp["dp_state_bytes"]) == 4 and all(b > 0 for b in dp["dp_state_bytes"])
     assert "sharded (FSDP2)" in sharded.stdout
+    # Each rank gathers its stage's parameters and reduce-scatters as many gradient bytes.
+    assert "MB of parameters all-gathered and as many of gradients reduce-scattered" in (
+        sharded.stdout
+    )
+    assert dp["dp_all_gather_bytes_per_step"] == dp["dp_bytes_per_step"]
+    assert len(dp["dp_bytes_per_step"]) == 2 and all(b > 0 for b in dp["dp_bytes_per_step"])
     # The sample is generated from weights gathered out of the shards.
     assert "sample (temperature" in sharded.stdout
     assert [s for s, _ in list_checkpoints(out / "ckpt_shard").complete] == [2, 4, 5]
