@@ -194,6 +194,19 @@ class DistTransport:
     that NCCL needs. The header check (a message that is not the expected one names both
     stages) also catches a wire order that went wrong.
 
+    The two directions. On NCCL (``one_stream``) one pump per peer walks the merged order
+    of both directions, as NCCL's stream does. gloo runs the two directions of a pair
+    apart (its sends do not queue behind its receives), so there the pump walks the
+    receives of the order and each send leaves at its SEND action, in program order, which
+    rule 1 of the wire order makes its order on the wire: each direction is matched in
+    exactly the order NCCL would match it, and a receive can be posted while an earlier
+    send of ours in the merged order waits for its data. With one stream that receive
+    could only be posted after that send (measured on 1F1B, p = 2: rank 0 posted 27 of 31
+    payload receives less than 1 ms before their RECV instead of about 100 ms ahead), so
+    the multi-process tests on gloo check the order of matching, and the merged order on
+    one stream runs in a fake of NCCL's semantics (tests/unit/test_transport_order.py) and
+    in the model of ``pipetrain.schedules.wire``.
+
     The pump. At the head of a peer's order:
 
     - a send is issued once its SEND action has run (the executor calls ``send``; the rule
@@ -228,9 +241,12 @@ class DistTransport:
         device: torch.device,
         timeout_s: float,
         lookahead: int = 2,
+        one_stream: bool | None = None,
     ) -> None:
         self._group = group
         self._rank = dist.get_rank(group)
+        # NCCL runs both directions of a pair on one stream; gloo runs them apart (class doc).
+        self._one_stream = dist.get_backend(group) == "nccl" if one_stream is None else one_stream
         self._stage_ranks = stage_ranks
         self._device = device
         self._timeout_s = timeout_s
@@ -296,7 +312,9 @@ class DistTransport:
         headers where needed, or, with None, as far as possible without blocking."""
         while peer.head < len(peer.order) and (through is None or peer.head <= through):
             entry = peer.order[peer.head]
-            if entry.outgoing:
+            if entry.outgoing and not self._one_stream:
+                pass  # its own direction: ``send`` issues it (class doc)
+            elif entry.outgoing:
                 tensors = self._ready.pop(entry.key, None)
                 if tensors is None:
                     if through is None:
@@ -370,7 +388,12 @@ class DistTransport:
                 f"must give the same shapes at a stage boundary"
             )
         peer = self._peer_of(key, self._stage_ranks[key.dst_stage])
-        self._ready[key] = tuple(t.detach().contiguous() for t in tensors)
+        payload = tuple(t.detach().contiguous() for t in tensors)
+        if not self._one_stream:
+            # Sends run in program order, which is their wire order (rule 1).
+            self._issue(_Entry(key, src_stage, True), peer.rank, payload)
+            return
+        self._ready[key] = payload
         self._pump(peer, peer.index[key])
         # What follows it may be receives the next action needs: post them now, not there.
         self._pump(peer, None)

@@ -15,20 +15,23 @@ must fail with an error naming it (printed to stderr, exit status 1).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import json
 import os
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from pipetrain.models import build_full_model, get_model_config, model_spec
-from pipetrain.runtime import PipelineError, build_pipeline
+from pipetrain.runtime import PipelineError, api, build_pipeline
 from pipetrain.runtime.stage import token_cross_entropy
 from pipetrain.schedules import Schedule
 from pipetrain.schedules.io import load_csv
@@ -201,6 +204,17 @@ def sequence_change_case(spec, group) -> dict[str, object]:
     return {"loss_rel": worst_loss, "grad_rel": worst_grad}
 
 
+@contextlib.contextmanager
+def one_stream_transport() -> Iterator[None]:
+    """Pipelines built inside use DistTransport(one_stream=True), as on NCCL."""
+    original = api.DistTransport
+    api.DistTransport = functools.partial(original, one_stream=True)
+    try:
+        yield
+    finally:
+        api.DistTransport = original
+
+
 def run_equal(out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = model_spec(get_model_config("llama-tiny", n_layers=6, tie_embeddings=True))
@@ -214,9 +228,13 @@ def run_equal(out: Path) -> None:
         # Orders that differ from program order on one side: the V turn, and loops of 2 and
         # 3 stages per rank; training and evaluation steps (different wire orders).
         for name, v in WIRE_SCHEDULES:
-            results[f"wire-{name}-v{v}"] = adamw_case(
-                spec, dist.group.WORLD, build_schedule(name, 2, 4, chunks=v), steps=2
-            )
+            schedule = build_schedule(name, 2, 4, chunks=v)
+            results[f"wire-{name}-v{v}"] = adamw_case(spec, dist.group.WORLD, schedule, steps=2)
+            # NCCL's discipline (both directions of a pair in one merged order) over gloo.
+            with one_stream_transport():
+                results[f"wire-one-stream-{name}-v{v}"] = adamw_case(
+                    spec, dist.group.WORLD, schedule, steps=2
+                )
     if world == 4:
         # Two independent 2-rank pipelines in one world: the runtime uses only its group.
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -87,6 +87,10 @@ def test_sequence_length_changes_between_steps(two):
         "wire-dualpipe-v-v2",
         "wire-interleaved-1f1b-v2",
         "wire-interleaved-1f1b-v3",
+        "wire-one-stream-zb-v-v2",
+        "wire-one-stream-dualpipe-v-v2",
+        "wire-one-stream-interleaved-1f1b-v2",
+        "wire-one-stream-interleaved-1f1b-v3",
     ),
 )
 def test_adamw_steps_equal_one_process(two, name):
