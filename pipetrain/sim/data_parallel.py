@@ -61,7 +61,8 @@ def _ring_time(nbytes: float, replicas: int, bandwidth: float, passes: int) -> f
         return 0.0
     if not bandwidth > 0:
         raise DataParallelError(
-            f"bandwidth is {bandwidth}: give a positive number of bytes per time unit"
+            f"bandwidth is {bandwidth}: give a positive number of bytes per time unit "
+            "(--dp-bandwidth)"
         )
     return passes * (replicas - 1) / replicas * nbytes / bandwidth
 
@@ -162,7 +163,9 @@ def data_parallel_cost(
         for stage in stages:
             nbytes = sizes[placement.model_stage(stage)]
             total += nbytes
-            took = ring_allreduce_time(nbytes, replicas, bandwidth) if bandwidth else 0.0
+            took = (
+                ring_allreduce_time(nbytes, replicas, bandwidth) if bandwidth is not None else 0.0
+            )
             clock = max(clock, ready.get(stage, start)) + took
             busy += took
         totals.append(total)

@@ -298,6 +298,8 @@ def test_shard_adds_the_gathers_and_reduce_scatters(capsys: pytest.CaptureFixtur
             "sharded stages do not fit 'chimera', which replicates stages",
         ),
         (["--shard", "--dp", "2", "--compare"], "drop --compare"),
+        (["--shard", "--dp", "2", "--dp-bandwidth", "0"], "bandwidth is 0.0: give a positive"),
+        (["--dp", "2", "--dp-bandwidth", "0"], "bandwidth is 0.0: give a positive"),
     ],
 )
 def test_bad_shard_options_are_one_line_and_exit_2(
