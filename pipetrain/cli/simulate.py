@@ -3,6 +3,8 @@
     pipetrain simulate --schedule 1f1b --pp 4 --microbatches 8 [--ascii] [--json]
     pipetrain simulate --schedule-file mine.csv [--plot mine.png] [--trace mine.json]
     pipetrain simulate --compare --pp 4 --microbatches 8 [--plot all.png]
+    pipetrain simulate --schedule 1f1b --pp 2 --microbatches 4 --weight-bytes 4.9e6 \
+        --dp 2 [--shard] [--dp-bandwidth 1e6]
 
 Imports no torch: everything here is pure schedule arithmetic (matplotlib only for
 ``--plot``).
