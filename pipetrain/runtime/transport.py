@@ -186,13 +186,12 @@ class DistTransport:
 
     Order, not tags. NCCL matches the messages between two ranks in the order they are
     posted and runs all of a pair's sends and receives (both directions) on one stream,
-    where a send may wait for the peer's matching receive. So every message between two
-    ranks goes through one pump per peer that posts them strictly in the pair's wire order
-    (``pipetrain.schedules.wire``), which both ranks derive from the schedule, and every
-    message uses the same tag, on every backend: gloo then matches per source in posting
-    order exactly as NCCL does, and the multi-process tests on CPU run the order semantics
-    that NCCL needs. The header check (a message that is not the expected one names both
-    stages) also catches a wire order that went wrong.
+    where a send may wait for the peer's matching receive. So both ranks of a pair follow
+    the pair's wire order (``pipetrain.schedules.wire``), which each derives from the
+    schedule, and every message uses the same tag on every backend: gloo then matches per
+    source in posting order exactly as NCCL does, and the multi-process tests on CPU check
+    the matching that NCCL needs. The header check (a message that is not the expected one
+    names both stages) also catches a wire order that went wrong.
 
     The two directions. On NCCL (``one_stream``) one pump per peer walks the merged order
     of both directions, as NCCL's stream does. gloo runs the two directions of a pair
@@ -209,7 +208,7 @@ class DistTransport:
 
     The pump. At the head of a peer's order:
 
-    - a send is issued once its SEND action has run (the executor calls ``send``; the rule
+    - (one stream) a send is issued once its SEND action has run (the executor calls ``send``; the rule
       of the wire order that a rank's sends keep its program order means nothing earlier
       is missing then); the pump never waits for a send to complete;
     - a receive gets its header posted, then its payload once the shapes are known. The
@@ -293,6 +292,7 @@ class DistTransport:
             f"{entry.key} with rank {peer.rank}"
             for peer in self._peers.values()
             for entry in peer.order[peer.head :]
+            if self._one_stream or not entry.outgoing  # else ``send`` issued it
         ]
         left += [str(key) for key in self._pending]
         if left:

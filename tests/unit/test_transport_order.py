@@ -43,10 +43,17 @@ class FakeGroup:
 
 @dataclass
 class FakeNccl:
-    """``get_rank``, ``isend`` and ``irecv`` with NCCL's order semantics (module doc)."""
+    """``get_rank``, ``isend`` and ``irecv`` with NCCL's order semantics (module doc).
 
-    streams: dict[tuple[int, int], list[_Op]] = field(default_factory=dict)
-    heads: dict[tuple[int, int], int] = field(default_factory=dict)
+    With ``one_stream=False`` it plays gloo instead: each direction of a pair is matched in
+    posting order on its own, sends never wait behind receives.
+    """
+
+    one_stream: bool = True
+    # (rank, peer, lane): the operations a rank posted, in order; one lane for everything
+    # on NCCL, on gloo lane 1 for sends and lane 0 for receives.
+    streams: dict[tuple[int, int, int], list[_Op]] = field(default_factory=dict)
+    heads: dict[tuple[int, int, int], int] = field(default_factory=dict)
     error: str = ""
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -54,7 +61,7 @@ class FakeNccl:
         return group.rank
 
     def get_backend(self, group: FakeGroup) -> str:
-        return "nccl"
+        return "nccl" if self.one_stream else "gloo"
 
     def isend(self, tensor, group, group_dst, tag):
         return self._post(group.rank, group_dst, _Op(True, tensor), tag)
@@ -64,28 +71,32 @@ class FakeNccl:
 
     def _post(self, rank: int, peer: int, op: _Op, tag: int) -> _Work:
         assert tag == 0
+        lane = 0 if self.one_stream else int(op.send)
         with self.cond:
-            self.streams.setdefault((rank, peer), []).append(op)
-            self._run(min(rank, peer), max(rank, peer))
+            self.streams.setdefault((rank, peer, lane), []).append(op)
+            if self.one_stream:
+                self._run((rank, peer, 0), (peer, rank, 0))
+            else:
+                self._run((rank, peer, lane), (peer, rank, 1 - lane))
             self.cond.notify_all()
         return _Work(self, op)
 
-    def _run(self, a: int, b: int) -> None:
-        """Complete the heads of both streams of a pair while they are a send and a receive."""
+    def _run(self, x: tuple[int, int, int], y: tuple[int, int, int]) -> None:
+        """Complete the heads of two facing streams while they are a send and a receive."""
         while True:
-            sa, sb = self.streams.get((a, b), []), self.streams.get((b, a), [])
-            ha, hb = self.heads.get((a, b), 0), self.heads.get((b, a), 0)
-            if ha == len(sa) or hb == len(sb) or sa[ha].send == sb[hb].send:
+            sx, sy = self.streams.get(x, []), self.streams.get(y, [])
+            hx, hy = self.heads.get(x, 0), self.heads.get(y, 0)
+            if hx == len(sx) or hy == len(sy) or sx[hx].send == sy[hy].send:
                 return  # nothing to pair, or two sends (two receives) facing each other
-            send, recv = (sa[ha], sb[hb]) if sa[ha].send else (sb[hb], sa[ha])
+            send, recv = (sx[hx], sy[hy]) if sx[hx].send else (sy[hy], sx[hx])
             if send.tensor.shape != recv.tensor.shape or send.tensor.dtype != recv.tensor.dtype:
                 self.error = (
-                    f"ranks {a} and {b} paired {send.tensor.shape} with {recv.tensor.shape}"
+                    f"ranks {x[0]} and {y[0]} paired {send.tensor.shape} with {recv.tensor.shape}"
                 )
                 return
             recv.tensor.copy_(send.tensor)
             send.done = recv.done = True
-            self.heads[(a, b)], self.heads[(b, a)] = ha + 1, hb + 1
+            self.heads[x], self.heads[y] = hx + 1, hy + 1
 
 
 @dataclass
@@ -157,9 +168,11 @@ class _NoReducer:
         return None
 
 
-def run_over_fake_nccl(program: Schedule, steps: int = 2, timeout_s: float = TIMEOUT_S) -> str:
+def run_over_fake_nccl(
+    program: Schedule, steps: int = 2, timeout_s: float = TIMEOUT_S, one_stream: bool = True
+) -> str:
     """Run every rank of a lowered program in a thread over FakeNccl; the errors, or ''."""
-    nccl = FakeNccl()
+    nccl = FakeNccl(one_stream)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(transport_module, "dist", nccl)
         return _run_threads(nccl, program, steps, timeout_s)
@@ -231,6 +244,8 @@ def test_schedules_run_over_nccl_order_semantics(name, p, m, v):
     program = resolve_schedule(name, p, m, v)
     assert run_over_fake_nccl(program) == ""
     assert run_over_fake_nccl(forward_only(program)) == ""
+    # gloo's semantics, which the transport meets with its two directions apart.
+    assert run_over_fake_nccl(program, one_stream=False) == ""
 
 
 def test_a_ring_of_three_ranks_runs_over_nccl_order_semantics():
