@@ -21,7 +21,7 @@ while rank 1 runs ``2B0`` (receiving that gradient) before ``1F1`` (ZB-V does th
 neither side's program order can be the order of the wire. NCCL matches messages between
 two ranks only by the order in which they are posted (tags are ignored), so the runtime
 posts every pair's messages in one order that both ranks derive from the lowered schedule
-(``pipetrain.schedules.wire``), checks each message's header against the name it expects
+(``pipetrain.schedules.wire``; on gloo each direction keeps its part of it), checks each message's header against the name it expects
 there, and uses one tag for all messages on every backend.
 """
 

@@ -21,7 +21,7 @@ validator rejects such schedules; ``wire_orders`` names the cycle). We take
 one order that keeps them: replay the schedule once, one action at a time, with unit costs
 (F = I = W = 1, B = 2, free messages), and order each pair's messages by when their SEND
 ran. Every rule holds (a SEND follows the RECVs before it, and a RECV its own SEND). One
-replay orders all pairs alike, which the runtime needs: it sometimes blocks on the header
+replay orders all pairs alike, which the runtime needs on NCCL: it may block on the header
 of an earlier message of the order before it may post a later one, and such a wait is
 then always for a SEND that came earlier in the replay, so waits never form a cycle, also
 across three or more ranks (see ``pipetrain.runtime.transport``).
