@@ -315,14 +315,13 @@ class Pipeline:
         divide_by = float(max(tokens, 1)) if denominator is None else float(denominator)
         for ex in executors:
             ex.begin(step, input_mbs, target_mbs, divide_by, training)
-        wires = [ex.wire for ex in executors]
         if self._group is None:
-            self._transport.begin_step(step, wires)
+            self._transport.begin_step(step, [])  # in memory, messages match by name
             return self._run_local(executors, step, tokens, training)
         # The barrier first: gloo's monitored barrier uses point-to-point tags that could
         # match receives posted early.
         dist_barrier(self._group, executors[0].rank, step, self._timeout_s, self.device)
-        self._transport.begin_step(step, wires)
+        self._transport.begin_step(step, [executors[0].wire])
         return self._run_dist(executors[0], step, tokens, training)
 
     def _run_local(

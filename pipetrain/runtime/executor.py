@@ -109,10 +109,8 @@ class RankExecutor:
         if grads_hook is not None:
             handlers = _after_last_grads(self.actions, handlers, grads_hook)
         self._handlers: tuple[Callable[[Action], bool], ...] = tuple(handlers)
-        # The order of this program's messages with each peer rank, which a transport that
-        # matches messages by order (DistTransport) follows; a schedule that has none
-        # cannot run and fails here, when the pipeline is built.
-        self.wire: PeerOrders = peer_orders(wire_orders(schedule), rank)
+        self._schedule = schedule
+        self._wire: PeerOrders | None = None
         self.clock = ActionClock(len(self.actions))
         self._inbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._outbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
@@ -122,6 +120,17 @@ class RankExecutor:
         self._targets: Sequence[torch.Tensor] = ()
         self._denominator = 1.0
         self._training = True
+
+    @property
+    def wire(self) -> PeerOrders:
+        """This program's messages with each peer rank in wire order (pipetrain.schedules.wire).
+
+        A transport that matches messages by order (DistTransport) follows it. Computed on
+        first use: the debug mode, which matches by name, never needs it.
+        """
+        if self._wire is None:
+            self._wire = peer_orders(wire_orders(self._schedule), self.rank)
+        return self._wire
 
     # ----------------------------------------------------------------- driving
     def begin(
