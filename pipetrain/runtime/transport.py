@@ -258,6 +258,7 @@ class DistTransport:
         self._sends: dict[MessageKey, tuple[list[Any], tuple[torch.Tensor, ...]]] = {}
         self._sent_specs: dict[_Boundary, _Specs] = {}
         self._recv_specs: dict[_Boundary, _Specs] = {}
+        self._connected: set[int] = set()
 
     # ----------------------------------------------------------------- step bounds
     def begin_step(self, step: int, wires: Sequence[PeerOrders]) -> None:
@@ -282,7 +283,35 @@ class DistTransport:
             )
             for peer, messages in wires[0].items()
         }
+        if self._one_stream:
+            self._connect(sorted(set(self._peers) - self._connected))
         self.progress()
+
+    def _connect(self, peers: list[int]) -> None:
+        """Meet each new peer once, in one global order of pairs, before any message.
+
+        ProcessGroupNCCL creates a pair's communicator at the pair's first send or receive,
+        and both ranks block there until the other arrives. Left to the first message, a
+        receive posted early would block its rank before the sends that its peer waits
+        for (a ring of three ranks deadlocks). Every rank meets its peers in ascending
+        order, so the pairs are met in one global order (lowest pair first) and each waits
+        only for pairs met before it.
+        """
+        for peer in peers:
+            token = torch.zeros(1, device=self._device)
+            work: Any
+            if self._rank < peer:
+                work = dist.isend(token, group=self._group, group_dst=peer, tag=TAG)
+            else:
+                work = dist.irecv(token, group=self._group, group_src=peer, tag=TAG)
+            try:
+                work.wait(self._timeout)
+            except RuntimeError as exc:
+                raise PipelineError(
+                    f"rank {self._rank}: step {self._step}, connecting to rank {peer} before "
+                    f"the first message: peer rank {peer} {describe_failure(exc, self._timeout_s)}"
+                ) from exc
+            self._connected.add(peer)
 
     def end_step(self) -> None:
         """Wait until every send of the step has left (its buffers may then be freed)."""

@@ -50,6 +50,10 @@ class FakeNccl:
     """
 
     one_stream: bool = True
+    # NCCL creates a pair's communicator at its first operation, blocking until both ranks
+    # have arrived there; gloo connects every pair when the group is made.
+    init_timeout_s: float = 10.0
+    arrived: set[tuple[int, int]] = field(default_factory=set)
     # (rank, peer, lane): the operations a rank posted, in order; one lane for everything
     # on NCCL, on gloo lane 1 for sends and lane 0 for receives.
     streams: dict[tuple[int, int, int], list[_Op]] = field(default_factory=dict)
@@ -73,6 +77,15 @@ class FakeNccl:
         assert tag == 0
         lane = 0 if self.one_stream else int(op.send)
         with self.cond:
+            if self.one_stream and (rank, peer) not in self.arrived:
+                self.arrived.add((rank, peer))
+                self.cond.notify_all()
+                if not self.cond.wait_for(
+                    lambda: (peer, rank) in self.arrived, self.init_timeout_s
+                ):
+                    raise RuntimeError(
+                        f"Timed out creating the communicator of ranks {rank}, {peer}"
+                    )
             self.streams.setdefault((rank, peer, lane), []).append(op)
             if self.one_stream:
                 self._run((rank, peer, 0), (peer, rank, 0))
@@ -172,7 +185,7 @@ def run_over_fake_nccl(
     program: Schedule, steps: int = 2, timeout_s: float = TIMEOUT_S, one_stream: bool = True
 ) -> str:
     """Run every rank of a lowered program in a thread over FakeNccl; the errors, or ''."""
-    nccl = FakeNccl(one_stream)
+    nccl = FakeNccl(one_stream, init_timeout_s=timeout_s)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(transport_module, "dist", nccl)
         return _run_threads(nccl, program, steps, timeout_s)
@@ -258,6 +271,24 @@ def test_a_ring_of_three_ranks_runs_over_nccl_order_semantics():
     actions = [[parse_action(t) for t in row.split()] for row in rows]
     program = lower(Schedule.build("ring", Placement.custom((0, 1, 2, 0)), 3, actions))
     assert run_over_fake_nccl(program) == ""
+
+
+def test_without_meeting_its_peers_first_the_ring_deadlocks_in_communicator_creation(
+    monkeypatch,
+):
+    # Rank 0's first operation with rank 2 is the receive of activations 2->3, posted when
+    # the step begins; it would wait for rank 2, which waits for rank 1, which waits for
+    # the activations rank 0 has not sent: DistTransport._connect meets the peers first.
+    rows = [
+        "0F0 0F2 0F1 3F0 3B0 0B0 3F2 3B2 0B2 3F1 3B1 0B1",
+        "1F0 1F2 1B0 1B2 1F1 1B1",
+        "2F0 2B0 2F2 2B2 2F1 2B1",
+    ]
+    actions = [[parse_action(t) for t in row.split()] for row in rows]
+    program = lower(Schedule.build("ring", Placement.custom((0, 1, 2, 0)), 3, actions))
+    monkeypatch.setattr(DistTransport, "_connect", lambda self, peers: None)
+    problem = run_over_fake_nccl(program, steps=1, timeout_s=1.0)
+    assert "Timed out creating the communicator of ranks 0, 2" in problem
 
 
 def test_the_fake_fails_a_transport_that_posts_in_program_order(monkeypatch):
