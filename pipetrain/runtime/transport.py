@@ -5,19 +5,11 @@ the pipeline's process group) and ``InMemoryTransport`` (the single-process debu
 where every rank runs in one process). Stages on the same rank never use a transport: the
 executor hands their tensors over in memory.
 
-A message is named by ``MessageKey(dst_stage, is_grad, microbatch)``. Across processes
-messages are matched by order, not by name or tag, because NCCL can do nothing else: both
-ranks of a pair post their messages in the pair's wire order (``pipetrain.schedules.wire``;
-``DistTransport`` explains the rules). On the wire each message is a fixed-size int64
-header followed by its tensors, all with one tag:
-
-    [MAGIC, step, src_stage, dst_stage, microbatch, is_grad, n,
-     n x (dtype code, ndim, d0 .. d5)]
-
-The receiver allocates from the header, so a message of another shape cannot leave stale
-rows in a buffer (gloo accepts a shorter message silently) or abort the process (a longer
-one), and a message that is not the expected one (the ranks disagree on the schedule or
-the order) is an error naming both stages.
+A message is named by ``MessageKey(dst_stage, is_grad, microbatch)`` and travels as a
+header and its tensors (``pipetrain.runtime.messages``). Across processes messages are
+matched by order, not by name or tag, because NCCL can do nothing else: both ranks of a
+pair follow the pair's wire order (``pipetrain.schedules.wire``; ``DistTransport``
+explains the rules), and each header is checked against the name expected there.
 """
 
 from __future__ import annotations
@@ -31,6 +23,17 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.runtime.errors import PipelineError, StageMismatchError
+from pipetrain.runtime.messages import (
+    HEADER_LEN,
+    TAG,
+    Boundary,
+    MessageKey,
+    Specs,
+    describe_failure,
+    header_values,
+    parse_header,
+    specs_of,
+)
 from pipetrain.schedules.wire import PeerOrders
 
 __all__ = [
@@ -41,105 +44,10 @@ __all__ = [
     "describe_failure",
 ]
 
-MAGIC = 0x5049_5045  # "PIPE": a header that is not ours is caught at once
-MAX_TENSORS = 8
-MAX_DIMS = 6
-_FIXED = 7
-HEADER_LEN = _FIXED + MAX_TENSORS * (2 + MAX_DIMS)
-# Every message, header and payload, uses this one tag: messages match by order (class doc).
-TAG = 0
-
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-
-
-@dataclass(frozen=True)
-class MessageKey:
-    """The name of one message: what ``dst_stage`` receives for ``microbatch``."""
-
-    dst_stage: int
-    is_grad: bool
-    microbatch: int
-
-    def __str__(self) -> str:
-        what = "gradient" if self.is_grad else "activations"
-        return f"{what} for stage {self.dst_stage} of micro-batch {self.microbatch}"
-
 
 def backend_for(device: torch.device) -> str:
     """The torch.distributed backend that moves tensors of ``device``: nccl for CUDA, else gloo."""
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-def describe_failure(exc: BaseException, timeout_s: float) -> str:
-    """What a failed wait means, in words (gloo reports a dead peer as a closed connection)."""
-    text = str(exc)
-    if "Connection closed by peer" in text or "Connection reset" in text or "pair closure" in text:
-        return (
-            "was lost (its process died or closed the connection; if it failed on an error of "
-            "its own, its log names the first failure)"
-        )
-    if "Timed out" in text or "timed out" in text or "Timeout" in text:
-        return f"did not answer within {timeout_s:g} s (raise timeout_s if the stage is just slow)"
-    return f"failed: {text.splitlines()[0] if text else type(exc).__name__}"
-
-
-def _header(step: int, src: int, key: MessageKey, tensors: tuple[torch.Tensor, ...]) -> list[int]:
-    if len(tensors) > MAX_TENSORS:
-        raise StageMismatchError(
-            f"stage {src} sends {len(tensors)} tensors to stage {key.dst_stage}: at most "
-            f"{MAX_TENSORS} per boundary; pack them into fewer tensors"
-        )
-    values = [MAGIC, step, src, key.dst_stage, key.microbatch, int(key.is_grad), len(tensors)]
-    for t in tensors:
-        if t.dim() > MAX_DIMS or t.dtype not in _DTYPE_CODE:
-            raise StageMismatchError(
-                f"stage {src} sends a {t.dim()}-d {t.dtype} tensor to stage {key.dst_stage}: "
-                f"the transport carries up to {MAX_DIMS} dims of {', '.join(map(str, _DTYPES))}"
-            )
-        values += [_DTYPE_CODE[t.dtype], t.dim(), *t.shape, *([0] * (MAX_DIMS - t.dim()))]
-    values += [0] * (HEADER_LEN - len(values))
-    return values
-
-
-def _parse_header(
-    values: list[int], step: int, src: int, key: MessageKey
-) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    got = tuple(values[1:6])
-    want = (step, src, key.dst_stage, key.microbatch, int(key.is_grad))
-    if values[0] != MAGIC or got != want:
-        raise StageMismatchError(
-            f"stage {key.dst_stage} expected {'gradient' if key.is_grad else 'activations'} of "
-            f"micro-batch {key.microbatch} from stage {src} in step {step}, but got a message "
-            f"with (step, src, dst, micro-batch, is_grad) = {got}: the ranks run different "
-            f"schedules; build every rank's pipeline with the same schedule"
-        )
-    specs = []
-    for i in range(values[6]):
-        base = _FIXED + i * (2 + MAX_DIMS)
-        ndim = values[base + 1]
-        specs.append((_DTYPES[values[base]], tuple(values[base + 2 : base + 2 + ndim])))
-    return specs
-
-
-_Specs = list[tuple[torch.dtype, tuple[int, ...]]]
-# A boundary between two stages in one direction: (source stage, destination, is_grad).
-_Boundary = tuple[int, int, bool]
-
-
-def _specs_of(tensors: tuple[torch.Tensor, ...]) -> _Specs:
-    return [(t.dtype, tuple(t.shape)) for t in tensors]
 
 
 class _Pending:
@@ -153,8 +61,8 @@ class _Pending:
         self.header_work = header_work
         self.payload: tuple[torch.Tensor, ...] | None = None
         self.payload_works: list[Any] = []
-        self.predicted: _Specs | None = None  # shapes the payload was posted with, unread
-        self.specs: _Specs | None = None  # shapes the header announced, once read
+        self.predicted: Specs | None = None  # shapes the payload was posted with, unread
+        self.specs: Specs | None = None  # shapes the header announced, once read
 
 
 @dataclass(frozen=True)
@@ -256,8 +164,8 @@ class DistTransport:
         self._ready: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._pending: dict[MessageKey, _Pending] = {}
         self._sends: dict[MessageKey, tuple[list[Any], tuple[torch.Tensor, ...]]] = {}
-        self._sent_specs: dict[_Boundary, _Specs] = {}
-        self._recv_specs: dict[_Boundary, _Specs] = {}
+        self._sent_specs: dict[Boundary, Specs] = {}
+        self._recv_specs: dict[Boundary, Specs] = {}
         self._connected: set[int] = set()
 
     # ----------------------------------------------------------------- step bounds
@@ -373,7 +281,7 @@ class DistTransport:
     def _issue(self, entry: _Entry, peer: int, tensors: tuple[torch.Tensor, ...]) -> None:
         key = entry.key
         header = torch.tensor(
-            _header(self._step, entry.src_stage, key, tensors),
+            header_values(self._step, entry.src_stage, key, tensors),
             dtype=torch.int64,
             device=self._device,
         )
@@ -388,15 +296,15 @@ class DistTransport:
         self._pending[entry.key] = pending
         return pending
 
-    def _read_header(self, key: MessageKey, pending: _Pending) -> _Specs:
+    def _read_header(self, key: MessageKey, pending: _Pending) -> Specs:
         """Wait for a header and check it; the first of a boundary sets its shapes."""
         if pending.specs is None:
             self._wait(pending.header_work, key)
-            pending.specs = _parse_header(pending.header.tolist(), self._step, pending.src, key)
+            pending.specs = parse_header(pending.header.tolist(), self._step, pending.src, key)
             self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), pending.specs)
         return pending.specs
 
-    def _post_payload(self, pending: _Pending, peer: int, specs: _Specs) -> None:
+    def _post_payload(self, pending: _Pending, peer: int, specs: Specs) -> None:
         payload = tuple(
             torch.empty(shape, dtype=dtype, device=self._device) for dtype, shape in specs
         )
@@ -407,7 +315,7 @@ class DistTransport:
 
     # ----------------------------------------------------------------- send, receive
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        specs = _specs_of(tensors)
+        specs = specs_of(tensors)
         boundary = (src_stage, key.dst_stage, key.is_grad)
         first = self._sent_specs.setdefault(boundary, specs)
         if specs != first:

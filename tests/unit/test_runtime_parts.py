@@ -12,14 +12,9 @@ import torch
 from pipetrain.runtime import PipelineInputError, build_pipeline
 from pipetrain.runtime.errors import StageMismatchError
 from pipetrain.runtime.executor import RankExecutor
+from pipetrain.runtime.messages import MessageKey, describe_failure, header_values, parse_header
 from pipetrain.runtime.timeline import compare_with_simulation, measured_costs
-from pipetrain.runtime.transport import (
-    InMemoryTransport,
-    MessageKey,
-    _header,
-    _parse_header,
-    describe_failure,
-)
+from pipetrain.runtime.transport import InMemoryTransport
 from pipetrain.schedules import Action, Kind, Placement, Schedule
 from pipetrain.schedules.execution import Event, Timeline
 
@@ -31,8 +26,8 @@ def test_header_round_trip_gives_dtypes_and_shapes():
         torch.zeros(2, 5, dtype=torch.int64),
         torch.zeros((), dtype=torch.bfloat16),
     )
-    values = _header(4, 2, key, tensors)
-    assert _parse_header(values, 4, 2, key) == [
+    values = header_values(4, 2, key, tensors)
+    assert parse_header(values, 4, 2, key) == [
         (torch.float32, (2, 5, 4)),
         (torch.int64, (2, 5)),
         (torch.bfloat16, ()),
@@ -48,17 +43,17 @@ def test_header_round_trip_gives_dtypes_and_shapes():
     ],
 )
 def test_a_message_that_is_not_the_expected_one_names_both_stages(step, src, key):
-    values = _header(4, 2, MessageKey(3, True, 7), (torch.zeros(1),))
+    values = header_values(4, 2, MessageKey(3, True, 7), (torch.zeros(1),))
     with pytest.raises(StageMismatchError, match=f"stage 3 expected .* from stage {src}"):
-        _parse_header(values, step, src, key)
+        parse_header(values, step, src, key)
 
 
 def test_header_limits_are_input_errors():
     key = MessageKey(1, False, 0)
     with pytest.raises(StageMismatchError, match="at most 8"):
-        _header(0, 0, key, tuple(torch.zeros(1) for _ in range(9)))
+        header_values(0, 0, key, tuple(torch.zeros(1) for _ in range(9)))
     with pytest.raises(StageMismatchError, match="up to 6 dims"):
-        _header(0, 0, key, (torch.zeros(1, 1, 1, 1, 1, 1, 1),))
+        header_values(0, 0, key, (torch.zeros(1, 1, 1, 1, 1, 1, 1),))
 
 
 def test_failures_are_described_by_cause():
