@@ -96,7 +96,7 @@ WORKER = textwrap.dedent(
     # on different ranks), one 1F1B step. The norm must be one process's on the whole model.
     from pipetrain.models import build_full_model, get_model_config, model_spec
     from pipetrain.runtime import build_pipeline
-    from pipetrain.train.loop import _gradients
+    from pipetrain.train.session import local_gradients as _gradients
     from pipetrain.train.plan import block_split
 
     spec = model_spec(get_model_config("gpt2-tiny"))

@@ -1,0 +1,297 @@
+"""What one process of a synchronous run holds, built once before its first step.
+
+``open_session`` does the set-up of ``pipetrain.train.loop``: this rank's pipeline with its
+stage options, the data-parallel reducer, the data, the optimizer and its guard, the
+output and the checkpoints. The loop then only steps, evaluates and finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
+from pipetrain.models import model_spec
+from pipetrain.runtime import Pipeline, build_pipeline
+from pipetrain.train.config import TrainConfig, config_to_dict
+from pipetrain.train.data import Batch, Corpus, eval_batches, load_corpus, train_batch
+from pipetrain.train.metrics import RunOutput
+from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
+from pipetrain.train.parallel import (
+    Mesh,
+    ReplicaGradients,
+    norm_share,
+    replica_denominator,
+    replica_mean,
+    shard_batch,
+)
+from pipetrain.train.plan import RunPlan
+from pipetrain.train.sharded import ShardedGradients
+from pipetrain.train.stage_options import apply_stage_options
+
+__all__ = ["ProcessRole", "Session", "local_gradients", "open_session"]
+
+
+@dataclass(frozen=True)
+class ProcessRole:
+    """Where this process sits: its rank in the pipeline group and its neighbours on the node."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def reporter(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class Session:
+    """One process's synchronous run, set up: what every step and evaluation works with."""
+
+    config: TrainConfig
+    role: ProcessRole
+    plan: RunPlan
+    device: torch.device
+    # The pipeline group (None with one pipeline rank or in one process) and the mesh of
+    # pipeline x data-parallel groups (None without a process group).
+    group: Any
+    mesh: Mesh | None
+    pipeline: Pipeline
+    # Whether this process holds a first stage (feeds inputs) and a last one (targets).
+    first: bool
+    last: bool
+    # The data, on processes that hold a first or last stage only.
+    corpus: Corpus | None
+    evals: list[tuple[Batch, float | None]] | None
+    replicas: ReplicaGradients | ShardedGradients | None
+    optimizer: torch.optim.Optimizer
+    update: GuardedUpdate
+    grads: Gradients
+    output: RunOutput
+    checkpoints: RunCheckpoints
+
+    @property
+    def sharded(self) -> ShardedGradients | None:
+        return self.replicas if isinstance(self.replicas, ShardedGradients) else None
+
+    def shard(self, batch: Batch) -> tuple[Batch, float | None]:
+        """This replica's rows, and what it divides its loss by (None: its own tokens)."""
+        return _shard(batch, self.mesh)
+
+    def micro_batch(self, index: int) -> tuple[Any, Any, float | None]:
+        """(inputs, targets, loss denominator) of training micro-batch ``index`` here.
+
+        Inputs only on a first stage and targets only on a last one; None elsewhere.
+        """
+        if self.corpus is None:
+            return None, None, None
+        d, r = self.config.data, self.config.run
+        batch = train_batch(
+            self.corpus, index, seed=r.seed, batch_size=d.batch_size, seq_len=d.seq_len
+        )
+        batch, denominator = self.shard(batch)
+        return (
+            batch.inputs if self.first else None,
+            batch.targets if self.last else None,
+            denominator,
+        )
+
+    def evaluate(self, step: int) -> float:
+        """The held-out loss, known on every rank and reported; NaN when evaluation is off."""
+        d, r = self.config.data, self.config.run
+        if not r.evaluate:
+            return math.nan
+        losses = []
+        for i in range(d.eval_batches):
+            batch, denominator = self.evals[i] if self.evals is not None else (None, None)
+            losses.append(
+                self.pipeline.eval_loss(
+                    batch.inputs if batch is not None and self.first else None,
+                    batch.targets if batch is not None and self.last else None,
+                    denominator=denominator,
+                )
+            )
+        if self.sharded is not None:  # the forwards gathered the parameters: free them
+            self.sharded.reshard()
+        value = sum(losses) / len(losses)
+        if self.mesh is not None:
+            value = replica_mean([value], self.mesh, self.device)[0]
+        self.output.report({"step": step, "eval_loss": value})
+        self.output.say(f"eval loss after {step} steps: {value:.4f}")
+        return value
+
+
+def open_session(
+    config: TrainConfig,
+    role: ProcessRole,
+    plan: RunPlan,
+    device: torch.device,
+    group: Any,
+    out: IO[str],
+    mesh: Mesh | None,
+) -> Session:
+    """Build this process's part of the run, in the order the pieces depend on each other."""
+    p, d, r = config.pipeline, config.data, config.run
+    # Data parallelism: gradients averaged over the replicas (replicated or, with --shard,
+    # sharded stages), shards of every batch, and the norm, the NaN decision and
+    # checkpoints over every process (the world group).
+    replicas: ReplicaGradients | ShardedGradients | None = None
+    if mesh is not None and mesh.dp > 1:
+        replicas = (
+            ShardedGradients(mesh, timeout_s=p.timeout_s)
+            if p.shard
+            else ReplicaGradients(mesh, timeout_s=p.timeout_s)
+        )
+    everyone = mesh.world_group if mesh is not None else group
+
+    pipeline = build_pipeline(
+        model_spec(plan.model),
+        schedule=plan.schedule,
+        microbatches=p.microbatches,
+        group=group,
+        ranks=None if group is not None else p.pp,
+        device=device,
+        seed=r.seed,
+        split=plan.split,
+        timeout_s=p.timeout_s,
+        grads_hook=replicas.grads_hook if replicas is not None else None,
+    )
+    for module in pipeline.modules:
+        apply_stage_options(
+            module,
+            device=device,
+            precision=p.precision,
+            recompute=p.recompute,
+            compile_stage=p.compile,
+        )
+    if replicas is not None:  # sharding replaces the parameters: before the optimizer
+        replicas.attach(pipeline)
+    placement = pipeline.schedule.placement
+    first = any(placement.is_first(s) for s in pipeline.stages)
+    last = any(placement.is_last(s) for s in pipeline.stages)
+    corpus: Corpus | None = load_corpus(d) if first or last else None
+    evals: list[tuple[Batch, float | None]] | None = None
+    if corpus is not None:
+        evals = [
+            _shard(b, mesh)
+            for b in eval_batches(
+                corpus, batch_size=d.batch_size, seq_len=d.seq_len, count=d.eval_batches
+            )
+        ]
+
+    optimizer = build_optimizer(pipeline.named_parameters(), config.optim)
+    update = GuardedUpdate(optimizer, config.optim, total_steps=r.steps, group=everyone)
+    grads = (
+        local_gradients(pipeline)
+        if mesh is None
+        else norm_share(
+            local_gradients(pipeline), mesh, sharded=isinstance(replicas, ShardedGradients)
+        )
+    )
+    output = RunOutput(
+        active=role.reporter,
+        total_steps=r.steps,
+        stream=out,
+        metrics_path=config.metrics_path,
+        tensorboard_dir=config.run_dir / "tensorboard" if r.tensorboard else None,
+    )
+    if role.reporter and corpus is not None:
+        n_params = sum(param.numel() for param in pipeline.parameters())
+        output.say(f"data: {corpus.description}")
+        output.say(
+            f"model {plan.model.name}: {plan.model.n_layers} blocks, d_model {plan.model.d_model}; "
+            f"schedule {plan.schedule.name} on {p.pp} ranks, split {[len(s) for s in plan.split]} layers, "
+            f"{n_params:,} parameters in this process, device {device}"
+        )
+    checkpoints = _checkpoints(config, plan, pipeline, optimizer, everyone, device, output)
+    return Session(
+        config=config,
+        role=role,
+        plan=plan,
+        device=device,
+        group=group,
+        mesh=mesh,
+        pipeline=pipeline,
+        first=first,
+        last=last,
+        corpus=corpus,
+        evals=evals,
+        replicas=replicas,
+        optimizer=optimizer,
+        update=update,
+        grads=grads,
+        output=output,
+        checkpoints=checkpoints,
+    )
+
+
+def local_gradients(pipeline: Pipeline) -> Gradients:
+    """This process's parameters; tied copies and replicas after the first are not counted."""
+    placement = pipeline.schedule.placement
+    params: list[torch.Tensor] = []
+    extra: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
+        for name, param in module.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            params.append(param)
+            if name in pipeline.tied_names or placement.replica(stage) > 0:
+                extra.append(param)
+    return Gradients.of(params, not_counted=extra)
+
+
+def _shard(batch: Batch, mesh: Mesh | None) -> tuple[Batch, float | None]:
+    if mesh is None or mesh.dp == 1:
+        return batch, None
+    return (
+        shard_batch(batch, mesh.dp_rank, mesh.dp),
+        replica_denominator(batch.targets, mesh.dp),
+    )
+
+
+def _checkpoints(
+    config: TrainConfig,
+    plan: RunPlan,
+    pipeline: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    everyone: Any,
+    device: torch.device,
+    output: RunOutput,
+) -> RunCheckpoints:
+    """Saving, resuming and the stop signal, over every process of the run."""
+    p, r = config.pipeline, config.run
+    model_fields = dataclasses.asdict(plan.model)
+    model_fields.pop("name")  # a label: the same weights load whatever the preset was called
+    return RunCheckpoints(
+        CheckpointPolicy(r.checkpoint_dir, r.checkpoint_every, r.keep, r.resume),
+        modules=pipeline.modules,
+        optimizer=optimizer,
+        model=model_fields,
+        layout=Layout(
+            p.pp,
+            p.chunks,
+            p.schedule,
+            dist.get_world_size(everyone) if everyone is not None else 1,
+            plan.split,
+        ),
+        config=config_to_dict(config),
+        total_steps=r.steps,
+        group=everyone,
+        device=device,
+        say=output.say,
+        # Batches are a function of (seed, index): the position is all the data state there is.
+        state=lambda done: {"step": done, "data_position": done * config.optim.grad_accum},
+    )
