@@ -13,14 +13,10 @@ stages, and checkpoints move between sharded pp=2 x dp=2, DDP pp=2 x dp=2 and pp
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-import time
 
 import pytest
-from runtime_launch import free_port
+from runtime_launch import launch
 
 pytestmark = pytest.mark.dist
 
@@ -297,40 +293,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("dp_shard")
     script = tmp / "worker.py"
     script.write_text(WORKER)
-    port = free_port()
-    procs = []
-    start = time.monotonic()
-    for rank in range(4):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="4",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    errors = []
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=max(1.0, 280 - (time.monotonic() - start)))
-            errors.append(err)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0, 0, 0], "\n".join(e[-3000:] for e in errors)
+    run = launch(4, [str(tmp)], timeout_s=280.0, worker=script)
+    assert run.returncodes == (0, 0, 0, 0), "\n".join(e[-3000:] for e in run.stderr)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(4)]
 
 
