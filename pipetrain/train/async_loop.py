@@ -29,13 +29,13 @@ from pipetrain.train.config import ConfigError, TrainConfig, config_to_dict
 from pipetrain.train.data import Batch, Corpus, eval_batches, load_corpus, train_batch
 from pipetrain.train.loop import peak_memory_per_rank
 from pipetrain.train.metrics import (
-    RunOutput,
     RunSummary,
     measured_bubble,
 )
 from pipetrain.train.optim import build_optimizer, lr_at
 from pipetrain.train.plan import RunPlan
 from pipetrain.train.sample import gather_state_dict, generate
+from pipetrain.train.session import open_output
 
 __all__ = ["train_async"]
 
@@ -78,13 +78,7 @@ def train_async(
             corpus, batch_size=d.batch_size, seq_len=d.seq_len, count=d.eval_batches
         )
 
-    output = RunOutput(
-        active=role.reporter,
-        total_steps=r.steps,
-        stream=out,
-        metrics_path=config.metrics_path,
-        tensorboard_dir=config.run_dir / "tensorboard" if r.tensorboard else None,
-    )
+    output = open_output(config, role, out)
     progress, report, say = output.progress, output.report, output.say
 
     if corpus is not None:

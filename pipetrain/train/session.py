@@ -34,7 +34,7 @@ from pipetrain.train.plan import RunPlan
 from pipetrain.train.sharded import ShardedGradients
 from pipetrain.train.stage_options import apply_stage_options
 
-__all__ = ["ProcessRole", "Session", "local_gradients", "open_session"]
+__all__ = ["ProcessRole", "Session", "local_gradients", "open_output", "open_session"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,17 @@ class Session:
         return value
 
 
+def open_output(config: TrainConfig, role: ProcessRole, out: IO[str]) -> RunOutput:
+    """Where a run's progress lines and metrics go (silent on every rank but the reporter)."""
+    return RunOutput(
+        active=role.reporter,
+        total_steps=config.run.steps,
+        stream=out,
+        metrics_path=config.metrics_path,
+        tensorboard_dir=config.run_dir / "tensorboard" if config.run.tensorboard else None,
+    )
+
+
 def open_session(
     config: TrainConfig,
     role: ProcessRole,
@@ -199,13 +210,7 @@ def open_session(
             local_gradients(pipeline), mesh, sharded=isinstance(replicas, ShardedGradients)
         )
     )
-    output = RunOutput(
-        active=role.reporter,
-        total_steps=r.steps,
-        stream=out,
-        metrics_path=config.metrics_path,
-        tensorboard_dir=config.run_dir / "tensorboard" if r.tensorboard else None,
-    )
+    output = open_output(config, role, out)
     if role.reporter and corpus is not None:
         n_params = sum(param.numel() for param in pipeline.parameters())
         output.say(f"data: {corpus.description}")
