@@ -6,6 +6,7 @@ one line on stderr naming the rank; exit status 2 for bad input, 1 for a failed 
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +21,10 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A native crash (SIGSEGV, SIGABRT from a C++ std::terminate in torch or gloo) would
+    # otherwise leave one bare line on stderr; this dumps every thread's Python stack with
+    # it, so the log says where the rank was.
+    faulthandler.enable()
     args = sys.argv[1:] if argv is None else list(argv)
     role = role_from_env() or ProcessRole()
     try:
