@@ -44,14 +44,26 @@ __all__ = ["ProcessRole", "announce", "resolve_device", "train"]
 _WARMUP_STEPS = 1
 
 
-def resolve_device(setting: str, local_rank: int) -> torch.device:
-    """``cuda:<local rank>`` when asked for (or ``auto`` and present), else the CPU."""
+def resolve_device(setting: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """``cuda:<local rank>`` when asked for (or ``auto`` and present), else the CPU.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected", deep inside the first
+    transfer), so more processes on a node than it has GPUs is named here, before any
+    process group exists.
+    """
     if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError(
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu"
             )
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        if local_world_size > gpus:
+            raise ConfigError(
+                f"{local_world_size} processes on this node but it has {gpus} GPU(s), and "
+                f"nccl needs one GPU per process: start at most {gpus} per node (--pp x --dp, "
+                f"or torchrun --nproc-per-node), use --single-process, or --device cpu"
+            )
+        return torch.device("cuda", local_rank % gpus)
     return torch.device("cpu")
 
 
@@ -96,7 +108,9 @@ def train(
         )
     tokenizer = load_tokenizer(config.data.tokenizer)
     plan = plan_run(config, vocab_size=tokenizer.vocab_size)
-    device = resolve_device(p.device, role.local_rank)
+    device = resolve_device(
+        p.device, role.local_rank, role.local_world_size if role.distributed else 1
+    )
     if device.type == "cpu":
         torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
     if role.reporter and not announced:

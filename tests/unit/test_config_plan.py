@@ -92,3 +92,23 @@ def test_cuda_without_a_gpu_is_named() -> None:
         pytest.skip("this machine has CUDA")
     with pytest.raises(ConfigError, match=r"pipeline.device is 'cuda'.*--device cpu"):
         _plan(**{"pipeline.device": "cuda"})
+
+
+def test_more_processes_than_gpus_on_a_node_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCCL fails deep in the first transfer when two ranks share a GPU; name it up front.
+    import torch
+
+    from pipetrain.train.loop import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        ConfigError, match=r"2 processes on this node but it has 1 GPU.*--device cpu"
+    ):
+        resolve_device("cuda", 1, 2)
+    with pytest.raises(ConfigError, match=r"4 processes on this node"):
+        resolve_device("auto", 0, 4)
+    assert resolve_device("cuda", 0, 1) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda", 1, 2) == torch.device("cuda", 1)
+    assert resolve_device("cpu", 1, 8) == torch.device("cpu")
