@@ -89,9 +89,22 @@ def missing_fsdp_internals(module: nn.Module | None = None) -> list[str]:
         context = getattr(state, "_state_ctx", None)
         if not isinstance(getattr(context, "all_states", None), list):
             missing.append("FSDPState._state_ctx.all_states")
-        if not isinstance(getattr(state, "_fsdp_param_groups", None), list):
+        if _param_groups(state) is None:
             missing.append("FSDPState._fsdp_param_groups")
     return missing
+
+
+def _param_groups(state: Any) -> list[Any] | None:
+    """An FSDP state's parameter groups: a list in torch 2.13 (``_fsdp_param_groups``), one
+    group or None in earlier releases (``_fsdp_param_group``, seen in 2.11); None when
+    neither layout is there."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if isinstance(groups, list):
+        return groups
+    if hasattr(state, "_fsdp_param_group"):
+        single = state._fsdp_param_group
+        return [] if single is None else [single]
+    return None
 
 
 def _check_internals(module: nn.Module | None) -> None:
@@ -110,7 +123,7 @@ def _reduce_scatter_now(module: FSDPModule) -> None:
 
     Private FSDP2 API, as torch.distributed.pipelining uses it, checked against torch
     2.13.0 (``CHECKED_TORCH``): the state's context lists every FSDP state under this root
-    (``_state_ctx.all_states``), each holds parameter groups (``_fsdp_param_groups``)
+    (``_state_ctx.all_states``), each holds parameter groups (``_param_groups``)
     whose ``post_backward`` reduce-scatters when gradient sync is on and reshards when
     reshard-after-backward is on; ``_root_post_backward_final_callback`` then waits for the
     reductions and resets the per-step state, as at the end of a last backward.
@@ -120,7 +133,7 @@ def _reduce_scatter_now(module: FSDPModule) -> None:
     module.set_requires_gradient_sync(True)
     state = fully_shard.state(module)  # type: ignore[attr-defined]
     for each in state._state_ctx.all_states:
-        for param_group in each._fsdp_param_groups:
+        for param_group in _param_groups(each) or ():
             param_group.post_backward()
     state._root_post_backward_final_callback()
 

@@ -148,6 +148,19 @@ def test_fsdp2_post_backward_entry_points_reduce_into_the_shards() -> None:
         dist.destroy_process_group()
 
 
+def test_fsdp_param_groups_in_both_torch_layouts() -> None:
+    # torch 2.13 lists a state's groups; earlier releases (2.11 seen) hold one or None.
+    from types import SimpleNamespace
+
+    from pipetrain.train.sharded import _param_groups
+
+    group = object()
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[group])) == [group]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+    assert _param_groups(SimpleNamespace()) is None
+
+
 def test_config_shard_field() -> None:
     config = load_config(
         None,
