@@ -61,7 +61,8 @@ def peak_rss_mb() -> float:
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     ids = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    # Contiguous: torch 2.11+ pipelining checks the strides of stage inputs.
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
 def release_memory() -> None:
