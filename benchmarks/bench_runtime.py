@@ -13,6 +13,12 @@ agree: the check that the two sides do the same work.
     .venv/bin/python benchmarks/bench_runtime.py [--microbatches 4 8 16] [--steps 3]
         [--rounds 2] [--json out.json]
 
+``--paired N`` measures the throughput ratio alone, more finely: both pipelines live in
+the same two processes and step in turn (ours, torch's, torch's, ours, ...), N timed
+steps each, so that the machine's drift falls on both alike; the table gives the median
+tokens/s of each side and the geometric mean of the per-step ratios with a 95%
+bootstrap interval.
+
 Pairs: gpipe / ScheduleGPipe, 1f1b / Schedule1F1B, zb-h1 / ScheduleInterleavedZeroBubble
 (2 stages per rank on torch's side: it is a looped schedule), interleaved-1f1b (v=2) /
 ScheduleInterleaved1F1B (v=2).
@@ -91,9 +97,9 @@ def timed_steps(step_fn: Any, steps: int) -> tuple[float, float]:
     return float(elapsed) / steps, float(cpu) / steps
 
 
-def run_ours(spec: Any, name: str, m: int, steps: int) -> dict[str, float]:
+def make_ours(spec: Any, name: str, m: int) -> tuple[Any, Any]:
+    """Our pipeline and AdamW: (step function, last result)."""
     from pipetrain.runtime import build_pipeline
-    from pipetrain.runtime.timeline import compare_with_simulation
 
     pipe = build_pipeline(
         spec, schedule=name, microbatches=m, group=dist.group.WORLD, device="cpu", seed=0
@@ -107,6 +113,13 @@ def run_ours(spec: Any, name: str, m: int, steps: int) -> dict[str, float]:
         opt.step()
         pipe.zero_grad()
 
+    return step, (pipe, last)
+
+
+def run_ours(spec: Any, name: str, m: int, steps: int) -> dict[str, float]:
+    from pipetrain.runtime.timeline import compare_with_simulation
+
+    step, (pipe, last) = make_ours(spec, name, m)
     per_step, cpu = timed_steps(step, steps)
     result = last[0]
     comparison = compare_with_simulation(result.timeline, pipe.schedule)
@@ -122,7 +135,9 @@ def run_ours(spec: Any, name: str, m: int, steps: int) -> dict[str, float]:
     }
 
 
-def run_torch(spec: Any, schedule_name: str, v: int, m: int, steps: int) -> dict[str, float]:
+def make_torch(spec: Any, schedule_name: str, v: int, m: int) -> tuple[Any, list[torch.Tensor]]:
+    """torch.distributed.pipelining's schedule on the same stages: (step function, the
+    last step's micro-batch losses on the last stage's rank)."""
     from torch.distributed import pipelining
 
     from pipetrain.models import build_stage
@@ -164,10 +179,81 @@ def run_torch(spec: Any, schedule_name: str, v: int, m: int, steps: int) -> dict
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step, losses
+
+
+def summed_loss(losses: list[torch.Tensor]) -> float:
+    loss = torch.tensor([float(sum(float(t.detach()) for t in losses))])
+    dist.all_reduce(loss)  # only the last stage's rank holds losses: the others add 0
+    return float(loss)
+
+
+def run_torch(spec: Any, schedule_name: str, v: int, m: int, steps: int) -> dict[str, float]:
+    step, losses = make_torch(spec, schedule_name, v, m)
     per_step, cpu = timed_steps(step, steps)
-    loss = torch.tensor([float(sum(float(t.detach()) for t in losses)) if last else 0.0])
-    dist.all_reduce(loss)
-    return {"step_s": per_step, "cpu_s": cpu, "loss": float(loss)}
+    return {"step_s": per_step, "cpu_s": cpu, "loss": summed_loss(losses)}
+
+
+def run_paired(spec: Any, pair: tuple[str, str, int], m: int, steps: int) -> dict[str, Any]:
+    """Both pipelines in the same processes, one step of each in turn (the order swapped
+    every step), each step timed between barriers on the slower rank. Drift in the
+    machine's speed (other tenants, clocks) then falls on both sides alike within a
+    second, and the per-step ratios give a confidence interval for the ratio."""
+    ours_name, theirs, v = pair
+    ours, (_, last) = make_ours(spec, ours_name, m)
+    them, losses = make_torch(spec, theirs, v, m)
+    ours(0)
+    them(0)
+    times = torch.zeros(2, steps, dtype=torch.float64)
+    for i in range(steps):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            dist.barrier()
+            start = time.perf_counter()
+            (ours, them)[side](1 + i)
+            times[side, i] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return {
+        "m": m,
+        "ours": ours_name,
+        "torch": theirs,
+        "ours_s": times[0].tolist(),
+        "torch_s": times[1].tolist(),
+        "loss_ours": last[0].loss,
+        "loss_torch": summed_loss(losses),
+    }
+
+
+def ratio_interval(ours_s: list[float], torch_s: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of the per-step ratios torch/ours (> 1: ours faster) and its 95%
+    bootstrap interval (2,000 resamples of the steps, fixed seed)."""
+    import math
+    import random
+
+    logs = [math.log(t / o) for o, t in zip(ours_s, torch_s, strict=True)]
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(2000))
+    return (
+        math.exp(statistics.fmean(logs)),
+        math.exp(means[int(0.025 * len(means))]),
+        math.exp(means[int(0.975 * len(means)) - 1]),
+    )
+
+
+PAIRED_HEADER = (
+    f"{'m':>3} {'ours':<17} {'tok/s':>7} | {'torch':<30} {'tok/s':>7} | "
+    f"{'ratio':>5} {'95% interval':>13} | {'last loss ours/torch':>20}"
+)
+
+
+def format_paired(row: dict[str, Any]) -> str:
+    ratio, lo, hi = ratio_interval(row["ours_s"], row["torch_s"])
+    tps_ours = BATCH * SEQ / statistics.median(row["ours_s"])
+    tps_torch = BATCH * SEQ / statistics.median(row["torch_s"])
+    return (
+        f"{row['m']:>3} {row['ours']:<17} {tps_ours:>7.0f} | {row['torch']:<30} "
+        f"{tps_torch:>7.0f} | {ratio:>5.3f} {lo:>6.3f}-{hi:<6.3f} | "
+        f"{row['loss_ours']:>10.5f}/{row['loss_torch']:.5f}"
+    )
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -177,6 +263,17 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     spec = model_spec(get_model_config(args.model))
     rows: list[dict[str, Any]] = []
+    if args.paired:
+        for m in args.microbatches:
+            for pair in PAIRS:
+                release_memory()
+                rows.append(run_paired(spec, pair, m, args.paired))
+                if dist.get_rank() == 0:
+                    print(format_paired(rows[-1]), flush=True)
+        if dist.get_rank() == 0 and args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        dist.destroy_process_group()
+        return
     for m in args.microbatches:
         for ours, theirs, v in PAIRS:
             samples: dict[str, list[dict[str, float]]] = {"ours": [], "torch": []}
@@ -235,7 +332,7 @@ def launch(argv: list[str]) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    print(HEADER, flush=True)
+    print(PAIRED_HEADER if "--paired" in argv else HEADER, flush=True)
     procs = []
     for rank in range(2):
         env = dict(
@@ -259,6 +356,13 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each pair")
     parser.add_argument("--json", default="", help="also write the raw samples here")
+    parser.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: N paired steps per row, ours and torch's in turn in the same processes",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
