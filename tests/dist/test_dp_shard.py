@@ -42,15 +42,19 @@ WORKER = textwrap.dedent(
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    # FSDP2 all-gathers through dist.all_gather_single: count them inside pipeline steps.
+    # FSDP2 all-gathers through dist.all_gather_single (torch 2.13; all_gather_into_tensor
+    # in earlier releases): count them inside pipeline steps.
     GATHERS = [0]
-    _all_gather_single = dist.all_gather_single
+    GATHER_NAME = (
+        "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    )
+    _all_gather = getattr(dist, GATHER_NAME)
 
-    def counting_all_gather_single(*args, **kwargs):
+    def counting_all_gather(*args, **kwargs):
         GATHERS[0] += 1
-        return _all_gather_single(*args, **kwargs)
+        return _all_gather(*args, **kwargs)
 
-    dist.all_gather_single = counting_all_gather_single
+    setattr(dist, GATHER_NAME, counting_all_gather)
     mesh = build_mesh("cpu", 2, 2)
     world = dist.group.WORLD
     cpu = torch.device("cpu")
