@@ -15,9 +15,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from run_records import read_records
 
 from pipetrain.checkpoint import list_checkpoints, read_manifest
 from pipetrain.cli import main
@@ -32,12 +32,8 @@ TINY = [
 ]  # fmt: skip
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
+    return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
 
 
 def _train(out: Path, name: str, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -114,7 +110,7 @@ def test_pp2_dp2_starts_4_processes_and_equals_one_process(
     out: Path, reference: dict[int, float], pp2_dp2: subprocess.CompletedProcess[str]
 ) -> None:
     _assert_losses(_losses(out / "pp2dp2"), reference, [1, 2, 3, 4, 5], "pp=2 dp=2")
-    records = _records(out / "pp2dp2")
+    records = read_records(out / "pp2dp2")
     summary = next(r for r in records if r.get("summary"))
     assert len(summary["peak_memory"]) == 4  # one entry per process
     # Tokens count the whole batch of every step, all replicas together.

@@ -15,9 +15,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from run_records import read_records
 
 from pipetrain.checkpoint import list_checkpoints
 from pipetrain.cli import main
@@ -32,12 +32,8 @@ TINY = [
 ]  # fmt: skip
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _values(run_dir: Path, field: str) -> dict[int, float]:
-    return {r["step"]: r[field] for r in _records(run_dir) if field in r}
+    return {r["step"]: r[field] for r in read_records(run_dir) if field in r}
 
 
 def _train(out: Path, name: str, *flags: str) -> subprocess.CompletedProcess[str]:
@@ -88,7 +84,7 @@ def test_sharded_pp2_dp2_equals_one_process(
     _assert_equal(
         _values(run, "eval_loss"), _values(reference, "eval_loss"), [0, 2, 4, 5], "eval loss"
     )
-    dp = next(r for r in _records(run) if "dp_replicas" in r)
+    dp = next(r for r in read_records(run) if "dp_replicas" in r)
     assert dp["dp_sharded"] is True
     # Every rank stores about half of its stage's parameters and AdamW state.
     assert len(dp["dp_state_bytes"]) == 4 and all(b > 0 for b in dp["dp_state_bytes"])

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from run_records import read_records
 
 from pipetrain.cli import main
 
@@ -49,12 +50,8 @@ def _cli(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def _steps(path: Path) -> list[dict[str, Any]]:
-    return [r for r in _records(path) if "loss" in r]
+    return [r for r in read_records(path) if "loss" in r]
 
 
 def _train_here(out_dir: Path, name: str, *flags: str) -> list[dict[str, Any]]:
@@ -96,7 +93,7 @@ def test_short_run_on_the_default_data(reference: list[dict[str, Any]], tmp_path
     saved = (run_dir / "config.toml").read_text()
     assert saved in done.stdout
     assert 'name = "llama-tiny"' in saved and "pp = 2" in saved
-    records = _records(run_dir / "metrics.jsonl")
+    records = read_records(run_dir / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
     _assert_same_steps(steps, reference, "--pp 2")
     for r in steps:
@@ -204,7 +201,7 @@ def test_two_torchrun_nodes_on_loopback(reference: list[dict[str, Any]], tmp_pat
         assert proc.returncode == 0, err[-3000:]
     # Rank 0 (node 0) reports; node 1 stays quiet.
     assert "step 5/5" in outputs[0][0] and "step " not in outputs[1][0]
-    records = _records(tmp_path / "runs" / "nodes" / "metrics.jsonl")
+    records = read_records(tmp_path / "runs" / "nodes" / "metrics.jsonl")
     _assert_same_steps([r for r in records if "loss" in r], reference, "two nodes")
     assert len(records[-1]["peak_memory"]) == 2
 
