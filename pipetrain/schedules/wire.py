@@ -26,19 +26,27 @@ of an earlier message of the order before it may post a later one, and such a wa
 then always for a SEND that came earlier in the replay, so waits never form a cycle, also
 across three or more ranks (see ``pipetrain.runtime.transport``).
 
-``check_order_matched`` runs a schedule against per-rank issue orders in a model of those
-NCCL streams, with the runtime's header and look-ahead rules; the tests use it to show
-that every built-in schedule completes with ``wire_orders`` and that bad orders fail.
+The messages themselves are defined in ``pipetrain.schedules.messages``; the model of the
+NCCL streams that checks an order (``check_order_matched``) is in
+``pipetrain.schedules.wire_check`` and re-exported here.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.actions import Kind
+from pipetrain.schedules.messages import (
+    RECV_KINDS,
+    SEND_KINDS,
+    Message,
+    Pair,
+    PeerOrders,
+    message_of,
+)
 from pipetrain.schedules.schedule import Schedule, ScheduleError
+from pipetrain.schedules.wire_check import WireCheck, check_order_matched, issue_orders
 
 __all__ = [
     "Message",
@@ -51,55 +59,8 @@ __all__ = [
     "wire_orders",
 ]
 
-_SENDS = frozenset({Kind.SEND_F, Kind.SEND_B})
-_RECVS = frozenset({Kind.RECV_F, Kind.RECV_B})
 # Unit costs of the replay that orders the messages (messages are free).
 _UNIT_COST = {Kind.F: 1, Kind.B: 2, Kind.I: 1, Kind.W: 1}
-
-Pair = tuple[int, int]  # (lower rank, higher rank)
-# One rank's wire orders: for each peer rank, the messages between the two in order.
-PeerOrders = Mapping[int, tuple["Message", ...]]
-
-
-@dataclass(frozen=True, order=True)
-class Message:
-    """One message of a step: what ``dst_stage`` receives from ``src_stage`` for a micro-batch."""
-
-    src_rank: int
-    dst_rank: int
-    src_stage: int
-    dst_stage: int
-    is_grad: bool
-    microbatch: int
-
-    def __str__(self) -> str:
-        what = "gradient" if self.is_grad else "activations"
-        return f"{what} {self.src_stage}->{self.dst_stage} of micro-batch {self.microbatch}"
-
-    @property
-    def boundary(self) -> tuple[int, int, bool]:
-        """(source stage, destination stage, is_grad): messages that share their shapes."""
-        return self.src_stage, self.dst_stage, self.is_grad
-
-
-def message_of(action: Action, schedule: Schedule) -> Message | None:
-    """The message a SEND or RECV action moves; None for any other action."""
-    placement, s, mb = schedule.placement, action.stage, action.microbatch
-    if mb is None or action.kind not in _SENDS | _RECVS:
-        return None
-    is_grad = action.kind in (Kind.SEND_B, Kind.RECV_B)
-    if action.kind in _SENDS:
-        other = s - 1 if is_grad else s + 1
-        src, dst = s, other
-    else:
-        other = s + 1 if is_grad else s - 1
-        src, dst = other, s
-    if not 0 <= other < placement.num_stages:
-        raise ScheduleError(
-            f"action {action} moves a message to or from stage {other}, which does not exist: "
-            f"lower the schedule with pipetrain.schedules.lowering.lower"
-        )
-    return Message(placement.rank_of(src), placement.rank_of(dst), src, dst, is_grad, mb)
 
 
 def _comm(schedule: Schedule) -> list[list[Message | None]]:
@@ -112,7 +73,6 @@ def _pair(message: Message) -> Pair:
     return (a, b) if a < b else (b, a)
 
 
-# ----------------------------------------------------------------- the order
 def wire_orders(schedule: Schedule) -> dict[Pair, tuple[Message, ...]]:
     """For each pair of ranks that exchange messages, all of them in wire order (module doc).
 
@@ -168,7 +128,7 @@ def _replay_sends(schedule: Schedule, comm: list[list[Message | None]]) -> dict[
                 continue
             start = clock[rank]
             message = comm[rank][pc]
-            if row[pc].kind in _RECVS:
+            if row[pc].kind in RECV_KINDS:
                 assert message is not None
                 if message not in sent_at:
                     continue
@@ -180,7 +140,7 @@ def _replay_sends(schedule: Schedule, comm: list[list[Message | None]]) -> dict[
         start, rank = best
         action, message = programs[rank][pcs[rank]], comm[rank][pcs[rank]]
         clock[rank] = start + _UNIT_COST.get(action.kind, 0)
-        if action.kind in _SENDS:
+        if action.kind in SEND_KINDS:
             assert message is not None
             sent_at[message] = clock[rank]
             sequence[message] = len(sequence)
@@ -251,184 +211,3 @@ def _rule_cycle(comm: list[list[Message | None]]) -> list[tuple[Message, Message
         walk.append(min(left[walk[-1]]))
     loop = walk[walk.index(walk[-1]) :][::-1]
     return [(a, b, after[a][b]) for a, b in itertools.pairwise(loop)]
-
-
-# ----------------------------------------------------------------- the NCCL model
-@dataclass(frozen=True)
-class WireCheck:
-    """What ``check_order_matched`` found: ``problem`` is empty when every rank finished."""
-
-    problem: str
-
-    @property
-    def ok(self) -> bool:
-        return not self.problem
-
-
-def issue_orders(orders: Mapping[Pair, Sequence[Message]]) -> dict[Pair, tuple[Message, ...]]:
-    """Per (rank, peer), what that rank posts: both ranks of a pair post its wire order."""
-    issue: dict[Pair, tuple[Message, ...]] = {}
-    for (a, b), messages in orders.items():
-        issue[(a, b)] = issue[(b, a)] = tuple(messages)
-    return issue
-
-
-class _Stream:
-    """What one rank posts to one peer: (message, part) with part 0 the header, 1 the payload."""
-
-    def __init__(self, rank: int, messages: Sequence[Message], headers: bool) -> None:
-        parts = (0, 1) if headers else (1,)
-        self.ops = [(m, part) for m in messages for part in parts]
-        self.sends = [m.src_rank == rank for m, _ in self.ops]
-        self.index = {m: i for i, (m, part) in enumerate(self.ops) if part == 1}
-        self.posted = 0  # ops handed to the stream
-        self.done = 0  # ops completed (a stream runs its ops in order)
-        self.ahead = 0  # payload receives posted and not yet taken by a RECV
-
-
-class _Model:
-    """Ranks running their programs over order-matched streams, as in ``check_order_matched``."""
-
-    def __init__(
-        self,
-        schedule: Schedule,
-        issue: Mapping[Pair, Sequence[Message]],
-        headers: bool,
-        lookahead: int,
-    ) -> None:
-        self.programs = schedule.actions
-        self.comm = _comm(schedule)
-        self.headers = headers
-        self.lookahead = lookahead
-        self.streams = {pair: _Stream(pair[0], msgs, headers) for pair, msgs in issue.items()}
-        self.peers: list[list[int]] = [[] for _ in self.programs]
-        for rank, peer in sorted(self.streams):
-            self.peers[rank].append(peer)
-        self.ready: list[set[Message]] = [set() for _ in self.programs]
-        self.known: list[set[tuple[int, int, bool]]] = [set() for _ in self.programs]
-        self.pcs = [0] * len(self.programs)
-        self.moved = False
-
-    def pump(self, rank: int, peer: int, through: int | None) -> bool:
-        """Post ops in order: through op ``through`` (forced), or as far as the runtime
-        would without blocking (None). False while the host must wait for a header."""
-        st = self.streams[(rank, peer)]
-        while st.posted < len(st.ops) and (through is None or st.posted <= through):
-            message, part = st.ops[st.posted]
-            if st.sends[st.posted]:
-                if message not in self.ready[rank]:
-                    if through is None:
-                        return True
-                    raise _Broken(f"rank {rank} must post the {message} before its SEND ran")
-            elif part == 1 and self.headers:
-                if message.boundary not in self.known[rank]:
-                    if through is None:
-                        return True
-                    if st.done < st.posted:
-                        return False  # its header has not arrived: the host waits for it
-                    self.known[rank].add(message.boundary)
-                elif through is None and st.ahead >= self.lookahead:
-                    return True
-                st.ahead += 1
-            st.posted += 1
-            self.moved = True
-        return True
-
-    def try_action(self, rank: int) -> bool:
-        """Run the rank's next action; False while it has to wait."""
-        action = self.programs[rank][self.pcs[rank]]
-        message = self.comm[rank][self.pcs[rank]]
-        if message is None:
-            for peer in self.peers[rank]:
-                self.pump(rank, peer, None)
-            return True
-        peer = message.dst_rank if message.src_rank == rank else message.src_rank
-        st = self.streams.get((rank, peer))
-        if st is None or message not in st.index:
-            raise _Broken(f"rank {rank} runs {action} but never posts the {message}")
-        where = st.index[message]
-        if action.kind in _SENDS:
-            self.ready[rank].add(message)
-            return self.pump(rank, peer, where) and self.pump(rank, peer, None)
-        if not self.pump(rank, peer, where) or st.done <= where:
-            return False
-        if self.headers:
-            st.ahead -= 1
-        return True
-
-    def match(self, a: int, b: int) -> None:
-        """Complete the ops at the heads of both streams of a pair while they pair up."""
-        sa, sb = self.streams[(a, b)], self.streams[(b, a)]
-        while sa.done < sa.posted and sb.done < sb.posted:
-            op_a, op_b = sa.ops[sa.done], sb.ops[sb.done]
-            if op_a != op_b:
-                if sa.sends[sa.done] != sb.sends[sb.done]:
-                    raise _Broken(
-                        f"rank {a} posts {_op(op_a)} while rank {b} posts {_op(op_b)}: the "
-                        f"streams pair them up and the data lands in the wrong buffer"
-                    )
-                return  # two sends or two receives face each other: both wait
-            sa.done += 1
-            sb.done += 1
-            self.moved = True
-
-    def run(self) -> str:
-        self.moved = True
-        while self.moved:
-            self.moved = False
-            for rank, row in enumerate(self.programs):
-                while self.pcs[rank] < len(row) and self.try_action(rank):
-                    self.pcs[rank] += 1
-                    self.moved = True
-            for a, b in self.streams:
-                if a < b:
-                    self.match(a, b)
-        stuck = [
-            f"rank {r} at {row[pc]}"
-            for r, (pc, row) in enumerate(zip(self.pcs, self.programs, strict=True))
-            if pc < len(row)
-        ]
-        if stuck:
-            return f"deadlock: {', '.join(stuck)}"
-        for (a, b), st in self.streams.items():
-            if st.done < len(st.ops):
-                return (
-                    f"rank {a} ends the step with {_op(st.ops[st.done])} to or from rank {b} open"
-                )
-        return ""
-
-
-class _Broken(Exception):
-    """An issue order that the runtime could not follow at all."""
-
-
-def _op(op: tuple[Message, int]) -> str:
-    return f"the {'header' if op[1] == 0 else 'payload'} of the {op[0]}"
-
-
-def check_order_matched(
-    schedule: Schedule,
-    issue: Mapping[Pair, Sequence[Message]],
-    *,
-    headers: bool = True,
-    lookahead: int = 2,
-) -> WireCheck:
-    """Run a lowered schedule over order-matched streams (NCCL's semantics) in a model.
-
-    ``issue[(rank, peer)]`` is the order in which ``rank`` posts its messages with ``peer``
-    (``issue_orders(wire_orders(s))`` for the runtime's). Each rank's posted operations with
-    a peer run in order on one stream; the operation at the head completes only together
-    with the peer's head when that is its match (a send meets its receive), so two sends or
-    two receives facing each other wait, and a send facing another message's receive is
-    a mismatch. Hosts never block on a send; a SEND posts its message (it has the data), a
-    RECV waits until its message has arrived. With ``headers`` each message is a header
-    then a payload, posted as ``DistTransport`` does: a payload receive is posted once its
-    shapes are known (a header of the same boundary read earlier in the step) and at most
-    ``lookahead`` ahead of use; past that a pump stops, and a SEND or RECV that needs the
-    pump further makes its host read the header (blocking) first.
-    """
-    try:
-        problem = _Model(schedule, issue, headers, lookahead).run()
-    except _Broken as exc:
-        problem = str(exc)
-    return WireCheck(problem)
