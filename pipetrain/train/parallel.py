@@ -13,10 +13,8 @@ replicas of one pipeline rank's stages::
 Data: every replica reads rows ``[dp_rank * B/dp, (dp_rank + 1) * B/dp)`` of the global
 batch of B sequences, so the replicas together see each row of every batch exactly once.
 
-Gradients (DDP per stage): once a stage's last backward piece of the step (its last B or
-W) has run, its gradients are copied into flat buckets and summed over the dp group by
-asynchronous all-reduces, while the rank goes on with the rest of its schedule (the
-cool-down); ``finish`` waits for them before the optimizer and divides by ``dp``.
+Gradients (DDP per stage): ``pipetrain.train.replicas`` (``ReplicaGradients``, and
+``DataParallelStats`` for what the reduction cost); this module re-exports them.
 
 Gradients (``--shard``, pipetrain.train.sharded): each stage is FSDP2-sharded over the dp
 group instead; the same hook reduce-scatters its gradients into the shards, and AdamW
@@ -26,34 +24,27 @@ The mean over replicas is the full batch's gradient even when the replicas hold 
 numbers of target tokens (ignored ``-100`` targets): every rank loads the global batch, so
 each replica divides its summed loss by the global count over dp (``replica_denominator``)
 instead of by its own count, which weights replica r by dp * n_r / N.
-
-Weights tied across pipeline ranks (and Chimera's replicated stages) are summed by the
-pipeline at the end of its step, after these buckets would have been filled: their dp
-all-reduce runs after the pipeline step instead (a sum over both is a sum in any order).
-Sharded, the tied copies on two pipeline ranks have the same dp layout, so the pipeline
-sums their local shards.
 """
 
 from __future__ import annotations
 
-import datetime
-import math
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
 
-from pipetrain.runtime import Pipeline, PipelineError
 from pipetrain.runtime.stage import IGNORE_INDEX
-from pipetrain.schedules import Action, Kind
 from pipetrain.train.config import ConfigError
 from pipetrain.train.data import Batch
 from pipetrain.train.optim import Gradients
+from pipetrain.train.replicas import (
+    DataParallelStats,
+    ReplicaGradients,
+    gather_stats,
+    state_bytes,
+)
 
 __all__ = [
     "DataParallelStats",
@@ -67,10 +58,6 @@ __all__ = [
     "shard_batch",
     "state_bytes",
 ]
-
-# Like DDP's default bucket: large enough to amortise a collective's latency, small enough
-# that the first bucket of a stage starts early.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -167,259 +154,3 @@ def replica_denominator(targets: torch.Tensor, dp: int) -> float:
     """
     tokens = int((targets != IGNORE_INDEX).sum())
     return max(tokens, 1) / dp
-
-
-@dataclass(frozen=True)
-class DataParallelStats:
-    """What the dp gradient reduction cost over the run, by pipeline rank."""
-
-    replicas: int
-    # Gradient bytes each pipeline rank all-reduces (or reduce-scatters) per optimizer
-    # step: its stages' unsharded gradients. Sharded, it all-gathers as many bytes of
-    # parameters too (once per step: they stay gathered to the stage's last B/W).
-    bytes_per_step: tuple[int, ...]
-    # Seconds per step each pipeline rank waited for its reductions, mean over the steps
-    # and the replicas. DDP: the wait after its pipeline step ended (what the schedule did
-    # not hide). Sharded: the time in the reduce-scatters, which block the rank (gloo).
-    wait_s: tuple[float, ...]
-    # Sharded parameters and optimizer state (FSDP2, --shard) instead of replicated ones.
-    sharded: bool = False
-    # Bytes of parameters and optimizer state that each global rank stores.
-    state_bytes: tuple[int, ...] = ()
-
-    def format(self) -> str:
-        sizes = ", ".join(f"{b / 1e6:.2f}" for b in self.bytes_per_step)
-        waits = ", ".join(f"{w * 1e3:.1f}" for w in self.wait_s)
-        if self.sharded:
-            text = (
-                f"data parallel: {self.replicas} replicas, sharded (FSDP2); per step, by pipeline "
-                f"rank: {sizes} MB of parameters all-gathered and as many of gradients "
-                f"reduce-scattered, {waits} ms in the reduce-scatters"
-            )
-        else:
-            text = (
-                f"data parallel: {self.replicas} replicas; per step, by pipeline rank: {sizes} MB "
-                f"of gradients all-reduced, {waits} ms waited for them after the pipeline"
-            )
-        if self.state_bytes:
-            text += f"; parameters + optimizer state per rank: {max(self.state_bytes) / 1e6:.2f} MB"
-        return text
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "dp_replicas": self.replicas,
-            "dp_bytes_per_step": list(self.bytes_per_step),
-            "dp_wait_s": list(self.wait_s),
-            "dp_sharded": self.sharded,
-            "dp_state_bytes": list(self.state_bytes),
-        }
-        if self.sharded:
-            out["dp_all_gather_bytes_per_step"] = list(self.bytes_per_step)
-        return out
-
-
-def state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this rank stores of ``params`` and of their optimizer state (a DTensor's
-    local shard only: what sharding saves)."""
-
-    def nbytes(t: torch.Tensor) -> int:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        return local.numel() * local.element_size()
-
-    total = 0
-    for p in params:
-        total += nbytes(p)
-        for value in optimizer.state.get(p, {}).values():
-            if isinstance(value, torch.Tensor):
-                total += nbytes(value)
-    return total
-
-
-def gather_stats(
-    mesh: Mesh, bytes_per_step: int, waits: Sequence[float], *, state_bytes: int, sharded: bool
-) -> DataParallelStats:
-    """Every rank's reduction cost, grouped by pipeline rank (collective: every rank)."""
-    wait = sum(waits) / len(waits) if waits else math.nan
-    mine = (mesh.pp_rank, bytes_per_step, wait, state_bytes)
-    everyone: list[Any] = [None] * dist.get_world_size(mesh.world_group)
-    dist.all_gather_object(everyone, mine, group=mesh.world_group)
-    sizes = {pp_rank: nbytes for pp_rank, nbytes, _, _ in everyone}
-    by_rank = [[w for r, _, w, _ in everyone if r == pp_rank] for pp_rank in sorted(sizes)]
-    return DataParallelStats(
-        mesh.dp,
-        tuple(sizes[r] for r in sorted(sizes)),
-        tuple(sum(w) / len(w) for w in by_rank),
-        sharded,
-        tuple(int(s) for _, _, _, s in everyone),
-    )
-
-
-def _grads_of(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-    # A parameter without a gradient this step still takes its place in the bucket, so
-    # every replica's buckets line up element for element.
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    return [p.grad for p in params if p.grad is not None]
-
-
-def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
-    buckets: list[list[nn.Parameter]] = []
-    size = limit
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if size + nbytes > limit and size > 0:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
-
-
-@dataclass(frozen=True)
-class _Launched:
-    """One bucket in flight: the collective's handle, its flat buffer, its parameters."""
-
-    work: Any
-    flat: torch.Tensor
-    params: list[nn.Parameter]
-    what: str
-
-
-class ReplicaGradients:
-    """DDP for the stages of one pipeline rank: bucketed, asynchronous, per stage.
-
-    Build it, pass ``grads_hook`` to ``build_pipeline(grads_hook=...)``, then ``attach``
-    the pipeline. Per optimizer step: ``begin(sync)`` before each pipeline step (sync only
-    on the last of a gradient accumulation), ``finish(step)`` after the last one.
-    """
-
-    def __init__(
-        self,
-        mesh: Mesh,
-        *,
-        timeout_s: float,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> None:
-        if bucket_bytes < 1:
-            raise ConfigError(f"bucket_bytes is {bucket_bytes}: use a positive size")
-        self._mesh = mesh
-        self._timeout = datetime.timedelta(seconds=timeout_s)
-        self._bucket_bytes = bucket_bytes
-        self._stage_buckets: dict[int, list[list[nn.Parameter]]] = {}
-        self._late: list[list[nn.Parameter]] = []
-        # Stages in the order their last B/W runs: the same on every replica.
-        self._order: list[int] = []
-        self._launched: set[int] = set()
-        # Stages launched by the hook (inside the pipeline step) in the last step.
-        self._early: tuple[int, ...] = ()
-        self._in_flight: list[_Launched] = []
-        self._sync = False
-        self._waits: list[float] = []
-        self.bytes_per_step = 0
-
-    # ----------------------------------------------------------------- set-up
-    def attach(self, pipeline: Pipeline) -> None:
-        """Learn the stages, their parameters and when each stage's gradients are final."""
-        placement = pipeline.schedule.placement
-        tied = {id(p) for m in pipeline.modules for p in m.tied_parameters().values()}
-        seen: set[int] = set()
-        late: list[nn.Parameter] = []
-        for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
-            mine: list[nn.Parameter] = []
-            for p in module.parameters():
-                if id(p) in seen or not p.requires_grad:
-                    continue
-                seen.add(id(p))
-                if id(p) in tied or placement.replicas > 1:
-                    late.append(p)
-                else:
-                    mine.append(p)
-            # Reverse order: the last layers' gradients are the first ones ready in a B.
-            self._stage_buckets[stage] = _buckets(mine[::-1], self._bucket_bytes) if mine else []
-        self._late = _buckets(late, self._bucket_bytes) if late else []
-        buckets = [b for bs in self._stage_buckets.values() for b in bs] + self._late
-        self.bytes_per_step = sum(p.numel() * p.element_size() for b in buckets for p in b)
-        rank = dist.get_rank(self._mesh.pp_group) if self._mesh.pp_group is not None else 0
-        self._plan(pipeline.schedule.actions[rank])
-
-    def _plan(self, actions: Sequence[Action]) -> None:
-        last = {a.stage: pos for pos, a in enumerate(actions) if a.kind in (Kind.B, Kind.W)}
-        self._order = sorted(last, key=lambda s: last[s])
-
-    # ----------------------------------------------------------------- per step
-    def begin(self, sync: bool) -> None:
-        """Before a pipeline step: ``sync`` on the last step of a gradient accumulation."""
-        self._sync = sync
-
-    def grads_hook(self, stage: int) -> None:
-        """The pipeline's hook: ``stage`` has run its last B or W of the step."""
-        if self._sync:
-            self._launch_through(stage)
-
-    def _launch_through(self, stage: int) -> None:
-        # Launch in the canonical order, so that every replica issues the same collectives
-        # on the dp group in the same order.
-        for s in self._order:
-            if s not in self._launched:
-                self._launch(s)
-            if s == stage:
-                return
-
-    def _launch(self, stage: int) -> None:
-        self._launched.add(stage)
-        for bucket in self._stage_buckets.get(stage, []):
-            self._start(bucket, f"stage {stage}")
-
-    def _start(self, params: list[nn.Parameter], what: str) -> None:
-        flat = torch.cat([g.reshape(-1) for g in _grads_of(params)])
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._mesh.dp_group, async_op=True)
-        self._in_flight.append(_Launched(work, flat, params, what))
-
-    def finish(self, step: int) -> None:
-        """Wait for every bucket (launching what is left), then average over the replicas."""
-        t0 = time.perf_counter()
-        self._early = tuple(s for s in self._order if s in self._launched)
-        for stage in self._order:
-            if stage not in self._launched:
-                self._launch(stage)
-        for stage in self._stage_buckets:
-            if stage not in self._launched:  # a stage without any backward: nothing ran
-                self._launch(stage)
-        for bucket in self._late:
-            self._start(bucket, "weights tied or replicated across pipeline ranks")
-        scale = 1.0 / self._mesh.dp
-        for launched in self._in_flight:
-            try:
-                launched.work.wait(self._timeout)
-            except RuntimeError as exc:
-                raise PipelineError(
-                    f"rank {self._mesh.rank}: step {step}, data-parallel all-reduce of {launched.what} "
-                    f"with the other replicas (dp group of pp rank {self._mesh.pp_rank}) failed or "
-                    f"timed out: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
-                ) from exc
-            launched.flat.mul_(scale)
-            offset = 0
-            for p in launched.params:
-                assert p.grad is not None
-                n = p.grad.numel()
-                p.grad.copy_(launched.flat[offset : offset + n].view_as(p.grad))
-                offset += n
-        self._waits.append(time.perf_counter() - t0)
-        self._in_flight.clear()
-        self._launched.clear()
-
-    @property
-    def launched_in_step(self) -> tuple[int, ...]:
-        """Stages whose all-reduce started inside the last pipeline step (overlapped)."""
-        return self._early
-
-    def stats(self, skip_first: int = 1, *, state_bytes: int = 0) -> DataParallelStats:
-        """The run's cost so far, every rank's (collective: call it on every rank).
-
-        The first ``skip_first`` steps (warm-up) are left out of the waits.
-        """
-        return gather_stats(
-            self._mesh, self.bytes_per_step, self._waits[skip_first:] or self._waits,
-            state_bytes=state_bytes, sharded=False,
-        )  # fmt: skip

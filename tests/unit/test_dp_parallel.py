@@ -18,12 +18,12 @@ from pipetrain.train.optim import Gradients
 from pipetrain.train.parallel import (
     DataParallelStats,
     Mesh,
-    _buckets,
     norm_share,
     replica_denominator,
     shard_batch,
 )
 from pipetrain.train.plan import check_shardable
+from pipetrain.train.replicas import _buckets
 from pipetrain.train.sharded import fsdp_internals, missing_fsdp_internals
 
 
