@@ -1,19 +1,22 @@
 """One process of a launched run: ``python -m pipetrain.train.worker CONFIG.toml``.
 
 Started by ``launch.launch_local`` with torch.distributed's environment set. Errors are
-one line on stderr naming the rank; exit status 2 for bad input, 1 for a failed run.
+one line on stderr naming the rank; exit status 2 for bad input, 1 for a failed run. The
+process ends through ``launch.exit_rank``, without the interpreter's finalization, which
+gloo's threads can turn into a SIGABRT after a successful run (its docstring says how).
 """
 
 from __future__ import annotations
 
 import faulthandler
 import sys
+import traceback
 from collections.abc import Sequence
 
 from pipetrain.errors import InputError
 from pipetrain.runtime import PipelineError
 from pipetrain.train.config import load_config
-from pipetrain.train.launch import role_from_env
+from pipetrain.train.launch import exit_rank, role_from_env
 from pipetrain.train.loop import ProcessRole, train
 from pipetrain.train.optim import TrainingDiverged
 
@@ -39,5 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _run() -> int:
+    """``main``'s exit status; an unexpected exception prints its traceback and gives 1."""
+    try:
+        return main()
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_rank(_run())
