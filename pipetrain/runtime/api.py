@@ -31,27 +31,23 @@ own (``pipetrain.schedules.io`` loads one from CSV); it is validated and lowered
 The loss is the sum over all target tokens of ``loss_fn`` (cross-entropy by default),
 divided by the number of targets that are not -100 in the whole batch: the gradients are
 those of one large batch, however it is split into micro-batches.
+
+This module holds the pipeline and its step; ``build_pipeline`` (in
+``pipetrain.runtime.build``, with its argument checks) is re-exported here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from pipetrain.models import PipelineSpec, StageModule, build_stage
-from pipetrain.runtime.build import (
-    as_spec,
-    default_device,
-    even_split,
-    forward_only,
-    resolve_schedule,
-)
+from pipetrain.models import PipelineSpec, StageModule
+from pipetrain.runtime.build import build_pipeline, default_device, even_split, forward_only
 from pipetrain.runtime.collectives import (
     DistReducer,
     LocalReducer,
@@ -62,9 +58,9 @@ from pipetrain.runtime.collectives import (
 )
 from pipetrain.runtime.errors import PipelineError, PipelineInputError
 from pipetrain.runtime.executor import ComputeHook, GradsHook, RankExecutor, StepHook
-from pipetrain.runtime.stage import IGNORE_INDEX, LossFn, StageRunner, token_cross_entropy
+from pipetrain.runtime.stage import IGNORE_INDEX, LossFn, StageRunner
 from pipetrain.runtime.timeline import merge_timelines, rank_events
-from pipetrain.runtime.transport import DistTransport, InMemoryTransport, backend_for
+from pipetrain.runtime.transport import DistTransport, InMemoryTransport
 from pipetrain.schedules import Schedule
 from pipetrain.schedules.execution import Timeline
 
@@ -377,101 +373,3 @@ class Pipeline:
         ]
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
-
-
-def build_pipeline(
-    model: PipelineSpec | Sequence[Any],
-    *,
-    schedule: str | Schedule,
-    microbatches: int,
-    chunks: int | None = None,
-    group: Any = None,
-    ranks: int | None = None,
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    split: Sequence[Sequence[int]] | None = None,
-    loss_fn: LossFn | None = None,
-    timeout_s: float = 300.0,
-    dtype: torch.dtype = torch.float32,
-    step_hook: Callable[[int, int], None] | None = None,
-    compute_hook: ComputeHook | None = None,
-    grads_hook: GradsHook | None = None,
-) -> Pipeline:
-    """Build this rank's stages of ``model`` for ``schedule``.
-
-    ``group``: the pipeline's process group (its size is the number of pipeline ranks);
-    None runs all ``ranks`` in this process (debug mode). ``split``: layer indices of each
-    model stage (default: ``even_split``). ``loss_fn(logits, targets)`` returns the loss
-    summed over tokens. ``step_hook(stage, microbatch)`` runs the STEP actions of
-    asynchronous schedules; ``compute_hook(action)`` runs before each F, B, I and W (where
-    pipetrain.runtime.weights picks a micro-batch's weight version); ``grads_hook(stage)``
-    runs right after a stage's last B or W of a training step (data parallelism). Every
-    wait gives up after ``timeout_s`` seconds.
-    """
-    spec = as_spec(model)
-    if microbatches < 1:
-        raise PipelineInputError(f"microbatches={microbatches}: use at least 1")
-    if timeout_s <= 0:
-        raise PipelineInputError(f"timeout_s={timeout_s}: use a positive number of seconds")
-    dev = torch.device(device) if device is not None else default_device()
-    if group is None:
-        if ranks is None:
-            if not isinstance(schedule, Schedule):
-                raise PipelineInputError(
-                    "debug mode (group=None) needs ranks=<number of pipeline ranks>"
-                )
-            ranks = schedule.num_ranks
-        num_ranks, local_ranks = ranks, tuple(range(ranks))
-    else:
-        if not dist.is_initialized():
-            raise PipelineInputError(
-                "group is given but torch.distributed is not initialised: call init_process_group first"
-            )
-        backend = dist.get_backend(group)
-        if backend == "nccl" and dev.type != "cuda":
-            raise PipelineInputError(
-                f"the group uses nccl but device is {dev}: pass a cuda device or a gloo group"
-            )
-        if backend_for(dev) == "nccl" and backend != "nccl":
-            raise PipelineInputError(
-                f"device {dev} with a {backend} group: create the group with backend 'nccl'"
-            )
-        num_ranks, local_ranks = dist.get_world_size(group), (dist.get_rank(group),)
-    built = resolve_schedule(schedule, num_ranks, microbatches, chunks)
-    placement = built.placement
-    stage_split = (
-        even_split(len(spec), placement.num_model_stages)
-        if split is None
-        else tuple(tuple(int(i) for i in layers) for layers in split)
-    )
-    if len(stage_split) != placement.num_model_stages:
-        raise PipelineInputError(
-            f"split has {len(stage_split)} stages but schedule {built.name!r} has {placement.num_model_stages} "
-            f"model stages: give one layer range per model stage"
-        )
-    covered = [i for layers in stage_split for i in layers]
-    if covered != list(range(len(spec))):
-        raise PipelineInputError(
-            f"split {[list(s) for s in stage_split]} does not cover layers 0..{len(spec) - 1} in order exactly once"
-        )
-    modules = {
-        s: build_stage(
-            spec, stage_split[placement.model_stage(s)], seed=seed, device=dev, dtype=dtype
-        )
-        for r in local_ranks
-        for s in placement.stages_of(r)
-    }
-    return Pipeline(
-        built,
-        spec,
-        stage_split,
-        local_ranks,
-        modules,
-        group,
-        dev,
-        loss_fn or token_cross_entropy,
-        timeout_s,
-        step_hook,
-        compute_hook,
-        grads_hook,
-    )

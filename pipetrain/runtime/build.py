@@ -1,24 +1,39 @@
-"""What a pipeline is built from: the device, the split into stages, the schedule.
+"""Building a pipeline: ``build_pipeline``, its argument checks, and what it is built from
+(the device, the split into stages, the schedule).
 
-Small pure helpers of ``build_pipeline``, kept apart so that the API module holds only the
-pipeline itself.
+Kept apart so that the API module (``pipetrain.runtime.api``, which re-exports
+``build_pipeline``) holds only the pipeline itself.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
-from pipetrain.models import PipelineSpec
+from pipetrain.models import PipelineSpec, build_stage
 from pipetrain.runtime.errors import PipelineInputError
+from pipetrain.runtime.executor import ComputeHook, GradsHook
+from pipetrain.runtime.stage import LossFn, token_cross_entropy
+from pipetrain.runtime.transport import backend_for
 from pipetrain.schedules import Kind, Schedule
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.validate import validate
 
-__all__ = ["as_spec", "default_device", "even_split", "forward_only", "resolve_schedule"]
+if TYPE_CHECKING:  # api imports this module for the helpers and to re-export build_pipeline
+    from pipetrain.runtime.api import Pipeline
+
+__all__ = [
+    "as_spec",
+    "build_pipeline",
+    "default_device",
+    "even_split",
+    "forward_only",
+    "resolve_schedule",
+]
 
 
 def default_device() -> torch.device:
@@ -86,4 +101,105 @@ def as_spec(model: PipelineSpec | Sequence[Any]) -> PipelineSpec:
         return PipelineSpec.from_layers(model)
     raise PipelineInputError(
         f"model is a {type(model).__name__}: pass a PipelineSpec (pipetrain.models.model_spec) or a list of layer factories"
+    )
+
+
+def build_pipeline(
+    model: PipelineSpec | Sequence[Any],
+    *,
+    schedule: str | Schedule,
+    microbatches: int,
+    chunks: int | None = None,
+    group: Any = None,
+    ranks: int | None = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    split: Sequence[Sequence[int]] | None = None,
+    loss_fn: LossFn | None = None,
+    timeout_s: float = 300.0,
+    dtype: torch.dtype = torch.float32,
+    step_hook: Callable[[int, int], None] | None = None,
+    compute_hook: ComputeHook | None = None,
+    grads_hook: GradsHook | None = None,
+) -> Pipeline:
+    """Build this rank's stages of ``model`` for ``schedule``.
+
+    ``group``: the pipeline's process group (its size is the number of pipeline ranks);
+    None runs all ``ranks`` in this process (debug mode). ``split``: layer indices of each
+    model stage (default: ``even_split``). ``loss_fn(logits, targets)`` returns the loss
+    summed over tokens. ``step_hook(stage, microbatch)`` runs the STEP actions of
+    asynchronous schedules; ``compute_hook(action)`` runs before each F, B, I and W (where
+    pipetrain.runtime.weights picks a micro-batch's weight version); ``grads_hook(stage)``
+    runs right after a stage's last B or W of a training step (data parallelism). Every
+    wait gives up after ``timeout_s`` seconds.
+    """
+    # Imported here: api imports this module at its top.
+    from pipetrain.runtime.api import Pipeline
+
+    spec = as_spec(model)
+    if microbatches < 1:
+        raise PipelineInputError(f"microbatches={microbatches}: use at least 1")
+    if timeout_s <= 0:
+        raise PipelineInputError(f"timeout_s={timeout_s}: use a positive number of seconds")
+    dev = torch.device(device) if device is not None else default_device()
+    if group is None:
+        if ranks is None:
+            if not isinstance(schedule, Schedule):
+                raise PipelineInputError(
+                    "debug mode (group=None) needs ranks=<number of pipeline ranks>"
+                )
+            ranks = schedule.num_ranks
+        num_ranks, local_ranks = ranks, tuple(range(ranks))
+    else:
+        if not dist.is_initialized():
+            raise PipelineInputError(
+                "group is given but torch.distributed is not initialised: call init_process_group first"
+            )
+        backend = dist.get_backend(group)
+        if backend == "nccl" and dev.type != "cuda":
+            raise PipelineInputError(
+                f"the group uses nccl but device is {dev}: pass a cuda device or a gloo group"
+            )
+        if backend_for(dev) == "nccl" and backend != "nccl":
+            raise PipelineInputError(
+                f"device {dev} with a {backend} group: create the group with backend 'nccl'"
+            )
+        num_ranks, local_ranks = dist.get_world_size(group), (dist.get_rank(group),)
+    built = resolve_schedule(schedule, num_ranks, microbatches, chunks)
+    placement = built.placement
+    stage_split = (
+        even_split(len(spec), placement.num_model_stages)
+        if split is None
+        else tuple(tuple(int(i) for i in layers) for layers in split)
+    )
+    if len(stage_split) != placement.num_model_stages:
+        raise PipelineInputError(
+            f"split has {len(stage_split)} stages but schedule {built.name!r} has {placement.num_model_stages} "
+            f"model stages: give one layer range per model stage"
+        )
+    covered = [i for layers in stage_split for i in layers]
+    if covered != list(range(len(spec))):
+        raise PipelineInputError(
+            f"split {[list(s) for s in stage_split]} does not cover layers 0..{len(spec) - 1} in order exactly once"
+        )
+    modules = {
+        s: build_stage(
+            spec, stage_split[placement.model_stage(s)], seed=seed, device=dev, dtype=dtype
+        )
+        for r in local_ranks
+        for s in placement.stages_of(r)
+    }
+    return Pipeline(
+        built,
+        spec,
+        stage_split,
+        local_ranks,
+        modules,
+        group,
+        dev,
+        loss_fn or token_cross_entropy,
+        timeout_s,
+        step_hook,
+        compute_hook,
+        grads_hook,
     )
