@@ -1,0 +1,151 @@
+"""The cross-field checks of a training config, and ``ConfigError``, the error they raise.
+
+``pipetrain.train.config`` declares the config and loads it; ``load_config`` calls
+``validate`` on the result, and re-exports both names.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipetrain.errors import InputError
+
+if TYPE_CHECKING:  # config imports this module for ConfigError and validate
+    from pipetrain.train.config import TrainConfig
+
+__all__ = ["ConfigError", "validate"]
+
+
+class ConfigError(InputError):
+    """A config value that is unknown, of the wrong type, or contradicts another one."""
+
+
+_PRECISIONS = ("fp32", "bf16")
+_DEVICES = ("auto", "cpu", "cuda")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
+    """Raise ``ConfigError`` for the first value that is out of range or contradicts another."""
+    p, d, o, r = config.pipeline, config.data, config.optim, config.run
+    _at_least("pipeline.pp", p.pp, 1)
+    _at_least("pipeline.dp", p.dp, 1)
+    _at_least("pipeline.chunks", p.chunks, 1)
+    _at_least("pipeline.microbatches", p.microbatches, 1)
+    _at_least("pipeline.threads", p.threads, 0)
+    _at_least("pipeline.stream_steps", p.stream_steps, 0)
+    if not p.schedule:
+        raise ConfigError("pipeline.schedule is empty: name a schedule, e.g. --schedule 1f1b")
+    if p.device not in _DEVICES:
+        raise ConfigError(f"pipeline.device is {p.device!r}: use one of {', '.join(_DEVICES)}")
+    if p.precision not in _PRECISIONS:
+        raise ConfigError(f"pipeline.precision is {p.precision!r}: use fp32 or bf16")
+    if not p.timeout_s > 0:
+        raise ConfigError(f"pipeline.timeout_s is {p.timeout_s}: give a positive number of seconds")
+    if p.single_process and p.pp == 1:
+        raise ConfigError(
+            "pipeline.single_process needs several pipeline ranks to simulate: set --pp 2 or more, "
+            "or drop --single-process"
+        )
+
+    _at_least("data.batch_size", d.batch_size, 1)
+    _at_least("data.seq_len", d.seq_len, 1)
+    _at_least("data.eval_batches", d.eval_batches, 1)
+    _at_least("data.max_bytes", d.max_bytes, 1024)
+    if p.shard and p.dp < 2:
+        raise ConfigError(
+            f"pipeline.shard shards each stage over data-parallel replicas but pipeline.dp is "
+            f"{p.dp}: add --dp 2 (or more) or drop --shard"
+        )
+    if p.shard and p.compile:
+        raise ConfigError(
+            "pipeline.shard with pipeline.compile is not supported: drop --compile or --shard"
+        )
+    if p.dp > 1 and p.single_process:
+        raise ConfigError(
+            "pipeline.single_process runs one pipeline in one process: drop --single-process "
+            "or use --dp 1"
+        )
+    if p.dp > 1 and d.batch_size % (p.dp * p.microbatches):
+        raise ConfigError(
+            f"data.batch_size {d.batch_size} does not split into pipeline.dp {p.dp} replicas of "
+            f"pipeline.microbatches {p.microbatches} equal micro-batches: use a batch size like "
+            f"{_multiple_near(d.batch_size, p.dp * p.microbatches)}"
+        )
+    if d.batch_size % p.microbatches:
+        raise ConfigError(
+            f"data.batch_size {d.batch_size} is not a multiple of pipeline.microbatches {p.microbatches}: "
+            f"use a batch size like {_multiple_near(d.batch_size, p.microbatches)} or fewer micro-batches"
+        )
+    if not 0.0 < d.eval_fraction <= 0.5:
+        raise ConfigError(
+            f"data.eval_fraction is {d.eval_fraction}: hold out a share in (0, 0.5], e.g. 0.05"
+        )
+    if check_paths and d.path and not Path(d.path).exists():
+        raise ConfigError(
+            f"data.path {d.path!r} does not exist: give a text file, a folder of text files or a "
+            f".jsonl file, or leave it empty for the built-in corpus"
+        )
+    if check_paths and d.tokenizer and not Path(d.tokenizer).is_file():
+        raise ConfigError(
+            f"data.tokenizer {d.tokenizer!r} is not a file: give the path of a tokenizer.json"
+        )
+
+    if not (o.lr > 0 and math.isfinite(o.lr)):
+        raise ConfigError(f"optim.lr is {o.lr}: give a positive learning rate, e.g. 3e-3")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio is {o.min_lr_ratio}: use a fraction in [0, 1]")
+    _at_least("optim.warmup_steps", o.warmup_steps, 0)
+    _at_least("run.steps", r.steps, 1)
+    if o.warmup_steps >= r.steps:
+        raise ConfigError(
+            f"optim.warmup_steps {o.warmup_steps} leaves no step after the warm-up of a "
+            f"{r.steps}-step run: use fewer warm-up steps than run.steps"
+        )
+    if o.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay is {o.weight_decay}: use 0 or more")
+    for name, beta in (("beta1", o.beta1), ("beta2", o.beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"optim.{name} is {beta}: use a value in [0, 1), e.g. 0.9")
+    if not o.eps > 0:
+        raise ConfigError(f"optim.eps is {o.eps}: use a small positive number, e.g. 1e-8")
+    if o.grad_clip < 0:
+        raise ConfigError(
+            f"optim.grad_clip is {o.grad_clip}: give a positive norm, or 0 to turn clipping off"
+        )
+    _at_least("optim.grad_accum", o.grad_accum, 1)
+    _at_least("optim.max_bad_steps", o.max_bad_steps, 1)
+
+    _at_least("run.seed", r.seed, 0)
+    _at_least("run.eval_every", r.eval_every, 0)
+    _at_least("run.sample_tokens", r.sample_tokens, 0)
+    _at_least("run.checkpoint_every", r.checkpoint_every, 0)
+    _at_least("run.keep", r.keep, 0)
+    if (r.resume or r.checkpoint_every) and not r.checkpoint_dir:
+        raise ConfigError(
+            "run.resume and run.checkpoint_every need run.checkpoint_dir: add --checkpoint-dir DIR"
+        )
+    if r.sample_temperature < 0:
+        raise ConfigError(
+            f"run.sample_temperature is {r.sample_temperature}: use 0 (greedy) or more"
+        )
+    if not _RUN_NAME.match(r.name):
+        raise ConfigError(
+            f"run.name {r.name!r} is not a plain folder name: use letters, digits, '.', '_' and '-'"
+        )
+    if r.timeline and not r.timeline.endswith(".png"):
+        raise ConfigError(
+            f"run.timeline {r.timeline!r} must name a .png file, e.g. --timeline step.png"
+        )
+
+
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{key} is {value}: it must be at least {low}")
+
+
+def _multiple_near(value: int, factor: int) -> int:
+    return max(factor, round(value / factor) * factor)
