@@ -7,7 +7,7 @@
         --dp 2 [--shard] [--dp-bandwidth 1e6]
 
 Imports no torch: everything here is pure schedule arithmetic (matplotlib only for
-``--plot``).
+``--plot``). The text it prints is formatted in ``pipetrain.cli.simulate_text``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.simulate_text import format_dp, format_summary, format_table, grid_fits
 from pipetrain.schedules.execution import Costs
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.sim.costs import parse_costs, stage_costs, stage_share
@@ -32,9 +33,6 @@ from pipetrain.sim.render import ascii, plot, plot_compare, write_chrome_trace
 from pipetrain.sim.simulator import SimResult, scale_costs, simulate
 
 __all__ = ["add_parser", "run"]
-
-# Show the grid without --ascii only when the full-width grid fits a terminal.
-_AUTO_GRID_WIDTH = 160
 
 
 def add_parser(subparsers: Any) -> None:
@@ -214,31 +212,6 @@ def _run_case(case: _Case, costs: Costs, args: argparse.Namespace) -> SimResult:
     )
 
 
-def _ranks(values: tuple[float, ...] | tuple[int, ...]) -> str:
-    return " ".join(f"{v:g}" for v in values)
-
-
-def _summary(r: SimResult) -> str:
-    b = r.bubble
-    lines = [
-        f"{r.schedule}: pp={r.num_ranks} microbatches={r.microbatches} chunks={r.chunks}",
-        f"  makespan            {r.makespan:g}"
-        + (f" for {r.steps} optimizer steps ({r.time_per_step:g} per step)" if r.steps > 1 else ""),
-        f"  bubble              {b.idle_fraction:.2%} of rank time (GPipe), "
-        f"{b.over_ideal:.2%} over ideal compute (Megatron)",
-        f"  worst rank span     {b.per_rank_span_time:g} idle = "
-        f"{b.per_rank_span_fraction:.2%} of its span (Zero Bubble)",
-        f"  idle per rank       {_ranks(r.idle)}",
-        f"  peak activations    {_ranks(r.peak_activations)} (stage x micro-batch units)",
-        f"  weight versions     {_ranks(r.weight_versions)}",
-    ]
-    if r.peak_activation_bytes is not None:
-        lines.append(f"  activation bytes    {_ranks(r.peak_activation_bytes)}")
-    if r.weight_bytes is not None:
-        lines.append(f"  weight bytes        {_ranks(r.weight_bytes)}")
-    return "\n".join(lines)
-
-
 def _data_parallel(
     case: _Case, result: SimResult, costs: Costs, args: argparse.Namespace
 ) -> DataParallelCost | ShardedCost | None:
@@ -272,39 +245,6 @@ def _data_parallel(
     )
 
 
-def _dp_summary(dp: DataParallelCost | ShardedCost) -> str:
-    if isinstance(dp, ShardedCost):
-        return _sharded_summary(dp)
-    lines = [
-        f"  {f'dp={dp.replicas} all-reduce':<20}{_ranks(dp.bytes_per_rank)} bytes per rank, "
-        f"{_ranks(dp.traffic_per_rank)} through each link",
-    ]
-    if any(dp.allreduce_time):
-        lines.append(
-            f"  all-reduce time     {_ranks(dp.allreduce_time)}; step {dp.step_time:g} "
-            f"({dp.exposed:g} past the pipeline)"
-        )
-    return "\n".join(lines)
-
-
-def _sharded_summary(dp: ShardedCost) -> str:
-    lines = [
-        f"  {f'dp={dp.replicas} sharded':<20}{_ranks(dp.bytes_per_rank)} bytes per rank "
-        f"all-gathered and reduce-scattered, {_ranks(dp.traffic_per_rank)} through each link",
-    ]
-    if any(dp.gather_time) or any(dp.reduce_scatter_time):
-        lines.append(
-            f"  all-gather time     {_ranks(dp.gather_time)}; reduce-scatter "
-            f"{_ranks(dp.reduce_scatter_time)}; step {dp.step_time:g} ({dp.exposed:g} past "
-            f"the pipeline, {dp.gather_delay:g} of it first forwards waiting for gathers)"
-        )
-    return "\n".join(lines)
-
-
-def _grid_fits(r: SimResult) -> bool:
-    return len(ascii(r.timeline, width=10**6).splitlines()[-1]) <= _AUTO_GRID_WIDTH
-
-
 # ------------------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> int:
     _check_counts(args)
@@ -331,10 +271,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**result.to_json(), **({"data_parallel": dp.to_json()} if dp else {})}))
         return 0
-    print(_summary(result))
+    print(format_summary(result))
     if dp is not None:
-        print(_dp_summary(dp))
-    if args.ascii or _grid_fits(result):
+        print(format_dp(dp))
+    if args.ascii or grid_fits(result):
         print()
         print(ascii(result.timeline, width=args.width))
     elif not args.plot:
@@ -380,7 +320,7 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
             )
         )
         return 0
-    print(_table(results))
+    print(format_table(results))
     print(
         "  costs: one rank's share of the model per micro-batch, split over its stages; "
         "naive runs the whole batch at once\n"
@@ -415,36 +355,3 @@ def _on_one_scale(results: list[SimResult]) -> tuple[list[SimResult], list[SimRe
         [r for r in results if r.schedule not in off],
         [r for r in results if r.schedule in off],
     )
-
-
-def _table(results: list[SimResult]) -> str:
-    head = (
-        "schedule",
-        "makespan",
-        "per step",
-        "idle",
-        "over ideal",
-        "span idle",
-        "peak activations",
-        "weight versions",
-    )
-    rows = [
-        (
-            r.schedule,
-            f"{r.makespan:g}",
-            f"{r.time_per_step:g}",
-            f"{r.bubble.idle_fraction:.1%}",
-            f"{r.bubble.over_ideal:.1%}",
-            f"{r.bubble.per_rank_span_time:g}",
-            _ranks(r.peak_activations),
-            _ranks(r.weight_versions),
-        )
-        for r in results
-    ]
-    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in (head, *rows)
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
