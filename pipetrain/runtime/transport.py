@@ -31,8 +31,11 @@ from pipetrain.runtime.messages import (
     Specs,
     describe_failure,
     header_values,
+    pack,
+    packed_size,
     parse_header,
     specs_of,
+    unpack,
 )
 from pipetrain.schedules.wire import PeerOrders
 
@@ -51,14 +54,25 @@ def backend_for(device: torch.device) -> str:
 
 
 class _Pending:
-    """A receive in flight: its header, and its payload once its shapes are known."""
+    """A receive in flight: its header, and its payload once its shapes are known; or, for
+    a packed message (``messages.pack``), one buffer holding both."""
 
-    __slots__ = ("header", "header_work", "payload", "payload_works", "predicted", "specs", "src")
+    __slots__ = (
+        "header",
+        "header_work",
+        "packed",
+        "payload",
+        "payload_works",
+        "predicted",
+        "specs",
+        "src",
+    )
 
-    def __init__(self, src: int, header: torch.Tensor, header_work: Any) -> None:
+    def __init__(self, src: int, header: torch.Tensor | None, header_work: Any) -> None:
         self.src = src
         self.header = header
         self.header_work = header_work
+        self.packed: torch.Tensor | None = None
         self.payload: tuple[torch.Tensor, ...] | None = None
         self.payload_works: list[Any] = []
         self.predicted: Specs | None = None  # shapes the payload was posted with, unread
@@ -121,11 +135,14 @@ class DistTransport:
       is missing then); the pump never waits for a send to complete;
     - a receive gets its header posted, then its payload once the shapes are known. The
       first message of a step on each boundary is received header first; the later ones
-      carry the same shapes (equal micro-batches), so their payloads are posted at once,
-      at most ``lookahead`` ahead of use, and the transfer overlaps compute. The sender
-      enforces the premise: a message whose shapes differ from the first one of its
+      carry the same shapes (equal micro-batches), so they travel packed (header and
+      tensors in one buffer, ``messages.pack``: one transfer, not 1 + n) and are posted at
+      once, at most ``lookahead`` ahead of use, so the transfer overlaps compute. The
+      sender enforces the premise: a message whose shapes differ from the first one of its
       boundary in the step is an error (gloo would abort the process on a message longer
-      than the posted buffer).
+      than the posted buffer). Both sides know which messages are packed: all but the
+      first of each boundary in the step, in the boundary's order, which is the same on
+      both ends.
 
     ``progress``, called as each compute action starts, moves every pump as far as it
     goes without blocking: it stops at a send whose data does not exist yet, at a payload
@@ -161,7 +178,7 @@ class DistTransport:
         self._lookahead = lookahead
         self._step = 0
         self._peers: dict[int, _Peer] = {}
-        self._ready: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
+        self._ready: dict[MessageKey, tuple[tuple[torch.Tensor, ...], bool]] = {}
         self._pending: dict[MessageKey, _Pending] = {}
         self._sends: dict[MessageKey, tuple[list[Any], tuple[torch.Tensor, ...]]] = {}
         self._sent_specs: dict[Boundary, Specs] = {}
@@ -252,39 +269,43 @@ class DistTransport:
             if entry.outgoing and not self._one_stream:
                 pass  # its own direction: ``send`` issues it (class doc)
             elif entry.outgoing:
-                tensors = self._ready.pop(entry.key, None)
-                if tensors is None:
+                ready = self._ready.pop(entry.key, None)
+                if ready is None:
                     if through is None:
                         return
                     raise PipelineError(
                         f"rank {self._rank}: step {self._step}, the wire order to rank {peer.rank} "
                         f"sends {entry.key} before its SEND ran: the order breaks its own rules"
                     )
-                self._issue(entry, peer.rank, tensors)
+                self._issue(entry, peer.rank, *ready)
             else:
-                pending = self._pending.get(entry.key) or self._post_header(entry, peer.rank)
-                if pending.payload is None:
-                    boundary = (entry.src_stage, entry.key.dst_stage, entry.key.is_grad)
-                    specs = self._recv_specs.get(boundary)
-                    if specs is None:
-                        if through is None:
-                            return  # a boundary's first message: its header comes first
-                        specs = self._read_header(entry.key, pending)
-                    elif through is None and peer.ahead >= self._lookahead:
+                boundary = (entry.src_stage, entry.key.dst_stage, entry.key.is_grad)
+                specs = self._recv_specs.get(boundary)
+                if specs is not None:
+                    # A later message of its boundary: packed, of a known size.
+                    if through is None and peer.ahead >= self._lookahead:
                         return
-                    else:
-                        pending.predicted = specs
-                    self._post_payload(pending, peer.rank, specs)
-                    peer.ahead += 1
+                    self._post_packed(entry, peer.rank, specs)
+                else:
+                    # A boundary's first message: its header comes first.
+                    pending = self._pending.get(entry.key) or self._post_header(entry, peer.rank)
+                    if through is None:
+                        return
+                    self._post_payload(pending, peer.rank, self._read_header(entry.key, pending))
+                peer.ahead += 1
             peer.head += 1
 
-    def _issue(self, entry: _Entry, peer: int, tensors: tuple[torch.Tensor, ...]) -> None:
+    def _issue(
+        self, entry: _Entry, peer: int, tensors: tuple[torch.Tensor, ...], packed: bool
+    ) -> None:
         key = entry.key
-        header = torch.tensor(
-            header_values(self._step, entry.src_stage, key, tensors),
-            dtype=torch.int64,
-            device=self._device,
-        )
+        values = header_values(self._step, entry.src_stage, key, tensors)
+        if packed:
+            buf = pack(values, tensors)
+            work = dist.isend(buf, group=self._group, group_dst=peer, tag=TAG)
+            self._sends[key] = ([work], (buf,))
+            return
+        header = torch.tensor(values, dtype=torch.int64, device=self._device)
         works = [dist.isend(header, group=self._group, group_dst=peer, tag=TAG)]
         works += [dist.isend(t, group=self._group, group_dst=peer, tag=TAG) for t in tensors]
         self._sends[key] = (works, (header, *tensors))
@@ -299,10 +320,19 @@ class DistTransport:
     def _read_header(self, key: MessageKey, pending: _Pending) -> Specs:
         """Wait for a header and check it; the first of a boundary sets its shapes."""
         if pending.specs is None:
+            assert pending.header is not None  # only unpacked messages read a header alone
             self._wait(pending.header_work, key)
             pending.specs = parse_header(pending.header.tolist(), self._step, pending.src, key)
             self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), pending.specs)
         return pending.specs
+
+    def _post_packed(self, entry: _Entry, peer: int, specs: Specs) -> None:
+        buf = torch.empty(packed_size(specs), dtype=torch.uint8, device=self._device)
+        pending = _Pending(entry.src_stage, None, None)
+        pending.packed = buf
+        pending.predicted = specs
+        pending.payload_works = [dist.irecv(buf, group=self._group, group_src=peer, tag=TAG)]
+        self._pending[entry.key] = pending
 
     def _post_payload(self, pending: _Pending, peer: int, specs: Specs) -> None:
         payload = tuple(
@@ -317,6 +347,7 @@ class DistTransport:
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None:
         specs = specs_of(tensors)
         boundary = (src_stage, key.dst_stage, key.is_grad)
+        packed = boundary in self._sent_specs  # every message of a boundary but its first
         first = self._sent_specs.setdefault(boundary, specs)
         if specs != first:
             raise StageMismatchError(
@@ -328,9 +359,9 @@ class DistTransport:
         payload = tuple(t.detach().contiguous() for t in tensors)
         if not self._one_stream:
             # Sends run in program order, which is their wire order (rule 1).
-            self._issue(_Entry(key, src_stage, True), peer.rank, payload)
+            self._issue(_Entry(key, src_stage, True), peer.rank, payload, packed)
             return
-        self._ready[key] = payload
+        self._ready[key] = (payload, packed)
         self._pump(peer, peer.index[key])
         # What follows it may be receives the next action needs: post them now, not there.
         self._pump(peer, None)
@@ -345,22 +376,35 @@ class DistTransport:
         peer = self._peer_of(key, self._stage_ranks[src_stage])
         self._pump(peer, peer.index[key])
         pending = self._pending[key]
-        specs = self._read_header(key, pending)
-        if pending.predicted is not None and specs != pending.predicted:
-            raise StageMismatchError(
-                f"stage {pending.src} announced {specs} for micro-batch {key.microbatch} but stage "
-                f"{key.dst_stage} expected {pending.predicted} like the earlier micro-batches of step {self._step}"
-            )
-        for work in pending.payload_works:
-            self._wait(work, key)
+        if pending.packed is not None:
+            payload = self._unpack(key, pending)
+        else:
+            self._read_header(key, pending)
+            for work in pending.payload_works:
+                self._wait(work, key)
+            assert pending.payload is not None
+            payload = pending.payload
         del self._pending[key]
         peer.ahead -= 1
         if key.is_grad:
             # The gradient of micro-batch k was computed from our activations of k: that
             # send is complete, free its buffers now rather than at the end of the step.
             self._release(MessageKey(src_stage, False, key.microbatch))
-        assert pending.payload is not None
-        return pending.payload
+        return payload
+
+    def _unpack(self, key: MessageKey, pending: _Pending) -> tuple[torch.Tensor, ...]:
+        """A packed message's tensors, once its header says it is the one expected."""
+        assert pending.packed is not None and pending.predicted is not None
+        for work in pending.payload_works:
+            self._wait(work, key)
+        values, tensors = unpack(pending.packed, pending.predicted)
+        specs = parse_header(values, self._step, pending.src, key)
+        if specs != pending.predicted:
+            raise StageMismatchError(
+                f"stage {pending.src} announced {specs} for micro-batch {key.microbatch} but stage "
+                f"{key.dst_stage} expected {pending.predicted} like the earlier micro-batches of step {self._step}"
+            )
+        return tensors
 
     def _peer_of(self, key: MessageKey, rank: int) -> _Peer:
         peer = self._peers.get(rank)

@@ -12,7 +12,17 @@ import torch
 from pipetrain.runtime import PipelineInputError, build_pipeline
 from pipetrain.runtime.errors import StageMismatchError
 from pipetrain.runtime.executor import RankExecutor
-from pipetrain.runtime.messages import MessageKey, describe_failure, header_values, parse_header
+from pipetrain.runtime.messages import (
+    HEADER_LEN,
+    MessageKey,
+    describe_failure,
+    header_values,
+    pack,
+    packed_size,
+    parse_header,
+    specs_of,
+    unpack,
+)
 from pipetrain.runtime.timeline import compare_with_simulation, measured_costs
 from pipetrain.runtime.transport import InMemoryTransport
 from pipetrain.schedules import Action, Kind, Placement, Schedule
@@ -136,3 +146,31 @@ def test_the_runtime_imports_neither_the_trainer_nor_the_cli():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_packed_message_round_trip():
+    # Mixed dtypes and odd sizes: every part lands on a 64-byte boundary, so the unpacked
+    # tensors are aligned views that equal what was packed, bit for bit.
+    key = MessageKey(3, True, 5)
+    tensors = (
+        torch.randn(3, 5),
+        torch.arange(7, dtype=torch.int64),
+        torch.tensor(2.5, dtype=torch.bfloat16),
+        torch.zeros(0, 4),
+        torch.tensor([True, False, True]),
+    )
+    values = header_values(9, 4, key, tensors)
+    buf = pack(values, tensors)
+    specs = specs_of(tensors)
+    assert buf.dtype == torch.uint8 and buf.numel() == packed_size(specs)
+    assert packed_size(specs) % 64 == 0 and packed_size(specs) >= HEADER_LEN * 8 + 60 + 56
+    got_values, got = unpack(buf, specs)
+    assert got_values == values
+    assert parse_header(got_values, 9, 4, key) == specs
+    for want, t in zip(tensors, got, strict=True):
+        assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
+        assert (t.data_ptr() - buf.data_ptr()) % 64 == 0
+    # A received tensor becomes an input leaf that autograd can use.
+    leaf = got[0].detach().requires_grad_(True)
+    (leaf * 2).sum().backward()
+    assert torch.equal(leaf.grad, torch.full((3, 5), 2.0))

@@ -309,3 +309,27 @@ def test_the_fake_fails_a_transport_that_posts_in_program_order(monkeypatch):
     problem = run_over_fake_nccl(program, steps=1, timeout_s=1.0)
     # Both ranks wait (rank 0 for gradient 0, rank 1 for activations 1); either times out.
     assert re.search(r"rank (0|1): step 0, receiving .* peer rank (1|0) did not answer", problem)
+
+
+def test_later_messages_of_a_boundary_travel_packed():
+    # GPipe, p = 2, m = 3, each message two tensors: the first message of each boundary
+    # in a step goes as header + 2 tensors, the other two as one packed buffer each, so
+    # rank 0 issues 1 (its meeting token) + 3 + 2 sends and rank 1 issues 3 + 2.
+    program = resolve_schedule("gpipe", 2, 3, None)
+    nccl = FakeNccl(True, init_timeout_s=TIMEOUT_S)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transport_module, "dist", nccl)
+        assert _run_threads(nccl, program, 1, TIMEOUT_S) == ""
+    sends = {
+        rank: [
+            op.tensor
+            for (r, _, _), ops in nccl.streams.items()
+            if r == rank
+            for op in ops
+            if op.send
+        ]
+        for rank in (0, 1)
+    }
+    assert len(sends[0]) == 6 and len(sends[1]) == 5
+    packed = [t for ts in sends.values() for t in ts if t.dtype == torch.uint8]
+    assert len(packed) == 4
