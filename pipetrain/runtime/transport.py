@@ -126,7 +126,7 @@ class DistTransport:
     payload receives less than 1 ms before their RECV instead of about 100 ms ahead), so
     the multi-process tests on gloo check the order of matching, and the merged order on
     one stream runs in a fake of NCCL's semantics (tests/unit/test_transport_order.py) and
-    in the model of ``pipetrain.schedules.wire``.
+    in the model of ``pipetrain.schedules.wire_check``.
 
     The pump. At the head of a peer's order:
 
