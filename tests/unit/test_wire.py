@@ -65,7 +65,7 @@ def registry_cases() -> list:
                         yield pytest.param(name, p, m, v, id=f"{name}-p{p}-m{m}-v{v}")
 
 
-@pytest.mark.parametrize(("name", "p", "m", "v"), registry_cases())
+@pytest.mark.parametrize(("name", "p", "m", "v"), list(registry_cases()))
 def test_every_registry_schedule_has_an_order_that_runs_on_nccl_streams(name, p, m, v):
     schedule = lower(build_schedule(name, p, m, chunks=v))
     # Training and evaluation run different programs, so they have different orders.
