@@ -241,3 +241,23 @@ def test_ranks_beyond_the_gpus_of_a_node(root):
         assert done.returncode == 2, done.stderr[-3000:]
         assert "2 processes on this node but it has 1 GPU(s)" in done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_packed_messages_on_cuda():
+    # A packed message is built and read on the device: the tensors come back as aligned
+    # CUDA views equal to what was sent (nccl carries the uint8 buffer as it is).
+    from pipetrain.runtime.messages import MessageKey, header_values, pack, specs_of, unpack
+
+    key = MessageKey(1, False, 2)
+    tensors = (
+        torch.randn(2, 3, device="cuda"),
+        torch.arange(5, device="cuda"),
+        torch.ones(4, dtype=torch.bfloat16, device="cuda"),
+    )
+    values = header_values(0, 0, key, tensors)
+    buf = pack(values, tensors)
+    assert buf.device.type == "cuda" and buf.dtype == torch.uint8
+    got_values, got = unpack(buf, specs_of(tensors))
+    assert got_values == values
+    for want, t in zip(tensors, got, strict=True):
+        assert t.device == want.device and torch.equal(t, want)
