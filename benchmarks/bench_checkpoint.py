@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from pipetrain.checkpoint import load_checkpoint, save_checkpoint
 from pipetrain.models import build_stage, get_model_config, model_spec
+from pipetrain.process_exit import exit_rank
 
 
 def build(args: argparse.Namespace, rank: int, ranks: int):
@@ -139,7 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args)
-        return
+        exit_rank(0)  # not through finalization: gloo's threads can abort it
     out = Path(args.dir)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

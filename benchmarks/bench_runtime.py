@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.process_exit import exit_rank
+
 BATCH, SEQ = 32, 128
 PAIRS = (
     ("gpipe", "ScheduleGPipe", 1),
@@ -367,7 +369,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         worker(args)
-        return 0
+        exit_rank(0)  # not through finalization: gloo's threads can abort it
     return launch([a for a in sys.argv[1:] if a != "--worker"])
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.errors import InputError
+from pipetrain.process_exit import exit_rank, launched_rank
 
 __all__ = ["UsageError", "main"]
 
@@ -48,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _main(argv)
+    if launched_rank():
+        # A rank of a torchrun launch (train, generate) may leave gloo threads behind:
+        # it ends without the interpreter's finalization (pipetrain.process_exit).
+        exit_rank(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

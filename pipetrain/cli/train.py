@@ -127,13 +127,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    code = run_config(config)
-    from pipetrain.train.launch import exit_rank, role_from_env
-
-    if role_from_env() is not None:
-        # A rank of a torchrun launch ends as the local launcher's workers do (exit_rank).
-        exit_rank(code)
-    return code
+    return run_config(config)
 
 
 def run_config(config: TrainConfig) -> int:

@@ -9,20 +9,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NoReturn
 
+from pipetrain.process_exit import exit_rank, launched_rank
 from pipetrain.train.loop import ProcessRole
 
 __all__ = ["LaunchFailed", "exit_rank", "launch_local", "role_from_env"]
-
-# Set by torchrun and the elastic agent in every process it starts.
-_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 class LaunchFailed(RuntimeError):
@@ -36,7 +32,7 @@ class LaunchFailed(RuntimeError):
 def role_from_env(environ: Mapping[str, str] | None = None) -> ProcessRole | None:
     """This process's place in a torchrun-style launch, or None when not launched so."""
     env = os.environ if environ is None else environ
-    if not all(key in env for key in _ENV_KEYS):
+    if not launched_rank(env):
         return None
     world = int(env["WORLD_SIZE"])
     return ProcessRole(
@@ -45,28 +41,6 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> ProcessRole | Non
         local_rank=int(env["LOCAL_RANK"]),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
     )
-
-
-def exit_rank(code: int) -> NoReturn:
-    """End a rank's process with ``code`` at once, without the interpreter's finalization.
-
-    gloo runs collectives on its own C++ threads, and such a thread drops its reference
-    to a finished collective's tensors a moment after the collective has returned. Once
-    Python has let go of those tensors, that drop takes the GIL. A thread that waits for
-    the GIL when the interpreter starts to finalize is ended by Python (before 3.14)
-    with ``pthread_exit``, whose unwinding meets a noexcept destructor of gloo's work:
-    std::terminate, SIGABRT, "terminate called without an active exception", after a run
-    that succeeded (torch issue 38228; tests/dist/test_rank_exit.py reproduces it).
-    ``destroy_process_group`` does not join those threads, and nothing can tell from
-    Python when they are done. Without finalization there is nothing for them to meet:
-    ``_exit`` ends every thread where it stands. A run has closed its files by then (and
-    writes its metrics lines flushed, failed or not); stdout and stderr are flushed here.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        # A closed or broken stream: nothing more can reach its reader.
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
 
 
 def launch_local(config_path: Path, processes: int) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from pipetrain.models import get_model_config, model_spec
 from pipetrain.train.asynchronous import AsyncTrainer
+from pipetrain.process_exit import exit_rank
 
 STREAM_STEPS, STREAMS, WINDOW, BATCH, SEQ = 2, 2, 4, 8, 16
 
@@ -99,4 +100,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # not through finalization: gloo's threads can abort it (process_exit)

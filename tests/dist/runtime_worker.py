@@ -36,6 +36,7 @@ from pipetrain.runtime.stage import token_cross_entropy
 from pipetrain.schedules import Schedule
 from pipetrain.schedules.io import load_csv
 from pipetrain.schedules.registry import build_schedule
+from pipetrain.process_exit import exit_rank
 
 RTOL = 1e-5
 
@@ -306,4 +307,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_rank(main())  # not through finalization: gloo's threads can abort it (process_exit)

@@ -288,6 +288,10 @@ WORKER = textwrap.dedent(
     with open(root + f"/rank{dist.get_rank()}.json", "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
+    # Not through finalization: gloo's threads can abort it (pipetrain.process_exit).
+    from pipetrain.process_exit import exit_rank
+
+    exit_rank(0)
     """
 )
 

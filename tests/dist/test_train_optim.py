@@ -125,6 +125,10 @@ WORKER = textwrap.dedent(
     with open(sys.argv[1] + f".{rank}", "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
+    # Not through finalization: gloo's threads can abort it (pipetrain.process_exit).
+    from pipetrain.process_exit import exit_rank
+
+    exit_rank(0)
     """
 )
 

@@ -311,3 +311,33 @@ def test_bad_shard_options_are_one_line_and_exit_2(
     code, _out, err = cli(capsys, *base, *flags)
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_torchrun_rank_ends_without_finalization() -> None:
+    # A rank of a torchrun launch ends through process_exit.exit_rank (gloo's threads can
+    # abort a finalizing interpreter): its output and status survive, atexit handlers do
+    # not run. Outside a launch the interpreter finalizes as usual.
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('finalized'))\n"
+        "from pipetrain.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    launched = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    plain = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    args = ["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--json"]
+    for env, finalized in ((launched, False), (plain, True)):
+        ok = subprocess.run(
+            [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout.split("finalized")[0])["schedule"] == "1f1b"
+        assert ("finalized" in ok.stdout) == finalized
+        bad = subprocess.run(
+            [sys.executable, "-c", code, *args[:-2], "0"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
