@@ -1,12 +1,13 @@
 """Moving stage inputs and gradients between ranks.
 
-Two transports with one interface: ``DistTransport`` (torch.distributed point-to-point on
-the pipeline's process group) and ``InMemoryTransport`` (the single-process debug mode,
-where every rank runs in one process). Stages on the same rank never use a transport: the
-executor hands their tensors over in memory.
+Two transports with one interface: ``DistTransport`` here (torch.distributed
+point-to-point on the pipeline's process group; its per-step wire state is in
+``pipetrain.runtime.peers``) and ``InMemoryTransport`` (``pipetrain.runtime.local_transport``,
+the single-process debug mode, where every rank runs in one process). Stages on the same
+rank never use a transport: the executor hands their tensors over in memory.
 
 A message is named by ``MessageKey(dst_stage, is_grad, microbatch)`` and travels as a
-header and its tensors (``pipetrain.runtime.messages``). Across processes messages are
+header and its tensors, or packed in one buffer (``pipetrain.runtime.messages``). Across processes messages are
 matched by order, not by name or tag, because NCCL can do nothing else: both ranks of a
 pair follow the pair's wire order (``pipetrain.schedules.wire``; ``DistTransport``
 explains the rules), and each header is checked against the name expected there.
@@ -16,13 +17,13 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipetrain.runtime.errors import PipelineError, StageMismatchError
+from pipetrain.runtime.local_transport import InMemoryTransport
 from pipetrain.runtime.messages import (
     HEADER_LEN,
     TAG,
@@ -37,6 +38,7 @@ from pipetrain.runtime.messages import (
     specs_of,
     unpack,
 )
+from pipetrain.runtime.peers import Entry, Peer, PeerEntries, Pending, peer_entries
 from pipetrain.schedules.wire import PeerOrders
 
 __all__ = [
@@ -51,54 +53,6 @@ __all__ = [
 def backend_for(device: torch.device) -> str:
     """The torch.distributed backend that moves tensors of ``device``: nccl for CUDA, else gloo."""
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-class _Pending:
-    """A receive in flight: its header, and its payload once its shapes are known; or, for
-    a packed message (``messages.pack``), one buffer holding both."""
-
-    __slots__ = (
-        "header",
-        "header_work",
-        "packed",
-        "payload",
-        "payload_works",
-        "predicted",
-        "specs",
-        "src",
-    )
-
-    def __init__(self, src: int, header: torch.Tensor | None, header_work: Any) -> None:
-        self.src = src
-        self.header = header
-        self.header_work = header_work
-        self.packed: torch.Tensor | None = None
-        self.payload: tuple[torch.Tensor, ...] | None = None
-        self.payload_works: list[Any] = []
-        self.predicted: Specs | None = None  # shapes the payload was posted with, unread
-        self.specs: Specs | None = None  # shapes the header announced, once read
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One message of a peer's wire order, seen from this rank."""
-
-    key: MessageKey
-    src_stage: int
-    outgoing: bool
-
-
-class _Peer:
-    """The wire to one peer rank during a step: its messages in order, and how far we are."""
-
-    __slots__ = ("ahead", "head", "index", "order", "rank")
-
-    def __init__(self, rank: int, order: tuple[_Entry, ...]) -> None:
-        self.rank = rank
-        self.order = order
-        self.index = {entry.key: i for i, entry in enumerate(order)}
-        self.head = 0  # the next entry to post (a receive) or to issue (a send)
-        self.ahead = 0  # payload receives posted and not yet taken by a RECV
 
 
 class DistTransport:
@@ -177,9 +131,11 @@ class DistTransport:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._lookahead = lookahead
         self._step = 0
-        self._peers: dict[int, _Peer] = {}
+        self._peers: dict[int, Peer] = {}
+        # id(program's wire orders) -> (those orders, kept alive so the id stays theirs; entries)
+        self._wires: dict[int, tuple[PeerOrders, PeerEntries]] = {}
         self._ready: dict[MessageKey, tuple[tuple[torch.Tensor, ...], bool]] = {}
-        self._pending: dict[MessageKey, _Pending] = {}
+        self._pending: dict[MessageKey, Pending] = {}
         self._sends: dict[MessageKey, tuple[list[Any], tuple[torch.Tensor, ...]]] = {}
         self._sent_specs: dict[Boundary, Specs] = {}
         self._recv_specs: dict[Boundary, Specs] = {}
@@ -194,20 +150,13 @@ class DistTransport:
         # Shapes may change from one step to the next (sequence length): learn them anew.
         self._sent_specs.clear()
         self._recv_specs.clear()
-        self._peers = {
-            peer: _Peer(
-                peer,
-                tuple(
-                    _Entry(
-                        MessageKey(m.dst_stage, m.is_grad, m.microbatch),
-                        m.src_stage,
-                        m.src_rank == self._rank,
-                    )
-                    for m in messages
-                ),
-            )
-            for peer, messages in wires[0].items()
-        }
+        wire = wires[0]
+        cached = self._wires.get(id(wire))
+        if cached is None or cached[0] is not wire:
+            # Built once per program (training, evaluation): the orders never change.
+            cached = (wire, peer_entries(self._rank, wire))
+            self._wires[id(wire)] = cached
+        self._peers = {peer: Peer(peer, order, index) for peer, (order, index) in cached[1].items()}
         if self._one_stream:
             self._connect(sorted(set(self._peers) - self._connected))
         self.progress()
@@ -261,7 +210,7 @@ class DistTransport:
         for peer in self._peers.values():
             self._pump(peer, None)
 
-    def _pump(self, peer: _Peer, through: int | None) -> None:
+    def _pump(self, peer: Peer, through: int | None) -> None:
         """Post or issue ``peer``'s messages in order: through entry ``through``, reading
         headers where needed, or, with None, as far as possible without blocking."""
         while peer.head < len(peer.order) and (through is None or peer.head <= through):
@@ -296,7 +245,7 @@ class DistTransport:
             peer.head += 1
 
     def _issue(
-        self, entry: _Entry, peer: int, tensors: tuple[torch.Tensor, ...], packed: bool
+        self, entry: Entry, peer: int, tensors: tuple[torch.Tensor, ...], packed: bool
     ) -> None:
         key = entry.key
         values = header_values(self._step, entry.src_stage, key, tensors)
@@ -310,14 +259,14 @@ class DistTransport:
         works += [dist.isend(t, group=self._group, group_dst=peer, tag=TAG) for t in tensors]
         self._sends[key] = (works, (header, *tensors))
 
-    def _post_header(self, entry: _Entry, peer: int) -> _Pending:
+    def _post_header(self, entry: Entry, peer: int) -> Pending:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
         work = dist.irecv(header, group=self._group, group_src=peer, tag=TAG)
-        pending = _Pending(entry.src_stage, header, work)
+        pending = Pending(entry.src_stage, header, work)
         self._pending[entry.key] = pending
         return pending
 
-    def _read_header(self, key: MessageKey, pending: _Pending) -> Specs:
+    def _read_header(self, key: MessageKey, pending: Pending) -> Specs:
         """Wait for a header and check it; the first of a boundary sets its shapes."""
         if pending.specs is None:
             assert pending.header is not None  # only unpacked messages read a header alone
@@ -326,15 +275,15 @@ class DistTransport:
             self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), pending.specs)
         return pending.specs
 
-    def _post_packed(self, entry: _Entry, peer: int, specs: Specs) -> None:
+    def _post_packed(self, entry: Entry, peer: int, specs: Specs) -> None:
         buf = torch.empty(packed_size(specs), dtype=torch.uint8, device=self._device)
-        pending = _Pending(entry.src_stage, None, None)
+        pending = Pending(entry.src_stage, None, None)
         pending.packed = buf
         pending.predicted = specs
         pending.payload_works = [dist.irecv(buf, group=self._group, group_src=peer, tag=TAG)]
         self._pending[entry.key] = pending
 
-    def _post_payload(self, pending: _Pending, peer: int, specs: Specs) -> None:
+    def _post_payload(self, pending: Pending, peer: int, specs: Specs) -> None:
         payload = tuple(
             torch.empty(shape, dtype=dtype, device=self._device) for dtype, shape in specs
         )
@@ -359,7 +308,7 @@ class DistTransport:
         payload = tuple(t.detach().contiguous() for t in tensors)
         if not self._one_stream:
             # Sends run in program order, which is their wire order (rule 1).
-            self._issue(_Entry(key, src_stage, True), peer.rank, payload, packed)
+            self._issue(Entry(key, src_stage, True), peer.rank, payload, packed)
             return
         self._ready[key] = (payload, packed)
         self._pump(peer, peer.index[key])
@@ -392,7 +341,7 @@ class DistTransport:
             self._release(MessageKey(src_stage, False, key.microbatch))
         return payload
 
-    def _unpack(self, key: MessageKey, pending: _Pending) -> tuple[torch.Tensor, ...]:
+    def _unpack(self, key: MessageKey, pending: Pending) -> tuple[torch.Tensor, ...]:
         """A packed message's tensors, once its header says it is the one expected."""
         assert pending.packed is not None and pending.predicted is not None
         for work in pending.payload_works:
@@ -406,7 +355,7 @@ class DistTransport:
             )
         return tensors
 
-    def _peer_of(self, key: MessageKey, rank: int) -> _Peer:
+    def _peer_of(self, key: MessageKey, rank: int) -> Peer:
         peer = self._peers.get(rank)
         if peer is None or key not in peer.index:
             raise PipelineError(
@@ -436,36 +385,3 @@ class DistTransport:
             f"rank {self._rank}: step {self._step}, {verb} (micro-batch {key.microbatch}): "
             f"peer rank {peer} {describe_failure(exc, self._timeout_s)}"
         )
-
-
-class InMemoryTransport:
-    """Messages between ranks that all run in this process (the debug mode).
-
-    ``recv`` returns None when the message has not been sent yet: the caller then runs
-    another rank. Tensors are handed over as they are, exactly as a copy over the wire
-    would arrive, so the arithmetic is the same as with processes.
-    """
-
-    def __init__(self) -> None:
-        self._box: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
-        self._step = 0
-
-    def begin_step(self, step: int, wires: Sequence[PeerOrders]) -> None:
-        del wires  # messages are matched by name in memory: there is no wire to order
-        self._step = step
-
-    def end_step(self) -> None:
-        if self._box:
-            keys = ", ".join(str(k) for k in self._box)
-            raise PipelineError(f"step {self._step} ended with messages never received: {keys}")
-
-    def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        del src_stage
-        self._box[key] = tuple(t.detach() for t in tensors)
-
-    def progress(self) -> None:
-        return None
-
-    def recv(self, key: MessageKey, src_stage: int) -> tuple[torch.Tensor, ...] | None:
-        del src_stage
-        return self._box.pop(key, None)

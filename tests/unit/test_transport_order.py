@@ -333,3 +333,23 @@ def test_later_messages_of_a_boundary_travel_packed():
     assert len(sends[0]) == 6 and len(sends[1]) == 5
     packed = [t for ts in sends.values() for t in ts if t.dtype == torch.uint8]
     assert len(packed) == 4
+
+
+def test_wire_entries_are_built_once_per_program(monkeypatch):
+    # The wire orders of a program never change: begin_step turns them into entries the
+    # first time only (each rank: once for training; 3 steps run).
+    import pipetrain.runtime.transport as transport
+
+    calls: list[int] = []
+    real = transport.peer_entries
+
+    def counting(rank, wire):
+        calls.append(rank)
+        return real(rank, wire)
+
+    monkeypatch.setattr(transport, "peer_entries", counting)
+    program = resolve_schedule("1f1b", 2, 4, None)
+    nccl = FakeNccl(True, init_timeout_s=TIMEOUT_S)
+    monkeypatch.setattr(transport_module, "dist", nccl)
+    assert _run_threads(nccl, program, 3, TIMEOUT_S) == ""
+    assert sorted(calls) == [0, 1]
