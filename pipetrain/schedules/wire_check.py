@@ -37,11 +37,17 @@ def issue_orders(orders: Mapping[Pair, Sequence[Message]]) -> dict[Pair, tuple[M
 
 
 class _Stream:
-    """What one rank posts to one peer: (message, part) with part 0 the header, 1 the payload."""
+    """What one rank posts to one peer: (message, part) with part 0 the header, 1 the payload
+    (for all but the first message of a boundary, header and payload in one packed op)."""
 
     def __init__(self, rank: int, messages: Sequence[Message], headers: bool) -> None:
-        parts = (0, 1) if headers else (1,)
-        self.ops = [(m, part) for m in messages for part in parts]
+        self.ops: list[tuple[Message, int]] = []
+        announced: set[tuple[int, int, bool]] = set()
+        for m in messages:
+            if headers and m.boundary not in announced:
+                announced.add(m.boundary)
+                self.ops.append((m, 0))
+            self.ops.append((m, 1))
         self.sends = [m.src_rank == rank for m, _ in self.ops]
         self.index = {m: i for i, (m, part) in enumerate(self.ops) if part == 1}
         self.posted = 0  # ops handed to the stream
@@ -184,9 +190,10 @@ def check_order_matched(
     with the peer's head when that is its match (a send meets its receive), so two sends or
     two receives facing each other wait, and a send facing another message's receive is
     a mismatch. Hosts never block on a send; a SEND posts its message (it has the data), a
-    RECV waits until its message has arrived. With ``headers`` each message is a header
-    then a payload, posted as ``DistTransport`` does: a payload receive is posted once its
-    shapes are known (a header of the same boundary read earlier in the step) and at most
+    RECV waits until its message has arrived. With ``headers`` the first message of each
+    boundary is a header then a payload and the later ones one packed operation each,
+    posted as ``DistTransport`` does: a payload (or packed) receive is posted once its
+    shapes are known (the header of the boundary read earlier in the step) and at most
     ``lookahead`` ahead of use; past that a pump stops, and a SEND or RECV that needs the
     pump further makes its host read the header (blocking) first.
     """
