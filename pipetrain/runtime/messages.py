@@ -12,9 +12,9 @@ the order) is an error naming both stages.
 
 Packed messages. Once the first message of a boundary in a step has announced the shapes,
 the receiver knows the size of the later ones (all micro-batches of a step have the same
-shapes there, which the sender enforces), so those travel as one byte buffer holding the
-header and every tensor (``pack``/``unpack``): one transfer instead of 1 + n, with the
-header still checked on every message. Each part starts on a 64-byte boundary, so the
+shapes there, which the sender enforces), so those of up to ``PACK_LIMIT`` bytes travel as
+one byte buffer holding the header and every tensor (``pack``/``unpack``): one transfer
+instead of 1 + n, with the header still checked on every message. Each part starts on a 64-byte boundary, so the
 tensors are views of the buffer with their natural alignment.
 """
 
@@ -29,6 +29,7 @@ from pipetrain.runtime.errors import StageMismatchError
 
 __all__ = [
     "HEADER_LEN",
+    "PACK_LIMIT",
     "TAG",
     "Boundary",
     "MessageKey",
@@ -37,6 +38,7 @@ __all__ = [
     "header_values",
     "pack",
     "packed_size",
+    "packs",
     "parse_header",
     "specs_of",
     "unpack",
@@ -170,6 +172,20 @@ def _layout(specs: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> tuple[tup
 def packed_size(specs: Specs) -> int:
     """Bytes of a packed message whose tensors have ``specs``."""
     return _layout(tuple(specs))[1]
+
+
+# Packing copies the tensors, and a sent copy lives until the send is known complete (for
+# activations, until their gradient returns: all of a GPipe step's micro-batches). Small
+# messages gain most from one transfer instead of two, and past a few hundred KiB a
+# transfer's fixed cost is below the copy's, so only messages up to this size are packed:
+# the extra memory stays within micro-batches x 256 KiB.
+PACK_LIMIT = 256 * 1024
+
+
+def packs(specs: Specs) -> bool:
+    """Whether a later message of a boundary with ``specs`` travels packed (both ends
+    decide alike from the shapes the boundary's first message announced)."""
+    return packed_size(specs) <= PACK_LIMIT
 
 
 def pack(header: list[int], tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:

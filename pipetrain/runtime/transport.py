@@ -34,6 +34,7 @@ from pipetrain.runtime.messages import (
     header_values,
     pack,
     packed_size,
+    packs,
     parse_header,
     specs_of,
     unpack,
@@ -89,14 +90,15 @@ class DistTransport:
       is missing then); the pump never waits for a send to complete;
     - a receive gets its header posted, then its payload once the shapes are known. The
       first message of a step on each boundary is received header first; the later ones
-      carry the same shapes (equal micro-batches), so they travel packed (header and
-      tensors in one buffer, ``messages.pack``: one transfer, not 1 + n) and are posted at
-      once, at most ``lookahead`` ahead of use, so the transfer overlaps compute. The
+      carry the same shapes (equal micro-batches), so they are posted at once, at most
+      ``lookahead`` ahead of use, and the transfer overlaps compute; up to
+      ``messages.PACK_LIMIT`` bytes they travel packed (header and tensors in one buffer,
+      ``messages.pack``: one transfer, not 1 + n). The
       sender enforces the premise: a message whose shapes differ from the first one of its
       boundary in the step is an error (gloo would abort the process on a message longer
       than the posted buffer). Both sides know which messages are packed: all but the
       first of each boundary in the step, in the boundary's order, which is the same on
-      both ends.
+      both ends, when their shapes make them small enough.
 
     ``progress``, called as each compute action starts, moves every pump as far as it
     goes without blocking: it stops at a send whose data does not exist yet, at a payload
@@ -231,10 +233,18 @@ class DistTransport:
                 boundary = (entry.src_stage, entry.key.dst_stage, entry.key.is_grad)
                 specs = self._recv_specs.get(boundary)
                 if specs is not None:
-                    # A later message of its boundary: packed, of a known size.
+                    # A later message of its boundary, of known shapes: packed when small,
+                    # else its header and its payload (posted at once, checked on arrival).
                     if through is None and peer.ahead >= self._lookahead:
                         return
-                    self._post_packed(entry, peer.rank, specs)
+                    if packs(specs):
+                        self._post_packed(entry, peer.rank, specs)
+                    else:
+                        pending = self._pending.get(entry.key) or self._post_header(
+                            entry, peer.rank
+                        )
+                        pending.predicted = specs
+                        self._post_payload(pending, peer.rank, specs)
                 else:
                     # A boundary's first message: its header comes first.
                     pending = self._pending.get(entry.key) or self._post_header(entry, peer.rank)
@@ -296,7 +306,8 @@ class DistTransport:
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None:
         specs = specs_of(tensors)
         boundary = (src_stage, key.dst_stage, key.is_grad)
-        packed = boundary in self._sent_specs  # every message of a boundary but its first
+        # Every message of a boundary but its first, when small (``messages.packs``).
+        packed = boundary in self._sent_specs and packs(specs)
         first = self._sent_specs.setdefault(boundary, specs)
         if specs != first:
             raise StageMismatchError(
@@ -328,7 +339,9 @@ class DistTransport:
         if pending.packed is not None:
             payload = self._unpack(key, pending)
         else:
-            self._read_header(key, pending)
+            specs = self._read_header(key, pending)
+            if pending.predicted is not None and specs != pending.predicted:
+                raise self._mismatch(key, pending, specs)
             for work in pending.payload_works:
                 self._wait(work, key)
             assert pending.payload is not None
@@ -349,11 +362,14 @@ class DistTransport:
         values, tensors = unpack(pending.packed, pending.predicted)
         specs = parse_header(values, self._step, pending.src, key)
         if specs != pending.predicted:
-            raise StageMismatchError(
-                f"stage {pending.src} announced {specs} for micro-batch {key.microbatch} but stage "
-                f"{key.dst_stage} expected {pending.predicted} like the earlier micro-batches of step {self._step}"
-            )
+            raise self._mismatch(key, pending, specs)
         return tensors
+
+    def _mismatch(self, key: MessageKey, pending: Pending, specs: Specs) -> StageMismatchError:
+        return StageMismatchError(
+            f"stage {pending.src} announced {specs} for micro-batch {key.microbatch} but stage "
+            f"{key.dst_stage} expected {pending.predicted} like the earlier micro-batches of step {self._step}"
+        )
 
     def _peer_of(self, key: MessageKey, rank: int) -> Peer:
         peer = self._peers.get(rank)

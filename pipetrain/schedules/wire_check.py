@@ -38,15 +38,15 @@ def issue_orders(orders: Mapping[Pair, Sequence[Message]]) -> dict[Pair, tuple[M
 
 class _Stream:
     """What one rank posts to one peer: (message, part) with part 0 the header, 1 the payload
-    (for all but the first message of a boundary, header and payload in one packed op)."""
+    (with ``packed``, all but the first message of a boundary are one op: both in one buffer)."""
 
-    def __init__(self, rank: int, messages: Sequence[Message], headers: bool) -> None:
+    def __init__(self, rank: int, messages: Sequence[Message], headers: bool, packed: bool) -> None:
         self.ops: list[tuple[Message, int]] = []
         announced: set[tuple[int, int, bool]] = set()
         for m in messages:
-            if headers and m.boundary not in announced:
-                announced.add(m.boundary)
+            if headers and not (packed and m.boundary in announced):
                 self.ops.append((m, 0))
+            announced.add(m.boundary)
             self.ops.append((m, 1))
         self.sends = [m.src_rank == rank for m, _ in self.ops]
         self.index = {m: i for i, (m, part) in enumerate(self.ops) if part == 1}
@@ -64,12 +64,15 @@ class _Model:
         issue: Mapping[Pair, Sequence[Message]],
         headers: bool,
         lookahead: int,
+        packed: bool,
     ) -> None:
         self.programs = schedule.actions
         self.comm = [[message_of(a, schedule) for a in row] for row in self.programs]
         self.headers = headers
         self.lookahead = lookahead
-        self.streams = {pair: _Stream(pair[0], msgs, headers) for pair, msgs in issue.items()}
+        self.streams = {
+            pair: _Stream(pair[0], msgs, headers, packed) for pair, msgs in issue.items()
+        }
         self.peers: list[list[int]] = [[] for _ in self.programs]
         for rank, peer in sorted(self.streams):
             self.peers[rank].append(peer)
@@ -89,6 +92,10 @@ class _Model:
                     if through is None:
                         return True
                     raise _Broken(f"rank {rank} must post the {message} before its SEND ran")
+            elif part == 0 and message.boundary in self.known[rank]:
+                # A later message's header goes with its payload, within the look-ahead.
+                if through is None and st.ahead >= self.lookahead:
+                    return True
             elif part == 1 and self.headers:
                 if message.boundary not in self.known[rank]:
                     if through is None:
@@ -181,6 +188,7 @@ def check_order_matched(
     *,
     headers: bool = True,
     lookahead: int = 2,
+    packed: bool = True,
 ) -> WireCheck:
     """Run a lowered schedule over order-matched streams (NCCL's semantics) in a model.
 
@@ -190,15 +198,16 @@ def check_order_matched(
     with the peer's head when that is its match (a send meets its receive), so two sends or
     two receives facing each other wait, and a send facing another message's receive is
     a mismatch. Hosts never block on a send; a SEND posts its message (it has the data), a
-    RECV waits until its message has arrived. With ``headers`` the first message of each
-    boundary is a header then a payload and the later ones one packed operation each,
-    posted as ``DistTransport`` does: a payload (or packed) receive is posted once its
-    shapes are known (the header of the boundary read earlier in the step) and at most
-    ``lookahead`` ahead of use; past that a pump stops, and a SEND or RECV that needs the
-    pump further makes its host read the header (blocking) first.
+    RECV waits until its message has arrived. With ``headers`` each message is a header
+    then a payload, posted as ``DistTransport`` does, and with ``packed`` the later
+    messages of a boundary are one packed operation each (the transport packs small ones):
+    the first header of a boundary is posted as soon as the pump reaches it; everything
+    else once the boundary's shapes are known (that header read earlier in the step) and
+    at most ``lookahead`` ahead of use; past that a pump stops, and a SEND or RECV that
+    needs the pump further makes its host read the header (blocking) first.
     """
     try:
-        problem = _Model(schedule, issue, headers, lookahead).run()
+        problem = _Model(schedule, issue, headers, lookahead, packed).run()
     except _Broken as exc:
         problem = str(exc)
     return WireCheck(problem)

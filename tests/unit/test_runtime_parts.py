@@ -14,11 +14,13 @@ from pipetrain.runtime.errors import StageMismatchError
 from pipetrain.runtime.executor import RankExecutor
 from pipetrain.runtime.messages import (
     HEADER_LEN,
+    PACK_LIMIT,
     MessageKey,
     describe_failure,
     header_values,
     pack,
     packed_size,
+    packs,
     parse_header,
     specs_of,
     unpack,
@@ -174,3 +176,10 @@ def test_packed_message_round_trip():
     leaf = got[0].detach().requires_grad_(True)
     (leaf * 2).sum().backward()
     assert torch.equal(leaf.grad, torch.full((3, 5), 2.0))
+
+
+def test_only_small_messages_are_packed():
+    small = [(torch.float32, (2, 128, 128))]  # 128 KiB: one micro-batch of llama-default, m = 16
+    large = [(torch.float32, (8, 128, 128))]  # 512 KiB: m = 4
+    assert packs(small) and not packs(large)
+    assert packed_size(large) > PACK_LIMIT >= packed_size(small)

@@ -353,3 +353,25 @@ def test_wire_entries_are_built_once_per_program(monkeypatch):
     monkeypatch.setattr(transport_module, "dist", nccl)
     assert _run_threads(nccl, program, 3, TIMEOUT_S) == ""
     assert sorted(calls) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v"),
+    [("1f1b", 4, 5, None), ("interleaved-1f1b", 2, 4, 2), ("zb-v", 2, 4, None)],
+)
+def test_messages_too_large_to_pack_go_as_header_and_payload(monkeypatch, name, p, m, v):
+    # Over messages.PACK_LIMIT a later message is a header and its tensors again (the copy
+    # would cost memory until the send is known complete): both ends switch alike.
+    import pipetrain.runtime.messages as messages
+
+    monkeypatch.setattr(messages, "PACK_LIMIT", 0)
+    program = resolve_schedule(name, p, m, v)
+    nccl = FakeNccl(True, init_timeout_s=TIMEOUT_S)
+    monkeypatch.setattr(transport_module, "dist", nccl)
+    assert _run_threads(nccl, program, 2, TIMEOUT_S) == ""
+    sent = [op.tensor for ops in nccl.streams.values() for op in ops if op.send]
+    assert sent and not any(t.dtype == torch.uint8 for t in sent)
+    # gloo's semantics too.
+    gloo = FakeNccl(False, init_timeout_s=TIMEOUT_S)
+    monkeypatch.setattr(transport_module, "dist", gloo)
+    assert _run_threads(gloo, program, 2, TIMEOUT_S) == ""

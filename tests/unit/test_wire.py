@@ -74,8 +74,9 @@ def test_every_registry_schedule_has_an_order_that_runs_on_nccl_streams(name, p,
         assert_rules_hold(program, orders)
         issue = issue_orders(orders)
         assert check_order_matched(program, issue, headers=False).ok
-        for lookahead in (0, 2):
-            result = check_order_matched(program, issue, lookahead=lookahead)
+        # Small messages travel packed, large ones as header and payload: both complete.
+        for lookahead, packed in ((0, True), (2, True), (0, False), (2, False)):
+            result = check_order_matched(program, issue, lookahead=lookahead, packed=packed)
             assert result.ok, result.problem
 
 
@@ -196,8 +197,8 @@ def test_any_valid_schedule_on_any_placement_runs_on_nccl_streams(schedule):
     lowered = lower(schedule)
     validate(lowered)
     issue = issue_orders(wire_orders(lowered))
-    for lookahead in (0, 2):
-        result = check_order_matched(lowered, issue, lookahead=lookahead)
+    for lookahead, packed in ((0, True), (2, True), (2, False)):
+        result = check_order_matched(lowered, issue, lookahead=lookahead, packed=packed)
         assert result.ok, result.problem
 
 
@@ -217,11 +218,15 @@ def test_orders_chosen_pair_by_pair_can_deadlock_across_three_ranks():
     validate(schedule)
     orders = wire_orders(schedule)
     assert check_order_matched(schedule, issue_orders(orders)).ok
+    assert check_order_matched(schedule, issue_orders(orders), packed=False).ok
     chosen = dict(orders)
     for pair, text in (((0, 1), "a0 a2 g0 a1 g2 g1"), ((1, 2), "a0 g0 a2 g2 a1 g1")):
         by_name = {("g" if m.is_grad else "a") + str(m.microbatch): m for m in orders[pair]}
         chosen[pair] = tuple(by_name[name] for name in text.split())
     assert_rules_hold(schedule, chosen)
     assert check_order_matched(schedule, issue_orders(chosen), headers=False).ok
-    result = check_order_matched(schedule, issue_orders(chosen))
-    assert result.problem == "deadlock: rank 0 at 0SEND_F1, rank 1 at 1SEND_F2, rank 2 at 2RECV_B0"
+    for packed in (True, False):
+        result = check_order_matched(schedule, issue_orders(chosen), packed=packed)
+        assert result.problem == (
+            "deadlock: rank 0 at 0SEND_F1, rank 1 at 1SEND_F2, rank 2 at 2RECV_B0"
+        )
