@@ -178,8 +178,8 @@ def packed_size(specs: Specs) -> int:
 # activations, until their gradient returns: all of a GPipe step's micro-batches). Small
 # messages gain most from one transfer instead of two, and past a few hundred KiB a
 # transfer's fixed cost is below the copy's, so only messages up to this size are packed:
-# the extra memory stays within micro-batches x 256 KiB.
-PACK_LIMIT = 256 * 1024
+# the extra memory stays within micro-batches x 512 KiB.
+PACK_LIMIT = 512 * 1024
 
 
 def packs(specs: Specs) -> bool:

@@ -180,6 +180,6 @@ def test_packed_message_round_trip():
 
 def test_only_small_messages_are_packed():
     small = [(torch.float32, (2, 128, 128))]  # 128 KiB: one micro-batch of llama-default, m = 16
-    large = [(torch.float32, (8, 128, 128))]  # 512 KiB: m = 4
+    large = [(torch.float32, (8, 128, 128))]  # 512 KiB and the header: m = 4
     assert packs(small) and not packs(large)
     assert packed_size(large) > PACK_LIMIT >= packed_size(small)
