@@ -7,10 +7,11 @@ the single-process debug mode, where every rank runs in one process). Stages on 
 rank never use a transport: the executor hands their tensors over in memory.
 
 A message is named by ``MessageKey(dst_stage, is_grad, microbatch)`` and travels as a
-header and its tensors, or packed in one buffer (``pipetrain.runtime.messages``). Across processes messages are
-matched by order, not by name or tag, because NCCL can do nothing else: both ranks of a
-pair follow the pair's wire order (``pipetrain.schedules.wire``; ``DistTransport``
-explains the rules), and each header is checked against the name expected there.
+header and its tensors, or packed in one buffer (``pipetrain.runtime.messages``). Across
+processes messages are matched by order, not by name or tag, because NCCL can do nothing
+else: both ranks of a pair follow the pair's wire order (``pipetrain.schedules.wire``;
+``DistTransport`` explains the rules), and each header is checked against the name
+expected there.
 """
 
 from __future__ import annotations
@@ -93,12 +94,12 @@ class DistTransport:
       carry the same shapes (equal micro-batches), so they are posted at once, at most
       ``lookahead`` ahead of use, and the transfer overlaps compute; up to
       ``messages.PACK_LIMIT`` bytes they travel packed (header and tensors in one buffer,
-      ``messages.pack``: one transfer, not 1 + n). The
-      sender enforces the premise: a message whose shapes differ from the first one of its
-      boundary in the step is an error (gloo would abort the process on a message longer
-      than the posted buffer). Both sides know which messages are packed: all but the
-      first of each boundary in the step, in the boundary's order, which is the same on
-      both ends, when their shapes make them small enough.
+      ``messages.pack``: one transfer, not 1 + n). The sender enforces the premise: a
+      message whose shapes differ from the first one of its boundary in the step is an
+      error (gloo would abort the process on a message longer than the posted buffer).
+      Both sides know which messages are packed: all but the first of each boundary in
+      the step (the boundary's order is the same on both ends) whose shapes make them
+      small enough.
 
     ``progress``, called as each compute action starts, moves every pump as far as it
     goes without blocking: it stops at a send whose data does not exist yet, at a payload
