@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pipetrain.checkpoint.generate import generate_tokens, load_pipeline_model
     from pipetrain.cli.ckpt import resolve_checkpoint
+    from pipetrain.runtime.build import gpu_shortfall
     from pipetrain.train.data import load_tokenizer
 
     path = resolve_checkpoint(args.checkpoint)
@@ -70,12 +71,11 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is available: use --device cpu")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if use_cuda and world > 1 and local_world > torch.cuda.device_count():
+    problem = gpu_shortfall(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if use_cuda and world > 1 and problem:
         raise UsageError(
-            f"{local_world} processes on this node but it has {torch.cuda.device_count()} "
-            f"GPU(s), and nccl needs one GPU per process: start at most "
-            f"{torch.cuda.device_count()} per node (torchrun --nproc-per-node) or --device cpu"
+            f"{problem}: start at most {torch.cuda.device_count()} per node "
+            f"(torchrun --nproc-per-node) or --device cpu"
         )
     device = (
         torch.device("cuda", local_rank % torch.cuda.device_count())

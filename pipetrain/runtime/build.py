@@ -32,6 +32,7 @@ __all__ = [
     "default_device",
     "even_split",
     "forward_only",
+    "gpu_shortfall",
     "resolve_schedule",
 ]
 
@@ -43,6 +44,18 @@ def default_device() -> torch.device:
             "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
         )
     return torch.device("cpu")
+
+
+def gpu_shortfall(local_world_size: int) -> str | None:
+    """What is wrong when a node runs more nccl processes than it has GPUs (nccl cannot
+    place two ranks on one GPU and fails deep in the first transfer), else None."""
+    gpus = torch.cuda.device_count()
+    if local_world_size <= gpus:
+        return None
+    return (
+        f"{local_world_size} processes on this node but it has {gpus} GPU(s), and nccl "
+        f"needs one GPU per process"
+    )
 
 
 def even_split(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...]:

@@ -241,9 +241,7 @@ class DistTransport:
                     if packs(specs):
                         self._post_packed(entry, peer.rank, specs)
                     else:
-                        pending = self._pending.get(entry.key) or self._post_header(
-                            entry, peer.rank
-                        )
+                        pending = self._post_header(entry, peer.rank)
                         pending.predicted = specs
                         self._post_payload(pending, peer.rank, specs)
                 else:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pipetrain.errors import InputError
 from pipetrain.models import build_full_model, model_spec
 from pipetrain.runtime import Pipeline
+from pipetrain.runtime.build import gpu_shortfall
 from pipetrain.schedules import Kind
 from pipetrain.schedules.execution import Costs, Timeline
 from pipetrain.train.config import ConfigError, TrainConfig, config_to_toml
@@ -57,11 +58,11 @@ def resolve_device(setting: str, local_rank: int, local_world_size: int = 1) -> 
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu"
             )
         gpus = torch.cuda.device_count()
-        if local_world_size > gpus:
+        problem = gpu_shortfall(local_world_size)
+        if problem:
             raise ConfigError(
-                f"{local_world_size} processes on this node but it has {gpus} GPU(s), and "
-                f"nccl needs one GPU per process: start at most {gpus} per node (--pp x --dp, "
-                f"or torchrun --nproc-per-node), use --single-process, or --device cpu"
+                f"{problem}: start at most {gpus} per node (--pp x --dp, or torchrun "
+                f"--nproc-per-node), use --single-process, or --device cpu"
             )
         return torch.device("cuda", local_rank % gpus)
     return torch.device("cpu")

@@ -261,15 +261,21 @@ def test_schedules_run_over_nccl_order_semantics(name, p, m, v):
     assert run_over_fake_nccl(program, one_stream=False) == ""
 
 
-def test_a_ring_of_three_ranks_runs_over_nccl_order_semantics():
-    # The ring of test_wire, where orders chosen pair by pair deadlock.
+def ring_program() -> Schedule:
+    """Stages on ranks 0, 1, 2, 0: the ring of test_wire, where orders chosen pair by pair
+    deadlock."""
     rows = [
         "0F0 0F2 0F1 3F0 3B0 0B0 3F2 3B2 0B2 3F1 3B1 0B1",
         "1F0 1F2 1B0 1B2 1F1 1B1",
         "2F0 2B0 2F2 2B2 2F1 2B1",
     ]
     actions = [[parse_action(t) for t in row.split()] for row in rows]
-    program = lower(Schedule.build("ring", Placement.custom((0, 1, 2, 0)), 3, actions))
+    return lower(Schedule.build("ring", Placement.custom((0, 1, 2, 0)), 3, actions))
+
+
+def test_a_ring_of_three_ranks_runs_over_nccl_order_semantics():
+    # The ring of test_wire, where orders chosen pair by pair deadlock.
+    program = ring_program()
     assert run_over_fake_nccl(program) == ""
 
 
@@ -279,13 +285,7 @@ def test_without_meeting_its_peers_first_the_ring_deadlocks_in_communicator_crea
     # Rank 0's first operation with rank 2 is the receive of activations 2->3, posted when
     # the step begins; it would wait for rank 2, which waits for rank 1, which waits for
     # the activations rank 0 has not sent: DistTransport._connect meets the peers first.
-    rows = [
-        "0F0 0F2 0F1 3F0 3B0 0B0 3F2 3B2 0B2 3F1 3B1 0B1",
-        "1F0 1F2 1B0 1B2 1F1 1B1",
-        "2F0 2B0 2F2 2B2 2F1 2B1",
-    ]
-    actions = [[parse_action(t) for t in row.split()] for row in rows]
-    program = lower(Schedule.build("ring", Placement.custom((0, 1, 2, 0)), 3, actions))
+    program = ring_program()
     monkeypatch.setattr(DistTransport, "_connect", lambda self, peers: None)
     problem = run_over_fake_nccl(program, steps=1, timeout_s=1.0)
     assert "Timed out creating the communicator of ranks 0, 2" in problem
