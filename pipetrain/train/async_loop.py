@@ -79,128 +79,132 @@ def train_async(
         )
 
     output = open_output(config, role, out)
-    progress, report, say = output.progress, output.report, output.say
+    try:
+        progress, report, say = output.progress, output.report, output.say
 
-    if corpus is not None:
-        say(f"data: {corpus.description}")
-    say(
-        f"model {plan.model.name}: {plan.model.n_layers} blocks; schedule {p.schedule}"
-        f"{' with vertical sync' if p.vertical_sync else ''} on {p.pp} ranks, streams of "
-        f"{stream} steps x {p.microbatches} micro-batches (the pipeline drains between "
-        f"streams), device {device}"
-    )
-
-    def evaluate(step: int) -> float:
-        if not r.evaluate:
-            return math.nan
-        batches = [(b.inputs if first else None, b.targets if last else None) for b in evals] or [
-            (None, None)
-        ] * d.eval_batches
-        value = trainer.eval_loss(batches)
-        report({"step": step, "eval_loss": value})
-        say(f"eval loss after {step} steps: {value:.4f}")
-        return value
-
-    model_fields = dataclasses.asdict(plan.model)
-    model_fields.pop("name")
-    checkpoints = RunCheckpoints(
-        CheckpointPolicy(r.checkpoint_dir, r.checkpoint_every, r.keep, r.resume),
-        modules=pipeline.modules,
-        optimizer=trainer.optimizer,
-        model=model_fields,
-        layout=Layout(
-            p.pp, p.chunks, p.schedule, dist.get_world_size(group) if group else 1, plan.split
-        ),
-        config=config_to_dict(config),
-        total_steps=r.steps,
-        group=group,
-        device=device,
-        say=say,
-        # Saved between streams, where nothing is in flight (a drain at save time): the
-        # weights, the optimizer state and the step are all there is.
-        state=lambda done: {"step": done, "data_position": done},
-    )
-    start = checkpoints.resume()
-    if start % stream:
-        raise ConfigError(
-            f"the checkpoint is at step {start}, not between two streams of "
-            f"pipeline.stream_steps {stream}: resume with the --stream-steps of the saved run"
+        if corpus is not None:
+            say(f"data: {corpus.description}")
+        say(
+            f"model {plan.model.name}: {plan.model.n_layers} blocks; schedule {p.schedule}"
+            f"{' with vertical sync' if p.vertical_sync else ''} on {p.pp} ranks, streams of "
+            f"{stream} steps x {p.microbatches} micro-batches (the pipeline drains between "
+            f"streams), device {device}"
         )
-    first_eval = evaluate(start)
-    last_eval = first_eval
-    tokens_seen, train_time, bubbles = 0, 0.0, []
-    done = start
-    for begin in range(start, r.steps, stream):
-        batches = (
-            [
-                train_batch(corpus, step, seed=r.seed, batch_size=d.batch_size, seq_len=d.seq_len)
-                for step in range(begin, begin + stream)
-            ]
-            if corpus is not None
-            else []
+
+        def evaluate(step: int) -> float:
+            if not r.evaluate:
+                return math.nan
+            batches = [
+                (b.inputs if first else None, b.targets if last else None) for b in evals
+            ] or [(None, None)] * d.eval_batches
+            value = trainer.eval_loss(batches)
+            report({"step": step, "eval_loss": value})
+            say(f"eval loss after {step} steps: {value:.4f}")
+            return value
+
+        model_fields = dataclasses.asdict(plan.model)
+        model_fields.pop("name")
+        checkpoints = RunCheckpoints(
+            CheckpointPolicy(r.checkpoint_dir, r.checkpoint_every, r.keep, r.resume),
+            modules=pipeline.modules,
+            optimizer=trainer.optimizer,
+            model=model_fields,
+            layout=Layout(
+                p.pp, p.chunks, p.schedule, dist.get_world_size(group) if group else 1, plan.split
+            ),
+            config=config_to_dict(config),
+            total_steps=r.steps,
+            group=group,
+            device=device,
+            say=say,
+            # Saved between streams, where nothing is in flight (a drain at save time): the
+            # weights, the optimizer state and the step are all there is.
+            state=lambda done: {"step": done, "data_position": done},
         )
-        inputs = torch.cat([b.inputs for b in batches]) if first and batches else None
-        targets = torch.cat([b.targets for b in batches]) if last and batches else None
-        result = trainer.train_stream(begin, inputs, targets)
-        train_time += result.wall_s
-        tokens_seen += result.tokens
-        if role.distributed:
-            bubbles.append(measured_bubble(result.timeline))
-        tokens_per_s = result.tokens / result.wall_s if result.wall_s > 0 else math.nan
-        for i, loss in enumerate(result.losses):
-            step = begin + i
-            report(
-                {
-                    "step": step + 1,
-                    "loss": loss,
-                    "lr": lr_at(step, config.optim, r.steps),
-                    "tokens": result.tokens // stream,
-                    "tokens_per_s": tokens_per_s,
-                    "step_time_s": result.wall_s / stream,
-                }
+        start = checkpoints.resume()
+        if start % stream:
+            raise ConfigError(
+                f"the checkpoint is at step {start}, not between two streams of "
+                f"pipeline.stream_steps {stream}: resume with the --stream-steps of the saved run"
             )
-            if progress is not None:
-                progress.update(
-                    step,
-                    loss=loss,
-                    tokens_per_s=tokens_per_s,
-                    elapsed_s=time.perf_counter() - started,
+        first_eval = evaluate(start)
+        last_eval = first_eval
+        tokens_seen, train_time, bubbles = 0, 0.0, []
+        done = start
+        for begin in range(start, r.steps, stream):
+            batches = (
+                [
+                    train_batch(
+                        corpus, step, seed=r.seed, batch_size=d.batch_size, seq_len=d.seq_len
+                    )
+                    for step in range(begin, begin + stream)
+                ]
+                if corpus is not None
+                else []
+            )
+            inputs = torch.cat([b.inputs for b in batches]) if first and batches else None
+            targets = torch.cat([b.targets for b in batches]) if last and batches else None
+            result = trainer.train_stream(begin, inputs, targets)
+            train_time += result.wall_s
+            tokens_seen += result.tokens
+            if role.distributed:
+                bubbles.append(measured_bubble(result.timeline))
+            tokens_per_s = result.tokens / result.wall_s if result.wall_s > 0 else math.nan
+            for i, loss in enumerate(result.losses):
+                step = begin + i
+                report(
+                    {
+                        "step": step + 1,
+                        "loss": loss,
+                        "lr": lr_at(step, config.optim, r.steps),
+                        "tokens": result.tokens // stream,
+                        "tokens_per_s": tokens_per_s,
+                        "step_time_s": result.wall_s / stream,
+                    }
                 )
-        done = begin + stream
-        if r.eval_every and done % r.eval_every == 0 and done < r.steps:
-            last_eval = evaluate(done)
-        if checkpoints.after_step(done):
-            break
-    checkpoints.close()
-    last_eval = evaluate(done)
+                if progress is not None:
+                    progress.update(
+                        step,
+                        loss=loss,
+                        tokens_per_s=tokens_per_s,
+                        elapsed_s=time.perf_counter() - started,
+                    )
+            done = begin + stream
+            if r.eval_every and done % r.eval_every == 0 and done < r.steps:
+                last_eval = evaluate(done)
+            if checkpoints.after_step(done):
+                break
+        checkpoints.close()
+        last_eval = evaluate(done)
 
-    measured = trainer.rank_peaks()
-    predicted = predicted_versions(p.schedule, p.pp, p.microbatches, stream)
-    say(
-        f"weight versions per rank: at most {list(measured)} alive at once "
-        f"(simulator{', which has no vertical sync' if p.vertical_sync else ''}: "
-        f"{list(predicted)})"
-    )
-    report({"weight_versions": list(measured), "predicted_weight_versions": list(predicted)})
-    summary = RunSummary(
-        steps=r.steps,
-        wall_s=time.perf_counter() - started,
-        tokens=tokens_seen,
-        tokens_per_s=tokens_seen / train_time if train_time > 0 else math.nan,
-        measured_bubble=sum(bubbles) / len(bubbles) if bubbles else None,
-        simulated_bubble=None,
-        first_eval_loss=first_eval,
-        final_eval_loss=last_eval,
-        peak_memory=peak_memory_per_rank(role, device),
-        skipped_steps=0,
-    )
-    if role.reporter:
-        say(summary.format())
-    if r.sample_tokens:
-        _sample(config, plan, trainer, group, corpus, say)
-    output.record(summary.to_json())
-    output.close()
-    return summary if role.reporter else None
+        measured = trainer.rank_peaks()
+        predicted = predicted_versions(p.schedule, p.pp, p.microbatches, stream)
+        say(
+            f"weight versions per rank: at most {list(measured)} alive at once "
+            f"(simulator{', which has no vertical sync' if p.vertical_sync else ''}: "
+            f"{list(predicted)})"
+        )
+        report({"weight_versions": list(measured), "predicted_weight_versions": list(predicted)})
+        summary = RunSummary(
+            steps=r.steps,
+            wall_s=time.perf_counter() - started,
+            tokens=tokens_seen,
+            tokens_per_s=tokens_seen / train_time if train_time > 0 else math.nan,
+            measured_bubble=sum(bubbles) / len(bubbles) if bubbles else None,
+            simulated_bubble=None,
+            first_eval_loss=first_eval,
+            final_eval_loss=last_eval,
+            peak_memory=peak_memory_per_rank(role, device),
+            skipped_steps=0,
+        )
+        if role.reporter:
+            say(summary.format())
+        if r.sample_tokens:
+            _sample(config, plan, trainer, group, corpus, say)
+        output.record(summary.to_json())
+        return summary if role.reporter else None
+    finally:
+        output.close()  # also when the run fails: TensorBoard buffers its events
 
 
 def _sample(

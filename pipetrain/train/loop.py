@@ -149,8 +149,15 @@ def _train(
         from pipetrain.train.async_loop import train_async
 
         return train_async(config, role, plan, device, group, out, started)
-    run = config.run
     session = open_session(config, role, plan, device, group, out, mesh)
+    try:
+        return _run_session(session, started)
+    finally:
+        session.output.close()  # also when the run fails: TensorBoard buffers its events
+
+
+def _run_session(session: Session, started: float) -> RunSummary | None:
+    run = session.config.run
     start = session.checkpoints.resume()
     first_eval = session.evaluate(start)
     records: list[StepRecord] = []

@@ -193,10 +193,14 @@ class RunOutput:
             self.progress.message(text)
 
     def close(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-        if self._board is not None:
-            self._board.close()
+        """Flush and close the files (again: nothing). A failed run closes them too: its ranks
+        end with ``os._exit`` (``pipetrain.process_exit``), where no finalizer would."""
+        metrics, board = self._metrics, self._board
+        self._metrics = self._board = None
+        if metrics is not None:
+            metrics.close()
+        if board is not None:
+            board.close()
 
 
 @dataclass(frozen=True)

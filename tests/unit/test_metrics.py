@@ -15,6 +15,7 @@ from pipetrain.train.metrics import (
     MetricsError,
     MetricsFile,
     Progress,
+    RunOutput,
     RunSummary,
     format_duration,
     measured_bubble,
@@ -129,3 +130,72 @@ def test_eta_counts_only_the_steps_this_process_trained() -> None:
     # Resumed after 5 steps: step 5 (the 6th) took 2 s, so 4 left take 8 s.
     progress.update(5, loss=1.0, tokens_per_s=1.0, elapsed_s=2.0)
     assert out.getvalue().endswith("ETA 0:08\n")
+
+
+def _failing_step_owner(schedule: str) -> object:
+    if schedule == "pipedream":  # asynchronous: its own loop
+        from pipetrain.train.asynchronous import AsyncTrainer
+
+        return AsyncTrainer
+    from pipetrain.train import loop
+
+    return loop
+
+
+@pytest.mark.parametrize(("schedule", "method"), [("1f1b", "_step"), ("pipedream", "train_stream")])
+def test_a_failed_run_still_closes_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str, method: str
+) -> None:
+    # Ranks end with os._exit (pipetrain.process_exit): a writer left open, as TensorBoard's
+    # would be, loses what it buffered. The trainer closes its output when a step fails.
+    from pipetrain.train.config import load_config
+    from pipetrain.train.loop import train
+    from pipetrain.train.session import ProcessRole
+
+    closed: list[bool] = []
+    original_close = RunOutput.close
+
+    def close(self: RunOutput) -> None:
+        closed.append(True)
+        original_close(self)
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(RunOutput, "close", close)
+    monkeypatch.setattr(_failing_step_owner(schedule), method, fail)
+    config = load_config(
+        overrides={
+            "run.name": "fails",
+            "run.out_dir": str(tmp_path),
+            "run.steps": 4,
+            "run.evaluate": False,
+            "run.sample_tokens": 0,
+            "model.name": "llama-tiny",
+            "pipeline.pp": 2,
+            "pipeline.single_process": True,
+            "pipeline.schedule": schedule,
+            "pipeline.microbatches": 2,
+            "data.batch_size": 4,
+            "data.seq_len": 16,
+            "data.max_bytes": 100_000,
+            "optim.warmup_steps": 1,
+        }
+    )
+    with pytest.raises(RuntimeError, match="step failed"):
+        train(config, ProcessRole(), out=io.StringIO())
+    assert closed == [True]
+
+
+def test_closing_the_output_twice_is_harmless(tmp_path: Path) -> None:
+    output = RunOutput(
+        active=True,
+        total_steps=1,
+        stream=io.StringIO(),
+        metrics_path=tmp_path / "m.jsonl",
+        tensorboard_dir=None,
+    )
+    output.report({"step": 0, "loss": 1.0})
+    output.close()
+    output.close()
+    assert (tmp_path / "m.jsonl").read_text().count("\n") == 1
