@@ -207,19 +207,24 @@ def run_paired(spec: Any, pair: tuple[str, str, int], m: int, steps: int) -> dic
     ours(0)
     them(0)
     times = torch.zeros(2, steps, dtype=torch.float64)
+    cpu = torch.zeros(2, steps, dtype=torch.float64)
     for i in range(steps):
         for side in (0, 1) if i % 2 == 0 else (1, 0):
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             (ours, them)[side](1 + i)
             times[side, i] = time.perf_counter() - start
+            cpu[side, i] = time.process_time() - cpu_start
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)  # both ranks' CPU seconds: the work, without the waiting
     return {
         "m": m,
         "ours": ours_name,
         "torch": theirs,
         "ours_s": times[0].tolist(),
         "torch_s": times[1].tolist(),
+        "ours_cpu_s": cpu[0].tolist(),
+        "torch_cpu_s": cpu[1].tolist(),
         "loss_ours": last[0].loss,
         "loss_torch": summed_loss(losses),
     }
@@ -243,17 +248,20 @@ def ratio_interval(ours_s: list[float], torch_s: list[float]) -> tuple[float, fl
 
 PAIRED_HEADER = (
     f"{'m':>3} {'ours':<17} {'tok/s':>7} | {'torch':<30} {'tok/s':>7} | "
-    f"{'ratio':>5} {'95% interval':>13} | {'last loss ours/torch':>20}"
+    f"{'ratio':>5} {'95% interval':>13} | {'cpu ratio':>9} {'95% interval':>13} | "
+    f"{'last loss ours/torch':>20}"
 )
 
 
 def format_paired(row: dict[str, Any]) -> str:
     ratio, lo, hi = ratio_interval(row["ours_s"], row["torch_s"])
+    cpu, cpu_lo, cpu_hi = ratio_interval(row["ours_cpu_s"], row["torch_cpu_s"])
     tps_ours = BATCH * SEQ / statistics.median(row["ours_s"])
     tps_torch = BATCH * SEQ / statistics.median(row["torch_s"])
     return (
         f"{row['m']:>3} {row['ours']:<17} {tps_ours:>7.0f} | {row['torch']:<30} "
         f"{tps_torch:>7.0f} | {ratio:>5.3f} {lo:>6.3f}-{hi:<6.3f} | "
+        f"{cpu:>9.3f} {cpu_lo:>6.3f}-{cpu_hi:<6.3f} | "
         f"{row['loss_ours']:>10.5f}/{row['loss_torch']:.5f}"
     )
 
@@ -267,7 +275,7 @@ def worker(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     if args.paired:
         for m in args.microbatches:
-            for pair in PAIRS:
+            for pair in selected(args):
                 release_memory()
                 rows.append(run_paired(spec, pair, m, args.paired))
                 if dist.get_rank() == 0:
@@ -277,7 +285,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
         return
     for m in args.microbatches:
-        for ours, theirs, v in PAIRS:
+        for ours, theirs, v in selected(args):
             samples: dict[str, list[dict[str, float]]] = {"ours": [], "torch": []}
             for _ in range(args.rounds):
                 for side in ("ours", "torch"):
@@ -298,6 +306,10 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0 and args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     dist.destroy_process_group()
+
+
+def selected(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    return [pair for pair in PAIRS if not args.only or pair[0] in args.only]
 
 
 def med(samples: list[dict[str, float]], key: str) -> float:
@@ -352,6 +364,12 @@ def launch(argv: list[str]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-default")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[pair[0] for pair in PAIRS],
+        help="only these of our schedules (default: all four)",
+    )
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument(
         "--steps", type=int, default=3, help="timed steps per run (after one warm-up)"
