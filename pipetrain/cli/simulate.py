@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,15 @@ def _check_counts(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name} {value}: give a whole number >= 1")
 
 
+def _check_sizes(args: argparse.Namespace) -> None:
+    # A negative, infinite or NaN size would flow into every byte column of the report.
+    for name in ("activation_bytes", "weight_bytes"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} {value:g}: give a finite number of bytes >= 0")
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
         raise UsageError(f"--plot {args.plot}: use a .png or .svg file name")
@@ -180,6 +190,11 @@ def _from_file(args: argparse.Namespace) -> _Case:
     from pipetrain.schedules import io
 
     path = Path(args.schedule_file)
+    if args.chunks is not None:
+        raise UsageError(
+            f"--chunks {args.chunks}: a schedule file fixes the stages per rank by the stages "
+            "each row runs: drop --chunks"
+        )
     suffix = path.suffix.lower()
     if suffix == ".csv":
         schedule = io.load_csv(path, num_ranks=args.pp, microbatches=args.microbatches)
@@ -248,6 +263,7 @@ def _data_parallel(
 # ------------------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> int:
     _check_counts(args)
+    _check_sizes(args)
     _check_outputs(args)
     costs = parse_costs(
         args.costs,

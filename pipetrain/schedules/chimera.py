@@ -41,7 +41,9 @@ def check_chimera(p: int, m: int, v: int = 1) -> str | None:
     if basic is not None:
         return basic
     if p % 2:
-        return f"chimera needs an even --pp (got p={p}): use {p + 1} or {max(2, p - 1)}"
+        # The even neighbours of p; p = 1 has only one ("use 2 or 2" read as a typo).
+        fix = f"{p + 1} or {p - 1}" if p > 1 else "2"
+        return f"chimera needs an even --pp (got p={p}): use {fix}"
     if m < 2:
         return (
             f"chimera needs --microbatches >= 2 (got m={m}): one or more for each of its two "

@@ -39,13 +39,38 @@ FORMAT = 1
 
 
 def _read(path: str | Path) -> str:
+    # utf-8-sig: spreadsheets (Excel's "CSV UTF-8") start the file with a byte-order mark,
+    # which would otherwise glue itself to the first action ('\ufeff0F0').
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ScheduleError(
+            f"schedule file {str(path)!r} is not UTF-8 text (byte {exc.start} cannot be "
+            "decoded): give a CSV or JSON schedule saved as UTF-8"
+        ) from exc
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
         raise ScheduleError(
             f"cannot read schedule file {str(path)!r}: {reason}: check the path"
         ) from exc
+
+
+# Longer than any action text ("12ALLREDUCE", "3SEND_B4096"): not worth quoting whole in a
+# one-line error (a binary file or a runaway quote can make a cell megabytes long).
+_LONGEST_CELL = 40
+
+
+def _parse(text: str, where: str) -> Action:
+    """The action in one CSV cell or JSON item, or a ScheduleError naming ``where``."""
+    if len(text) > _LONGEST_CELL:
+        raise ScheduleError(
+            f"{where}: {text[:16]!r}... ({len(text)} characters) is not an action: write one "
+            "action per cell, e.g. '3F12', '0I4', '1W4', '2B0'"
+        )
+    try:
+        return parse_action(text)
+    except (ActionParseError, ValueError) as exc:
+        raise ScheduleError(f"{where}: {exc}") from exc
 
 
 def _write(path: str | Path, text: str) -> None:
@@ -80,18 +105,7 @@ def load_csv(
     ``microbatches`` overrides the inferred count (the validator then demands exactly that
     many).
     """
-    text = _read(path)
-    rows: list[list[Action]] = []
-    for line_no, cells in enumerate(csv.reader(io.StringIO(text)), start=1):
-        row = []
-        for col, cell in enumerate(cells, start=1):
-            if not cell.strip():
-                continue
-            try:
-                row.append(parse_action(cell))
-            except (ActionParseError, ValueError) as exc:
-                raise ScheduleError(f"{path} row {line_no}, column {col}: {exc}") from exc
-        rows.append(row)
+    rows = _read_rows(path)
     while rows and not rows[-1]:
         rows.pop()
     if not rows:
@@ -114,6 +128,29 @@ def load_csv(
     )
     validate(schedule)
     return schedule
+
+
+def _read_rows(path: str | Path) -> list[list[Action]]:
+    """The actions of each CSV row; blank cells skipped, trailing blank rows kept."""
+    reader = csv.reader(io.StringIO(_read(path)))
+    rows: list[list[Action]] = []
+    try:
+        for cells in reader:
+            line_no = reader.line_num
+            rows.append(
+                [
+                    _parse(cell, f"{path} row {line_no}, column {col}")
+                    for col, cell in enumerate(cells, start=1)
+                    if cell.strip()
+                ]
+            )
+    except csv.Error as exc:
+        # A cell over the csv module's limit (128 KiB), e.g. a quote that is never closed.
+        raise ScheduleError(
+            f"{path} row {reader.line_num}: not a CSV of actions ({exc}): write one row of "
+            "actions per rank, e.g. 0F0,0B0"
+        ) from exc
+    return rows
 
 
 def _infer_placement(rows: list[list[Action]], path: str | Path) -> Placement:
@@ -178,11 +215,17 @@ def _field(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], where: 
 
 def load_json(path: str | Path, *, num_ranks: int | None = None) -> Schedule:
     """Read and validate a JSON schedule."""
+    text = _read(path)
     try:
-        doc = json.loads(_read(path))
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ScheduleError(
             f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+        ) from exc
+    except RecursionError as exc:
+        raise ScheduleError(
+            f"{path} is nested too deeply to be a schedule: write a JSON object with "
+            "'format', 'pp', 'actions', ..."
         ) from exc
     where = str(path)
     if not isinstance(doc, dict):
@@ -207,26 +250,56 @@ def load_json(path: str | Path, *, num_ranks: int | None = None) -> Schedule:
     for r, row in enumerate(rows):
         if not isinstance(row, list):
             raise ScheduleError(f"{where}: actions row {r} must be a list of action texts")
-        parsed = []
-        for i, text in enumerate(row):
-            try:
-                parsed.append(parse_action(str(text)))
-            except (ActionParseError, ValueError) as exc:
-                raise ScheduleError(f"{where}: actions row {r}, item {i}: {exc}") from exc
-        actions.append(parsed)
-    params = doc.get("params", {})
-    if not isinstance(params, dict) or not all(isinstance(v, int) for v in params.values()):
-        raise ScheduleError(f"{where}: 'params' must map names to integers, got {params!r}")
+        actions.append(
+            [_parse(str(text), f"{where}: actions row {r}, item {i}") for i, text in enumerate(row)]
+        )
+    microbatches = _field(doc, "microbatches", int, where)
     schedule = Schedule.build(
         _field(doc, "name", str, where),
         placement,
-        _field(doc, "microbatches", int, where),
+        microbatches,
         actions,
         asynchronous=_field(doc, "asynchronous", bool, where),
-        params=params,
+        params=_load_params(doc.get("params", {}), placement, microbatches, where),
     )
     validate(schedule)
     return schedule
+
+
+# What the generators record in ``Schedule.params`` (all counts, 1 or more): ``v`` stages
+# per rank and ``group`` (interleaved), ``window`` and ``steps`` (PipeDream's stream).
+# The simulator divides by ``steps`` and the runtime by ``window``: a 0 there would crash
+# them, and a misspelt name would silently fall back to a default.
+_PARAMS = ("group", "steps", "v", "window")
+
+
+def _load_params(
+    params: Any, placement: Placement, microbatches: int, where: str
+) -> dict[str, int]:
+    if not isinstance(params, dict):
+        raise ScheduleError(f"{where}: 'params' must map names to integers, got {params!r}")
+    for name, value in params.items():
+        if name not in _PARAMS:
+            raise ScheduleError(
+                f"{where}: unknown param {name!r}: use {', '.join(_PARAMS)} or leave it out"
+            )
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(
+                f"{where}: param {name!r} must be a whole number >= 1, got {value!r}"
+            )
+    v = params.get("v")
+    if v is not None and v != placement.stages_per_rank:
+        raise ScheduleError(
+            f"{where}: param 'v' is {v} but the placement puts {placement.stages_per_rank} "
+            "stage(s) on each rank: make them agree"
+        )
+    window, steps = params.get("window"), params.get("steps")
+    if window is not None and steps is not None and window * steps != microbatches:
+        raise ScheduleError(
+            f"{where}: params window={window} x steps={steps} must equal 'microbatches' "
+            f"({microbatches}), the micro-batches streamed: fix one of them"
+        )
+    return dict(params)
 
 
 def _load_placement(doc: dict[str, Any], pp: int, where: str) -> Placement:

@@ -29,7 +29,8 @@ __all__ = [
 
 
 class RenderError(InputError):
-    """A picture that cannot be made as asked (unknown file suffix, no matplotlib)."""
+    """A picture that cannot be made as asked (unknown file suffix, no matplotlib, a path
+    that cannot be written)."""
 
 
 # ----------------------------------------------------------------------------- ASCII
@@ -80,8 +81,10 @@ def ascii(timeline: Timeline, width: int = 120) -> str:
     full = per_unit >= label_width
     chunks = _chunks(timeline)
     scale = per_unit / unit
-    columns = max(1, math.ceil(makespan * scale))
-    rows = [header, "t".rjust(margin) + "| " + _ruler(makespan, scale, columns)]
+    # Rounded before the ceiling: a squeezed grid's makespan * scale is `room` up to float
+    # error, and 116.00000000001 must not become a 117th column past the width.
+    columns = max(1, math.ceil(round(makespan * scale, 6)))
+    rows = [header, "t".rjust(margin) + "| " + _ruler(makespan, scale, max(columns, room))]
     for rank in range(timeline.num_ranks):
         cells = [_IDLE] * columns
         for e in sorted((e for e in work if e.rank == rank), key=lambda e: e.start):
@@ -96,15 +99,19 @@ def ascii(timeline: Timeline, width: int = 120) -> str:
 
 
 def _ruler(makespan: float, scale: float, columns: int) -> str:
-    """Tick labels at round times, spaced at least 8 characters apart."""
+    """Tick labels at round times, spaced at least 8 characters apart, within ``columns``
+    (the room the width leaves: a last label may stand past the grid, not past the width)."""
     least = 8 / scale  # time that 8 characters cover
     decade = 10.0 ** math.floor(math.log10(least))
     step = next(m * decade for m in (1.0, 2.0, 5.0, 10.0) if m * decade >= least)
-    line = [" "] * (columns + 8)
+    line = [" "] * columns
     tick = 0.0
     while tick <= makespan:
         col = round(tick * scale)
         text = f"{tick:g}"
+        # A label that would run past the grid is left out, not cut: "20" for 200 misleads.
+        if col + len(text) > columns:
+            break
         line[col : col + len(text)] = list(text)
         tick += step
     return "".join(line).rstrip()
@@ -193,8 +200,18 @@ def write_chrome_trace(
 ) -> Path:
     """Write ``chrome_trace(timelines)`` to ``path`` and return the path."""
     out = Path(path)
-    out.write_text(json.dumps(chrome_trace(timelines, us_per_unit=us_per_unit)) + "\n")
+    text = json.dumps(chrome_trace(timelines, us_per_unit=us_per_unit)) + "\n"
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise _unwritable(out, exc) from exc
     return out
+
+
+def _unwritable(out: Path, exc: OSError) -> RenderError:
+    """The one line for a picture or trace that cannot be written where asked."""
+    reason = exc.strerror or str(exc)
+    return RenderError(f"cannot write {str(out)!r}: {reason}: pick a writable file path")
 
 
 def _category(kind: Kind) -> str:
@@ -410,5 +427,8 @@ def plot_compare(timelines: Sequence[Timeline], path: str | Path) -> Path:
         chunked = chunked or multi
     axes[-1].set_xlabel("time")
     _legend(fig, shown, chunked)
-    fig.savefig(out, dpi=_DPI)
+    try:
+        fig.savefig(out, dpi=_DPI)
+    except OSError as exc:
+        raise _unwritable(out, exc) from exc
     return out
