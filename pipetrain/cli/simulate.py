@@ -65,7 +65,8 @@ def add_parser(subparsers: Any) -> None:
         "the time of one rank's share of the model (1/pp of it): a schedule with v stages per "
         "rank (interleaved, V, looped) spends 1/v of it per stage, so schedules compare on "
         "one model. Numbers joined by '/' give each model stage's own time, e.g. F=1/1/2/1. "
-        "B alone sets I = W = B/2; I and W alone set B = I + W. Default: F=I=W=1, B=2",
+        "B alone sets I = W = B/2; otherwise B = I + W, a missing one filled in (I or W "
+        "alone keeps the other at 1). Default: F=I=W=1, B=2",
     )
     p.add_argument("--latency", type=float, default=0.0, help="time per message (default 0)")
     p.add_argument(

@@ -65,15 +65,62 @@ def _halve(value: _Value) -> _Value:
     return tuple(v / 2 for v in value) if isinstance(value, tuple) else value / 2
 
 
-def _add(a: _Value, b: _Value) -> _Value:
-    if not isinstance(a, tuple) and not isinstance(b, tuple):
-        return a + b
+def _pair(a: _Value, b: _Value, names: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Two values as equally long tuples (a scalar stands for every stage)."""
     n = max(len(x) if isinstance(x, tuple) else 1 for x in (a, b))
     left = a if isinstance(a, tuple) else (a,) * n
     right = b if isinstance(b, tuple) else (b,) * n
     if len(left) != len(right):
-        raise CostsError("--costs: I and W give different numbers of stages; give as many of each")
+        raise CostsError(f"--costs: {names} give different numbers of stages; give as many of each")
+    return left, right
+
+
+def _add(a: _Value, b: _Value) -> _Value:
+    if not isinstance(a, tuple) and not isinstance(b, tuple):
+        return a + b
+    left, right = _pair(a, b, "I and W")
     return tuple(x + y for x, y in zip(left, right, strict=True))
+
+
+def _rest(whole: _Value, part: _Value, key: str) -> _Value:
+    """B minus one half of it: the other half."""
+    left, right = _pair(whole, part, f"B and {key}")
+    rest = tuple(x - y for x, y in zip(left, right, strict=True))
+    if any(r < 0 for r in rest):
+        raise CostsError(f"--costs: {key} is longer than B, but B = I + W: lower {key} or raise B")
+    return rest if any(isinstance(v, tuple) for v in (whole, part)) else rest[0]
+
+
+def _complete_backward(given: dict[str, _Value]) -> None:
+    """Fill in B, I and W so that B = I + W whatever subset was given.
+
+    A schedule that splits the backward (I, W) and one that does not (B) must describe the
+    same backward, or a comparison is wrong: ``B=4,W=0.5`` with I left at its default 1
+    made ZB-H1 look twice as fast as 1F1B.
+    """
+    b, i, w = given.get("B"), given.get("I"), given.get("W")
+    if b is None:
+        if i is None and w is None:
+            return
+        i = 1.0 if i is None else i  # the unit default of the half not given
+        w = 1.0 if w is None else w
+        given.update(I=i, W=w, B=_add(i, w))
+    elif i is None and w is None:
+        given["I"] = given["W"] = _halve(b)
+    elif w is not None and i is None:
+        given["I"] = _rest(b, w, "W")
+    elif i is not None and w is None:
+        given["W"] = _rest(b, i, "I")
+    elif i is not None and w is not None:
+        total, whole = _pair(_add(i, w), b, "B and I + W")
+        if not all(
+            math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
+            for x, y in zip(total, whole, strict=True)
+        ):
+            raise CostsError(
+                "--costs: B must equal I + W (the backward is its input and weight halves): "
+                "give B alone, I and W alone, or all three adding up"
+            )
 
 
 def parse_costs(
@@ -85,7 +132,8 @@ def parse_costs(
 ) -> Costs:
     """``"F=1,B=2,I=1,W=1"`` -> ``Costs``; missing keys keep the unit defaults.
 
-    B alone sets I = W = B/2 and I and W alone set B = I + W, so that a schedule with the
+    B alone sets I = W = B/2, I and W set B = I + W, B and one half set the other half (a
+    half given alone leaves the other at 1), and all three must add up: a schedule with the
     backward split and one without describe the same backward.
     """
     given: dict[str, _Value] = {}
@@ -102,10 +150,7 @@ def parse_costs(
         if key in given:
             raise CostsError(f"--costs: {key} is given twice; give it once")
         given[key] = _value(key, raw_value.strip())
-    if "B" in given and "I" not in given and "W" not in given:
-        given["I"] = given["W"] = _halve(given["B"])
-    elif "B" not in given and "I" in given and "W" in given:
-        given["B"] = _add(given["I"], given["W"])
+    _complete_backward(given)
     for flag, amount in (("--latency", latency), ("--message-bytes", message_bytes)):
         if not math.isfinite(amount) or amount < 0:
             raise CostsError(f"{flag} {amount:g}: give a finite number >= 0")

@@ -12,6 +12,7 @@ import pytest
 
 from pipetrain.schedules import ScheduleError, registry
 from pipetrain.schedules.io import dump_csv, dump_json, load_csv, load_json
+from pipetrain.sim.costs import CostsError, parse_costs
 from pipetrain.sim.render import RenderError, ascii, plot, write_chrome_trace
 from pipetrain.sim.simulator import SimResult, simulate
 
@@ -137,3 +138,38 @@ def test_json_params_of_the_generators_still_load(tmp_path: Path) -> None:
         built = registry.build_schedule(name, p, m)
         dump_json(built, tmp_path / "s.json")
         assert load_json(tmp_path / "s.json").params == built.params
+
+
+@pytest.mark.parametrize(
+    ("text", "b", "i", "w"),
+    [
+        ("B=4,W=0.5", 4.0, 3.5, 0.5),
+        ("B=4,I=3", 4.0, 3.0, 1.0),
+        ("I=2", 3.0, 2.0, 1.0),
+        ("W=0.5", 1.5, 1.0, 0.5),
+        ("B=3,I=1,W=2", 3.0, 1.0, 2.0),
+        ("B=4/2,I=1", (4.0, 2.0), 1.0, (3.0, 1.0)),
+    ],
+)
+def test_any_subset_of_b_i_w_describes_one_backward(
+    text: str, b: object, i: object, w: object
+) -> None:
+    # A split-backward schedule (I, W) and a plain one (B) are compared on one model only
+    # when B = I + W: "B=4,W=0.5" once left I at 1 and ZB-H1 looked twice as fast as 1F1B.
+    c = parse_costs(text)
+    assert (c.backward, c.backward_input, c.backward_weight) == (b, i, w)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("B=4,I=1,W=1", "B must equal I + W"),
+        ("B=2,I=3", "I is longer than B"),
+        ("B=1/1,W=0.5/2", "W is longer than B"),
+        ("B=1/1,I=1/1/1", "B and I give different numbers of stages"),
+    ],
+)
+def test_a_backward_that_does_not_add_up_is_refused(text: str, expected: str) -> None:
+    with pytest.raises(CostsError, match="--costs") as info:
+        parse_costs(text)
+    assert expected in str(info.value) and "\n" not in str(info.value)
