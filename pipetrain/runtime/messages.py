@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pipetrain.runtime.errors import StageMismatchError
+from pipetrain.runtime.waits import host_ints, to_device
 
 __all__ = [
     "HEADER_LEN",
@@ -193,15 +194,16 @@ def pack(header: list[int], tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     offsets, size = _layout(tuple(specs_of(tensors)))
     device = tensors[0].device if tensors else torch.device("cpu")
     buf = torch.empty(size, dtype=torch.uint8, device=device)
-    buf[: HEADER_LEN * 8].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    buf[: HEADER_LEN * 8].view(torch.int64).copy_(to_device(header, device))
     for at, t in zip(offsets, tensors, strict=True):
         buf[at : at + _nbytes(t.dtype, tuple(t.shape))].view(t.dtype).view(t.shape).copy_(t)
     return buf
 
 
 def unpack(buf: torch.Tensor, specs: Specs) -> tuple[list[int], tuple[torch.Tensor, ...]]:
-    """The header values and the tensors (views of ``buf``) of a packed message."""
-    header = buf[: HEADER_LEN * 8].view(torch.int64).tolist()
+    """The header values and the tensors (views of ``buf``) of a packed message, once its
+    transfer is complete."""
+    header = host_ints(buf[: HEADER_LEN * 8].view(torch.int64))
     offsets, _ = _layout(tuple(specs))
     tensors = tuple(
         buf[at : at + _nbytes(dtype, shape)].view(dtype).view(shape)

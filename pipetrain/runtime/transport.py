@@ -16,7 +16,6 @@ expected there.
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +40,7 @@ from pipetrain.runtime.messages import (
     unpack,
 )
 from pipetrain.runtime.peers import Entry, Peer, PeerEntries, Pending, peer_entries
+from pipetrain.runtime.waits import finish, host_ints, to_device
 from pipetrain.schedules.wire import PeerOrders
 
 __all__ = [
@@ -110,6 +110,11 @@ class DistTransport:
     the peer sent earlier in the replay that made the order, so these waits never close a
     cycle. gloo's ``is_completed`` stays False until ``wait``, so nothing here polls it.
 
+    Waits. Every wait has the transport's timeout (``waits.finish``); on NCCL it polls the
+    operation rather than use NCCL's timed wait, which sleeps a millisecond between checks.
+    Headers cross between host and device without waiting for the compute queued on the
+    current stream (``waits.host_ints``, ``waits.to_device``).
+
     A send's buffers are kept until it is known to be complete: the activations of
     micro-batch k once the gradient of k has come back from that stage (it was received
     before that gradient was computed), everything else at the end of the step.
@@ -126,12 +131,14 @@ class DistTransport:
     ) -> None:
         self._group = group
         self._rank = dist.get_rank(group)
+        nccl = dist.get_backend(group) == "nccl"
         # NCCL runs both directions of a pair on one stream; gloo runs them apart (class doc).
-        self._one_stream = dist.get_backend(group) == "nccl" if one_stream is None else one_stream
+        self._one_stream = nccl if one_stream is None else one_stream
+        # Waits poll ``is_completed`` (``waits.finish``) where it is truthful: NCCL.
+        self._polls = nccl
         self._stage_ranks = stage_ranks
         self._device = device
         self._timeout_s = timeout_s
-        self._timeout = datetime.timedelta(seconds=timeout_s)
         self._lookahead = lookahead
         self._step = 0
         self._peers: dict[int, Peer] = {}
@@ -182,7 +189,7 @@ class DistTransport:
             else:
                 work = dist.irecv(token, group=self._group, group_src=peer, tag=TAG)
             try:
-                work.wait(self._timeout)
+                finish(work, self._timeout_s, self._polls)
             except RuntimeError as exc:
                 raise PipelineError(
                     f"rank {self._rank}: step {self._step}, connecting to rank {peer} before "
@@ -263,7 +270,7 @@ class DistTransport:
             work = dist.isend(buf, group=self._group, group_dst=peer, tag=TAG)
             self._sends[key] = ([work], (buf,))
             return
-        header = torch.tensor(values, dtype=torch.int64, device=self._device)
+        header = to_device(values, self._device)
         works = [dist.isend(header, group=self._group, group_dst=peer, tag=TAG)]
         works += [dist.isend(t, group=self._group, group_dst=peer, tag=TAG) for t in tensors]
         self._sends[key] = (works, (header, *tensors))
@@ -280,7 +287,7 @@ class DistTransport:
         if pending.specs is None:
             assert pending.header is not None  # only unpacked messages read a header alone
             self._wait(pending.header_work, key)
-            pending.specs = parse_header(pending.header.tolist(), self._step, pending.src, key)
+            pending.specs = parse_header(host_ints(pending.header), self._step, pending.src, key)
             self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), pending.specs)
         return pending.specs
 
@@ -382,7 +389,7 @@ class DistTransport:
     # ----------------------------------------------------------------- failures
     def _wait(self, work: Any, key: MessageKey, sending: bool = False) -> None:
         try:
-            work.wait(self._timeout)
+            finish(work, self._timeout_s, self._polls)
         except RuntimeError as exc:
             raise self.failure(exc, key, sending) from exc
 

@@ -257,7 +257,26 @@ def test_packed_messages_on_cuda():
     values = header_values(0, 0, key, tensors)
     buf = pack(values, tensors)
     assert buf.device.type == "cuda" and buf.dtype == torch.uint8
+    # unpack reads a received buffer, whose transfer is complete: here, the packing.
+    torch.cuda.synchronize()
     got_values, got = unpack(buf, specs_of(tensors))
     assert got_values == values
     for want, t in zip(tensors, got, strict=True):
         assert t.device == want.device and torch.equal(t, want)
+
+
+def test_headers_move_without_waiting_for_queued_compute():
+    # Reading a received header and copying one to the device must not wait for the
+    # compute queued on the current stream (a .tolist() or a copy from pageable memory
+    # would): the host keeps launching kernels ahead of the device.
+    from pipetrain.runtime.waits import host_ints, to_device
+
+    received = torch.arange(71, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the device's time on this stream
+    assert host_ints(received) == list(range(71))
+    header = to_device(list(range(5)), torch.device("cuda"))
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_busy
+    assert header.tolist() == list(range(5))

@@ -117,7 +117,22 @@ class _Work:
     nccl: FakeNccl
     op: _Op
 
-    def wait(self, timeout: datetime.timedelta) -> None:
+    def is_completed(self) -> bool:
+        with self.nccl.cond:
+            # Sleeps on the condition for a moment instead of answering at once: ranks are
+            # threads here, and a poll loop's naps would each wait for the GIL.
+            return self.nccl.cond.wait_for(lambda: self.op.done or bool(self.nccl.error), 1e-3)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None:
+            # NCCL's wait without a timeout only orders the CUDA stream after the
+            # operation; the host must know it complete before reading its data
+            # (pipetrain.runtime.waits.finish polls is_completed first).
+            with self.nccl.cond:
+                if self.nccl.error:
+                    raise RuntimeError(self.nccl.error)
+                assert self.op.done, "wait() without a timeout on an unfinished operation"
+            return
         with self.nccl.cond:
             self.nccl.cond.wait_for(
                 lambda: self.op.done or bool(self.nccl.error), timeout.total_seconds()
