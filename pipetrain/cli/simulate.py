@@ -239,6 +239,14 @@ def _data_parallel(
         if args.shard:
             raise UsageError("--shard shards stages over dp replicas: add --dp 2 (or more)")
         return None
+    if case.schedule.asynchronous:
+        # One all-reduce per stage after its last B/W models one synchronous step; an
+        # asynchronous stream updates its weights inside it (train refuses --dp with it).
+        raise UsageError(
+            f"--dp {args.dp}: {case.schedule.name!r} is asynchronous (weights change inside "
+            "a step), which data parallelism does not support: pick a synchronous schedule "
+            "such as 1f1b or zb-h1, or drop --dp"
+        )
     if args.weight_bytes is None:
         raise UsageError(
             "--dp needs --weight-bytes: the parameter bytes of a rank's share, which it all-reduces"

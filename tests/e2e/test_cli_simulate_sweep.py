@@ -74,3 +74,11 @@ def test_schedule_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     mine, ref = json.loads(out), json.loads(plain)
     assert (mine.pop("schedule"), ref.pop("schedule")) == ("excel", "mine")
     assert mine == ref
+
+
+def test_dp_refuses_asynchronous_schedules(capsys: pytest.CaptureFixture[str]) -> None:
+    # One all-reduce after a stage's last B/W is one synchronous step; PipeDream updates
+    # after every backward (train refuses --dp with it too; --shard already refused it).
+    argv = ["--schedule", "pipedream", "--pp", "2", "--microbatches", "2"]
+    err = refused(capsys, *argv, "--dp", "2", "--weight-bytes", "100")
+    assert "'pipedream' is asynchronous" in err and "drop --dp" in err
