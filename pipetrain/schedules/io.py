@@ -112,6 +112,14 @@ def load_csv(
         raise ScheduleError(
             f"{path} has no actions: write one row of actions per rank, e.g. 0F0,0B0"
         )
+    # A blank line between rows would be a rank that holds no stage: every later rank
+    # shifts by one and the report counts an idle rank (pp one too many).
+    empty = next((rank for rank, row in enumerate(rows) if not row), None)
+    if empty is not None:
+        raise ScheduleError(
+            f"{path} row {empty + 1} (rank {empty}) has no actions but later rows do: remove "
+            f"the blank row or give rank {empty} its actions"
+        )
     if num_ranks is not None and len(rows) != num_ranks:
         raise ScheduleError(
             f"{path} has {len(rows)} rows but {num_ranks} ranks were asked for: give one row "

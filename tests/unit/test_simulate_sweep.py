@@ -115,6 +115,16 @@ def test_binary_huge_and_deep_files_are_short_one_line_errors(tmp_path: Path) ->
     assert "nested too deeply" in deep
 
 
+def test_a_blank_row_between_ranks_is_refused_not_an_idle_rank(tmp_path: Path) -> None:
+    # It used to load as pp=3 with rank 1 idle, and every later rank shifted by one.
+    text = message(tmp_path / "s.csv", "0F0,0B0\n\n1F0,1B0\n")
+    assert "row 2 (rank 1) has no actions" in text and "remove the blank row" in text
+    assert "row 1 (rank 0)" in message(tmp_path / "s.csv", " , \n0F0,0B0\n1F0,1B0\n")
+    # Blank lines after the last rank are still fine.
+    (tmp_path / "t.csv").write_text("0F0,0B0\n1F0,1B0\n\n\n")
+    assert load_csv(tmp_path / "t.csv").num_ranks == 2
+
+
 @pytest.mark.parametrize(
     ("params", "expected"),
     [
