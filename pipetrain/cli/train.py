@@ -144,8 +144,7 @@ def run_config(config: TrainConfig) -> int:
     role = role_from_env()
     try:
         if role is not None:
-            train(config, role)
-            return 0
+            return _train_rank(config, role)
         # Everything checkable is checked before any process starts.
         plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
         processes = config.pipeline.pp * config.pipeline.dp
@@ -166,3 +165,18 @@ def run_config(config: TrainConfig) -> int:
         # (with --checkpoint-dir) and exit 0: a stop asked for is not a failure.
         sys.stderr.write(f"pipetrain train: stopped by signal {exc.sigval.name}\n")
         return 0
+
+
+def _train_rank(config: TrainConfig, role: Any) -> int:
+    """One rank under torchrun; a collective broken by a lost or silent peer is one line."""
+    from pipetrain.runtime.errors import lost_peer_error
+    from pipetrain.train.loop import train
+
+    try:
+        train(config, role)
+    except Exception as exc:
+        failure = lost_peer_error(exc, rank=role.rank, timeout_s=config.pipeline.timeout_s)
+        if failure is None or failure is exc:
+            raise
+        raise failure from None
+    return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import re
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -256,6 +257,11 @@ class DistReducer:
                 _local(param.grad).copy_(total)
 
 
+# A failed barrier that waited at least this share of its timeout timed out; one that
+# failed sooner lost its peer (the clocks of a loaded machine are not exact).
+_SILENT_SHARE = 0.9
+
+
 def dist_barrier(group: Any, rank: int, step: int, timeout_s: float, device: torch.device) -> None:
     """All ranks of the pipeline reach the start of ``step`` (with a timeout).
 
@@ -263,6 +269,7 @@ def dist_barrier(group: Any, rank: int, step: int, timeout_s: float, device: tor
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     where = f"rank {rank}: step {step}, barrier at the start of the step"
+    started = time.monotonic()
     try:
         if dist.get_backend(group) == "gloo":
             dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
@@ -271,9 +278,17 @@ def dist_barrier(group: Any, rank: int, step: int, timeout_s: float, device: tor
     except RuntimeError as exc:
         absent = re.search(r"Ranks? ([\d, ]+) failed to pass", str(exc))
         if absent:
-            raise PipelineError(
-                f"{where}: peer rank(s) {absent.group(1)} did not arrive within {timeout_s:g} s"
-            ) from exc
+            # gloo says "failed to pass in <timeout> ms" also for a peer whose connection
+            # closed at once (its process died): only a wait that lasted the timeout
+            # means the peer is silent.
+            waited = time.monotonic() - started
+            fate = (
+                f"did not arrive within {timeout_s:g} s"
+                if waited >= _SILENT_SHARE * timeout_s
+                else f"were lost after {waited:.1f} s (the process died or closed the "
+                f"connection; the first rank to fail names the cause in its log)"
+            )
+            raise PipelineError(f"{where}: peer rank(s) {absent.group(1)} {fate}") from exc
         raise PipelineError(f"{where}: a peer {describe_failure(exc, timeout_s)}") from exc
 
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 from pipetrain.errors import InputError
 from pipetrain.runtime import PipelineError
-from pipetrain.train.config import load_config
+from pipetrain.runtime.errors import lost_peer_error
+from pipetrain.train.config import PipelineConfig, load_config
 from pipetrain.train.launch import exit_rank, role_from_env
 from pipetrain.train.loop import ProcessRole, train
 from pipetrain.train.optim import TrainingDiverged
@@ -30,14 +31,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     faulthandler.enable()
     args = sys.argv[1:] if argv is None else list(argv)
     role = role_from_env() or ProcessRole()
+    timeout_s = PipelineConfig.timeout_s
     try:
         config = load_config(args[0])
+        timeout_s = config.pipeline.timeout_s
         train(config, role, announced=True)
     except InputError as exc:
         sys.stderr.write(f"pipetrain train (rank {role.rank}): error: {exc}\n")
         return 2
     except (TrainingDiverged, PipelineError) as exc:
         sys.stderr.write(f"pipetrain train (rank {role.rank}): {exc}\n")
+        return 1
+    except Exception as exc:
+        # A collective outside the pipeline's own waits (stop flag, checkpoint, sample,
+        # set-up) that failed because a peer died or went silent: one line, not a
+        # traceback; anything else is a bug and keeps its traceback.
+        failure = lost_peer_error(exc, rank=role.rank, timeout_s=timeout_s)
+        if failure is None:
+            raise
+        sys.stderr.write(f"pipetrain train (rank {role.rank}): {failure}\n")
         return 1
     return 0
 
