@@ -136,11 +136,29 @@ def _need(args: argparse.Namespace, *names: str) -> None:
             raise UsageError(f"{flag} is required with --schedule and --compare, e.g. {flag} 4")
 
 
+# The replay handles a few thousand stage micro-batches a second and about 1.5 kB each:
+# a million is minutes and over a GB; a typo such as --microbatches 100000 on 100000
+# ranks would run out of memory after hours instead of failing.
+_MOST_STAGE_MICROBATCHES = 1_000_000
+
+
 def _check_counts(args: argparse.Namespace) -> None:
     for name in ("pp", "microbatches", "chunks"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name} {value}: give a whole number >= 1")
+
+
+def _check_size(args: argparse.Namespace, chunks: int) -> None:
+    """Refuse, before any generator runs, what the replay could not finish."""
+    total = args.pp * args.microbatches * chunks
+    if total > _MOST_STAGE_MICROBATCHES:
+        per_rank = f" x {chunks} stages per rank" if chunks > 1 else ""
+        raise UsageError(
+            f"--pp {args.pp} x --microbatches {args.microbatches}{per_rank} is {total:,} "
+            f"stage micro-batches to replay, over the {_MOST_STAGE_MICROBATCHES:,} the "
+            "simulator takes: lower --pp or --microbatches"
+        )
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -168,6 +186,7 @@ def _builtin(args: argparse.Namespace, name: str) -> _Case:
             + ", ".join(registry.SCHEDULE_NAMES)
         )
     spec = registry.get_spec(name)
+    _check_size(args, spec.chunks(args.chunks))
     schedule = registry.build_schedule(name, args.pp, args.microbatches, args.chunks)
     return _Case(schedule, args.microbatches if spec.whole_batch else 1)
 
@@ -317,6 +336,10 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
         raise UsageError("--dp and --shard work with --schedule or --schedule-file: drop --compare")
 
     _need(args, "pp", "microbatches")
+    # Checking a schedule's fit may build it: the size comes first.
+    _check_size(
+        args, max(registry.get_spec(n).chunks(args.chunks) for n in registry.SCHEDULE_NAMES)
+    )
     results: list[SimResult] = []
     skipped: list[tuple[str, str]] = []
     for name in registry.SCHEDULE_NAMES:

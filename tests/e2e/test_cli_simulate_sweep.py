@@ -82,3 +82,21 @@ def test_dp_refuses_asynchronous_schedules(capsys: pytest.CaptureFixture[str]) -
     argv = ["--schedule", "pipedream", "--pp", "2", "--microbatches", "2"]
     err = refused(capsys, *argv, "--dp", "2", "--weight-bytes", "100")
     assert "'pipedream' is asynchronous" in err and "drop --dp" in err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--schedule", "1f1b", "--pp", "1000", "--microbatches", "1001"],
+        ["--schedule", "zb-v", "--pp", "1000", "--microbatches", "501"],
+        ["--compare", "--pp", "100000", "--microbatches", "100000"],
+    ],
+)
+def test_a_size_the_replay_cannot_finish_is_refused_up_front(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    # It used to generate and replay for minutes to hours, growing by about 1.5 kB per
+    # stage micro-batch, where a typo in --microbatches wants one line.
+    err = refused(capsys, *argv)
+    assert "stage micro-batches to replay" in err and "lower --pp or --microbatches" in err
