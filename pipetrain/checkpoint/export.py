@@ -8,6 +8,7 @@ key projections from this model's interleaved rotary pairs to Hugging Face's hal
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -149,8 +150,24 @@ def export_checkpoint(path: Path | str, out: Path | str, *, format: str = "nativ
         weights = hf_llama_weights(weights, manifest.model)
         metadata = {"format": "pt", "hf_config": json.dumps(_hf_config(manifest.model))}
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    size = write_safetensors(out, weights, metadata)
+    if not out.name or out.is_dir():
+        raise CheckpointError(
+            f"cannot write the export to {out}: it is a directory; pass --out a file path "
+            f"such as {out / 'model.safetensors'}"
+        )
+    # Written beside the target and renamed over it: an export that fails half-way (a
+    # full disk, a kill) leaves any earlier file at ``out`` whole.
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        size = write_safetensors(partial, weights, metadata)
+        partial.replace(out)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"cannot write the export to {out} ({exc}); pass --out a file path in a writable directory"
+        ) from None
     return ExportResult(out, format, len(weights), size)
 
 

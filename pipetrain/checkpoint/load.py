@@ -94,8 +94,13 @@ def tensor_metadata(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Key -> (size, dtype) of every tensor in a checkpoint, read from DCP's metadata."""
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
-    except (OSError, RuntimeError, ValueError, EOFError) as exc:
-        raise CheckpointCorruptError(f"{path / '.metadata'}: unreadable ({exc})") from None
+    except Exception as exc:
+        # DCP's metadata is a pickle: a damaged one fails with whatever the unpickler
+        # trips on (UnpicklingError, KeyError, AttributeError, ...), not one known type.
+        raise CheckpointCorruptError(
+            f"{path / '.metadata'}: unreadable ({type(exc).__name__}: {exc}); "
+            "the checkpoint is damaged, use an earlier one"
+        ) from None
     return {
         key: (item.size, item.properties.dtype)
         for key, item in metadata.state_dict_metadata.items()

@@ -83,7 +83,10 @@ def _verify(args: argparse.Namespace) -> int:
     is_single = (path / MANIFEST_NAME).exists() or (path / COMPLETE_MARKER).exists()
     found = list_checkpoints(path)
     targets = [path] if is_single else [p for _, p in found.complete]
+    partials = [] if is_single else found.partial
     if not targets:
+        for partial in partials:
+            print(f"note {partial}: an unfinished save, ignored")
         print(f"{path}: no checkpoints (step_NNNNNN directories) found")
         return 1
     bad = 0
@@ -97,17 +100,25 @@ def _verify(args: argparse.Namespace) -> int:
             bad += 1
             for problem in result.problems:
                 print(f"BAD {target}: {problem}")
-    for partial in [] if is_single else found.partial:
+    for partial in partials:
         print(f"note {partial}: an unfinished save, ignored")
     return 1 if bad else 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from pipetrain.checkpoint import read_manifest
+    from pipetrain.checkpoint import read_manifest, verify_checkpoint
     from pipetrain.checkpoint.load import tensor_metadata
 
     path = resolve_checkpoint(args.dir)
     manifest = read_manifest(path)
+    problems: tuple[str, ...] = ()
+    if path == Path(args.dir):
+        # Named directly, so not verified on the way (a directory of checkpoints yields
+        # only a valid one): say it is damaged before describing it, and before DCP
+        # unpickles a metadata file that may be what is damaged.
+        problems = verify_checkpoint(path).problems
+        for problem in problems:
+            print(f"warning: damaged checkpoint: {problem}", file=sys.stderr)
     tensors = tensor_metadata(path)
 
     def nbytes(size: Any, dtype: Any) -> int:
@@ -121,6 +132,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         report = manifest.to_json()
         report["path"] = str(path)
+        report["problems"] = list(problems)
         report["parameters"] = params
         report["tensors"] = {
             k: {

@@ -1,0 +1,89 @@
+"""``pipetrain ckpt`` on damaged and odd inputs, through main(argv): one line and exit
+status 2 for what cannot be done, a warning for a damaged checkpoint that is described."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.checkpoint import save_checkpoint
+from pipetrain.cli import main
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints of a one-layer model at steps 1 and 2."""
+    root = tmp_path_factory.mktemp("sweep") / "ckpt"
+    torch.manual_seed(0)
+    for step in (1, 2):
+        save_checkpoint(root, step, modules=nn.Linear(4, 4), model={"family": "toy"})
+    return root
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _copy(root: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    return copy
+
+
+def test_inspect_of_a_damaged_checkpoint_warns_and_an_unreadable_one_is_one_line(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = _copy(root, tmp_path)
+    shard = copy / "step_000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    code, out, err = cli(capsys, "ckpt", "inspect", str(copy / "step_000002"), "--json")
+    problem = f"{shard}: sha256 differs from the manifest (the file is damaged)"
+    assert code == 0 and err == f"warning: damaged checkpoint: {problem}\n"
+    assert json.loads(out)["problems"] == [problem]
+    code, out, err = cli(capsys, "ckpt", "inspect", str(root / "step_000002"), "--json")
+    assert code == 0 and err == "" and json.loads(out)["problems"] == []
+
+    metadata = copy / "step_000001" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:50])
+    code, out, err = cli(capsys, "ckpt", "inspect", str(copy / "step_000001"))
+    lines = err.splitlines()
+    assert code == 2 and out == "" and len(lines) == 2
+    assert lines[0].startswith(f"warning: damaged checkpoint: {metadata}: 50 bytes")
+    assert lines[1].startswith(f"pipetrain ckpt: error: {metadata}: unreadable (UnpicklingError")
+
+
+def test_verify_of_a_directory_with_only_an_unfinished_save_names_it(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    partial = crashed / "step_000003.tmp-0123abcd"
+    shutil.copytree(root / "step_000001", partial)
+    code, out, _ = cli(capsys, "ckpt", "verify", str(crashed))
+    assert code == 1
+    assert out.splitlines() == [
+        f"note {partial}: an unfinished save, ignored",
+        f"{crashed}: no checkpoints (step_NNNNNN directories) found",
+    ]
+
+
+def test_export_to_a_directory_is_one_line(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = cli(capsys, "ckpt", "export", str(root), "--out", str(tmp_path))
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        f"pipetrain ckpt: error: cannot write the export to {tmp_path}: it is a directory; "
+        f"pass --out a file path such as {tmp_path / 'model.safetensors'}"
+    ]
