@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import sys
 import time
 import types
@@ -205,6 +206,9 @@ class TrainConfig:
         return Path(self.run.metrics) if self.run.metrics else self.run_dir / "metrics.jsonl"
 
 
+# Characters a default run name (a folder under run.out_dir) must not carry over.
+_UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
 _SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "pipeline": PipelineConfig,
@@ -241,13 +245,10 @@ def load_config(
         }
     )
     if not config.run.name:
+        parts = (config.model.name, config.pipeline.schedule, f"pp{config.pipeline.pp}")
+        # A bad model or schedule name is reported by its own check, not as a bad run name.
         default_name = "-".join(
-            (
-                config.model.name,
-                config.pipeline.schedule,
-                f"pp{config.pipeline.pp}",
-                time.strftime("%Y%m%d-%H%M%S"),
-            )
+            (*(_UNSAFE_NAME_CHARS.sub("_", part) for part in parts), time.strftime("%Y%m%d-%H%M%S"))
         )
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
     validate(config, check_paths=check_paths)
@@ -273,6 +274,10 @@ def parse_override(text: str) -> tuple[str, Any]:
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text: give the path of a TOML file to --config"
+        ) from None
     except FileNotFoundError:
         raise ConfigError(
             f"config file {str(path)!r} does not exist: give the path of a TOML file to --config"
@@ -358,7 +363,15 @@ def _convert(key: str, hint: Any, value: Any) -> Any:
             return value
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
             return value
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if kind is float and isinstance(value, float):
+            return value
+        # An int beyond a float's range (TOML ints are unbounded here) falls to the error.
+        if (
+            kind is float
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and abs(value) <= sys.float_info.max
+        ):
             return float(value)
         if kind is str and isinstance(value, str):
             return value

@@ -6,12 +6,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipetrain.errors import InputError
+from pipetrain.models.config import PRESETS
 
 if TYPE_CHECKING:  # config imports this module for ConfigError and validate
     from pipetrain.train.config import TrainConfig
@@ -26,11 +29,20 @@ class ConfigError(InputError):
 _PRECISIONS = ("fp32", "bf16")
 _DEVICES = ("auto", "cpu", "cuda")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Longer waits are hangs; torch's process-group timeout (a timedelta) overflows far above it.
+_MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
-    """Raise ``ConfigError`` for the first value that is out of range or contradicts another."""
+    """Raise ``ConfigError`` for the first value that is out of range or contradicts another.
+
+    ``check_paths`` also checks what the run reads and writes on this machine.
+    """
     p, d, o, r = config.pipeline, config.data, config.optim, config.run
+    if config.model.name not in PRESETS:
+        raise ConfigError(
+            f"model.name {config.model.name!r} is not a model preset: use one of {', '.join(PRESETS)}"
+        )
     _at_least("pipeline.pp", p.pp, 1)
     _at_least("pipeline.dp", p.dp, 1)
     _at_least("pipeline.chunks", p.chunks, 1)
@@ -43,8 +55,11 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
         raise ConfigError(f"pipeline.device is {p.device!r}: use one of {', '.join(_DEVICES)}")
     if p.precision not in _PRECISIONS:
         raise ConfigError(f"pipeline.precision is {p.precision!r}: use fp32 or bf16")
-    if not p.timeout_s > 0:
-        raise ConfigError(f"pipeline.timeout_s is {p.timeout_s}: give a positive number of seconds")
+    if not 0 < p.timeout_s <= _MAX_TIMEOUT_S:
+        raise ConfigError(
+            f"pipeline.timeout_s is {p.timeout_s}: give a positive number of seconds up to "
+            f"{_MAX_TIMEOUT_S:.0f} (a year), e.g. 300"
+        )
     if p.single_process and p.pp == 1:
         raise ConfigError(
             "pipeline.single_process needs several pipeline ranks to simulate: set --pp 2 or more, "
@@ -103,7 +118,8 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
     if o.warmup_steps >= r.steps:
         raise ConfigError(
             f"optim.warmup_steps {o.warmup_steps} leaves no step after the warm-up of a "
-            f"{r.steps}-step run: use fewer warm-up steps than run.steps"
+            f"{r.steps}-step run: use fewer warm-up steps than run.steps "
+            f"(--set optim.warmup_steps={r.steps - 1}) or more --steps"
         )
     if o.weight_decay < 0:
         raise ConfigError(f"optim.weight_decay is {o.weight_decay}: use 0 or more")
@@ -139,6 +155,57 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
     if r.timeline and not r.timeline.endswith(".png"):
         raise ConfigError(
             f"run.timeline {r.timeline!r} must name a .png file, e.g. --timeline step.png"
+        )
+    # After the checks above, whose messages are more specific for the fields they cover.
+    _finite_floats(config)
+    if check_paths:
+        _check_outputs(config)
+
+
+def _finite_floats(config: TrainConfig) -> None:
+    """NaN or infinity in any float field: a run that would diverge, hang or crash late."""
+    for section in dataclasses.fields(config):
+        table = getattr(config, section.name)
+        for f in dataclasses.fields(table):
+            value = getattr(table, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(
+                    f"{section.name}.{f.name} is {value}: give a finite number "
+                    f"(default {f.default})"
+                )
+
+
+def _check_outputs(config: TrainConfig) -> None:
+    """Folders the run writes into, checked now rather than when the run first writes there.
+
+    A checkpoint directory that is a file would otherwise fail only at the first save,
+    after the steps before it were trained; a timeline's folder only after the last step.
+    """
+    r = config.run
+    _writable_folder("run.out_dir", config.run_dir, "--set run.out_dir=DIR")
+    if r.checkpoint_dir:
+        _writable_folder("run.checkpoint_dir", Path(r.checkpoint_dir), "--checkpoint-dir DIR")
+    if r.timeline:
+        folder = Path(r.timeline).parent
+        if not folder.is_dir():
+            raise ConfigError(
+                f"run.timeline {r.timeline!r}: folder {str(folder)!r} does not exist: create it "
+                f"or pick another --timeline path"
+            )
+
+
+def _writable_folder(key: str, path: Path, flag: str) -> None:
+    """``path`` is a folder that can be written, or one that can be created."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"{key} {str(path)!r}: {str(existing)!r} is not a folder: pass another {flag}"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{key} {str(path)!r}: folder {str(existing)!r} is not writable: pass another {flag}"
         )
 
 

@@ -1,0 +1,112 @@
+"""Config inputs found by a sweep as a user: each used to crash, hang or fail late.
+
+Every case must end in one ``ConfigError`` line naming the field and the fix, raised by
+``load_config`` before any process starts (not a traceback, nor an error after training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pipetrain.train.config import ConfigError, TrainConfig, load_config
+
+
+def _message(overrides: dict[str, object], path: Path | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+FLOAT_FIELDS = [
+    f"{section.name}.{f.name}"
+    for section in dataclasses.fields(TrainConfig)
+    for f in dataclasses.fields(section.default_factory())  # type: ignore[misc]
+    if f.type in ("float", float)
+]
+
+
+def test_every_float_field_is_swept() -> None:
+    assert {"optim.grad_clip", "optim.weight_decay", "optim.eps", "pipeline.timeout_s"} <= set(
+        FLOAT_FIELDS
+    )
+    assert "run.sample_temperature" in FLOAT_FIELDS
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("key", FLOAT_FIELDS)
+def test_non_finite_floats_are_refused(key: str, value: float) -> None:
+    # nan grad_clip / weight_decay, inf eps or temperature trained (or sampled) garbage
+    # without a word; inf timeout_s crashed every rank with an OverflowError.
+    message = _message({key: value})
+    assert message.startswith(f"{key} is {value}: ")
+
+
+def test_timeout_beyond_a_year_is_refused() -> None:
+    # 1e14 s overflows the process group's timedelta in every rank.
+    message = _message({"pipeline.timeout_s": 1e14})
+    assert "pipeline.timeout_s" in message and "e.g. 300" in message
+    assert load_config(overrides={"pipeline.timeout_s": 86400.0}).pipeline.timeout_s == 86400.0
+
+
+def test_int_too_large_for_a_float_field(tmp_path: Path) -> None:
+    path = tmp_path / "big.toml"
+    path.write_text("[optim]\nlr = 1" + "0" * 400 + "\n")
+    message = _message({}, path)
+    assert message.startswith("optim.lr must be a float") and "fix its value" in message
+
+
+def test_config_file_that_is_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe\x00[run]\n")
+    message = _message({}, path)
+    assert "is not UTF-8 text" in message and "--config" in message
+
+
+@pytest.mark.parametrize("name", ["", "llama/tiny", "llama-tny"])
+def test_bad_model_name_is_named_as_such(name: str) -> None:
+    # An empty name used to be reported as a bad run.name (the default name is built from it).
+    message = _message({"model.name": name})
+    assert message.startswith(f"model.name {name!r} is not a model preset")
+    assert "llama-tiny" in message and "run.name" not in message
+
+
+def test_default_run_name_is_a_folder_name_whatever_the_schedule() -> None:
+    # The schedule is checked against the registry later (plan_run), with its own message.
+    config = load_config(overrides={"pipeline.schedule": "my/sched ule"})
+    assert config.run.name.startswith("llama-default-my_sched_ule-pp3-")
+
+
+def test_warmup_message_gives_the_override_to_use() -> None:
+    message = _message({"run.steps": 5})
+    assert "optim.warmup_steps 10" in message and "--set optim.warmup_steps=4" in message
+
+
+def test_output_folders_are_checked_before_the_run(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    base: dict[str, object] = {"run.name": "r", "run.out_dir": str(tmp_path / "runs")}
+    # A checkpoint directory that is a file used to fail only at the first save.
+    message = _message({**base, "run.checkpoint_dir": str(a_file)})
+    assert message.startswith("run.checkpoint_dir") and "is not a folder" in message
+    assert "--checkpoint-dir" in message
+    # An output folder under a file was a NotADirectoryError traceback.
+    message = _message({**base, "run.out_dir": str(a_file / "runs")})
+    assert message.startswith("run.out_dir") and "is not a folder" in message
+    # A timeline in a missing folder failed after the last step.
+    message = _message({**base, "run.timeline": str(tmp_path / "no" / "t.png")})
+    assert message.startswith("run.timeline") and "does not exist" in message
+    # Folders that do not exist yet but can be created are fine, and nothing is created.
+    fine = {
+        **base,
+        "run.checkpoint_dir": str(tmp_path / "ck" / "deeper"),
+        "run.timeline": str(tmp_path / "t.png"),
+    }
+    load_config(overrides=fine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    # Configs resolved elsewhere (check_paths=False) are not checked against this machine.
+    load_config(overrides={**base, "run.checkpoint_dir": str(a_file)}, check_paths=False)
