@@ -62,9 +62,11 @@ _LONGEST_CELL = 40
 
 def _parse(text: str, where: str) -> Action:
     """The action in one CSV cell or JSON item, or a ScheduleError naming ``where``."""
-    if len(text) > _LONGEST_CELL:
+    # Measured without the spaces that align a hand-edited file's columns.
+    core = text.strip()
+    if len(core) > _LONGEST_CELL:
         raise ScheduleError(
-            f"{where}: {text[:16]!r}... ({len(text)} characters) is not an action: write one "
+            f"{where}: {core[:16]!r}... ({len(core)} characters) is not an action: write one "
             "action per cell, e.g. '3F12', '0I4', '1W4', '2B0'"
         )
     try:

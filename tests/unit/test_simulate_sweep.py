@@ -111,6 +111,9 @@ def test_binary_huge_and_deep_files_are_short_one_line_errors(tmp_path: Path) ->
     long_cell = message(tmp_path / "s.csv", "0F0," + "x" * 5000 + "\n")
     assert "row 1, column 2" in long_cell and "(5000 characters)" in long_cell
     assert len(long_cell) < 300
+    # Columns aligned with wide padding are still fine.
+    (tmp_path / "wide.csv").write_text(f"{'0F0':>50},{'0B0':<50}\n")
+    assert load_csv(tmp_path / "wide.csv").num_ranks == 1
     deep = message(tmp_path / "s.json", "[" * 100_000 + "]" * 100_000)
     assert "nested too deeply" in deep
 
