@@ -202,7 +202,8 @@ def resume_checkpoint(
     group: Any = None,
 ) -> LoadResult | None:
     """Collective: load the newest valid checkpoint under ``root`` (None when there is
-    none). Damaged newer ones are skipped with a warning that names the file."""
+    none). Damaged newer ones are skipped with a warning that names the file; when every
+    checkpoint is damaged, CheckpointCorruptError says so rather than starting over."""
     comm = Comm.of(group)
     found = comm.broadcast(list_checkpoints(root) if comm.rank == 0 else None)
     assert isinstance(found, CheckpointList)
@@ -210,13 +211,23 @@ def resume_checkpoint(
         for partial in found.partial:
             log.warning("ignoring %s: an unfinished save (the process stopped during it)", partial)
     choice: Path | None = None
+    skipped: list[str] = []
     for _, path in reversed(found.complete):
         verification = _verify(path, comm, checksums=True)
         if verification.ok:
             choice = path
             break
+        skipped.append(verification.problems[0])
         if comm.rank == 0:
             log.warning("skipping %s: %s", path, verification.problems[0])
+    if choice is None and skipped:
+        # Every rank verified the same files, so every rank raises. Starting from step 0
+        # instead would quietly throw away the run the caller asked to continue.
+        more = f" (and {len(skipped) - 1} more damaged)" if len(skipped) > 1 else ""
+        raise CheckpointCorruptError(
+            f"no valid checkpoint in {root}: {skipped[0]}{more}; restore the damaged files, or "
+            "move the checkpoints away (or pass another checkpoint directory) to start over"
+        )
     if choice is None:
         return None
     if comm.rank == 0 and choice != found.complete[-1][1]:

@@ -198,16 +198,20 @@ def _finish_save(
         final.rename(aside)
     tmp.rename(final)
     fsync_dir(root)
-    removed.extend(_prune(root, keep))
+    removed.extend(_prune(root, keep, step))
     total = sum(f.size for f in manifest.files)
     return str(final), total, tuple(str(p) for p in removed)
 
 
-def _prune(root: Path, keep: int | None) -> list[Path]:
+def _prune(root: Path, keep: int | None, step: int) -> list[Path]:
     found = list_checkpoints(root)
     doomed = list(found.partial)
     if keep is not None:
-        doomed.extend(path for _, path in found.complete[:-keep])
+        # Count back from the checkpoint just saved. A later step is left over from before
+        # a resume that fell back past it (damaged): counting it as the newest would delete
+        # the save just made, and with keep=1 every save of the run.
+        upto = [path for saved, path in found.complete if saved <= step]
+        doomed.extend(upto[:-keep])
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

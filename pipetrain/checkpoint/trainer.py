@@ -146,6 +146,13 @@ class RunCheckpoints:
         if result is None:
             self._say(f"no checkpoint in {self.policy.directory} yet: starting from step 0")
             return 0
+        if result.step > self._total:
+            # Nothing to train, and the summary would report the checkpoint's weights as
+            # those "after" fewer steps than they had.
+            raise CheckpointError(
+                f"{result.path} is at step {result.step}, past this run's {self._total} steps: "
+                f"pass --steps {result.step} or more to continue it, or another --checkpoint-dir"
+            )
         self._last_saved = result.step
         saved = result.manifest.layout
         self._say(

@@ -11,7 +11,19 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.checkpoint import CheckpointCorruptError, CheckpointError, export, save_checkpoint
+from pipetrain.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointPolicy,
+    Layout,
+    RunCheckpoints,
+    export,
+    list_checkpoints,
+    read_manifest,
+    resume_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from pipetrain.checkpoint.export import export_checkpoint
 from pipetrain.checkpoint.load import tensor_metadata
 
@@ -61,3 +73,75 @@ def test_export_to_a_directory_or_below_a_file_is_one_line_and_keeps_an_earlier_
         export_checkpoint(_save(tmp_path / "other", 2), out)
     assert out.read_bytes() == before  # the earlier export, whole; no partial file left
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["plain", "w.safetensors"]
+
+
+def _damage(checkpoint: Path) -> Path:
+    shard = next(checkpoint.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    return shard
+
+
+def test_keep_counts_back_from_the_save_just_made_not_from_a_damaged_later_step(
+    tmp_path: Path,
+) -> None:
+    # A run resumed past a damaged step 6 (here: started over) saves steps 2 and 4 with
+    # keep=1: each save must survive its own pruning, and the older one go.
+    _damage(_save(tmp_path, 6))
+    assert _save(tmp_path, 2, keep=1).is_dir()
+    assert _save(tmp_path, 4, keep=1).is_dir()
+    assert [s for s, _ in list_checkpoints(tmp_path).complete] == [4, 6]
+    # Saving step 6 again replaces the damaged one, and keep applies as usual.
+    _save(tmp_path, 6, keep=1)
+    assert [s for s, _ in list_checkpoints(tmp_path).complete] == [6]
+    assert verify_checkpoint(tmp_path / "step_000006").ok
+
+
+def test_resume_when_every_checkpoint_is_damaged_refuses_instead_of_starting_over(
+    tmp_path: Path,
+) -> None:
+    _damage(_save(tmp_path, 1))
+    shard = _damage(_save(tmp_path, 2))
+    size = {f.name: f.size for f in read_manifest(shard.parent).files}[shard.name]
+    with pytest.raises(CheckpointCorruptError) as raised:
+        resume_checkpoint(tmp_path, modules=nn.Linear(4, 4), model=MODEL)
+    assert str(raised.value) == (
+        f"no valid checkpoint in {tmp_path}: {shard}: 10 bytes, the manifest says {size} "
+        "(and 1 more damaged); restore the damaged files, or move the checkpoints away "
+        "(or pass another checkpoint directory) to start over"
+    )
+    # Only unfinished saves (a crash before the first checkpoint): nothing to resume yet.
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (tmp_path / "step_000001").rename(crashed / "step_000001.tmp-0123abcd")
+    assert resume_checkpoint(crashed, modules=nn.Linear(4, 4), model=MODEL) is None
+
+
+def test_a_checkpoint_past_the_run_steps_is_refused_in_one_line(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(tmp_path, 5, modules=model, optimizer=optimizer, model=MODEL)
+
+    def run(total: int) -> RunCheckpoints:
+        return RunCheckpoints(
+            CheckpointPolicy(str(tmp_path), resume=True),
+            modules=[model],
+            optimizer=optimizer,
+            model=MODEL,
+            layout=Layout(),
+            config={},
+            total_steps=total,
+            group=None,
+            device=torch.device("cpu"),
+        )
+
+    short = run(3)
+    with pytest.raises(CheckpointError) as raised:
+        short.resume()
+    short.close()
+    assert str(raised.value) == (
+        f"{tmp_path / 'step_000005'} is at step 5, past this run's 3 steps: pass --steps 5 "
+        "or more to continue it, or another --checkpoint-dir"
+    )
+    done = run(5)
+    assert done.resume() == 5  # a finished run resumed with the same steps: nothing to do
+    done.close()
