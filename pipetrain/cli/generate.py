@@ -12,6 +12,7 @@ one stage and hidden states travel between the ranks.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
@@ -48,8 +49,9 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens is {args.max_new_tokens}: use 0 or more")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature is {args.temperature}: use 0 (greedy) or more")
+    # NaN crashed the sampler; inf sampled uniformly, ignoring the model.
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--temperature is {args.temperature}: use 0 (greedy) or a finite number")
     if args.pp is not None and args.pp < 1:
         raise UsageError(f"--pp is {args.pp}: use 1 or more stages")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -161,8 +162,14 @@ def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.chunks is not None and args.chunks < 1:
         raise UsageError(f"--chunks must be >= 1, got {args.chunks}")
-    if args.flops <= 0 or args.overhead_ms < 0 or args.latency_ms < 0:
-        raise UsageError("--flops must be > 0 and --overhead-ms, --latency-ms >= 0")
+    # NaN passes every comparison and inf makes every time 0 or inf: both print a plan of nan.
+    for flag, value, low in (
+        ("--flops", args.flops, "> 0"),
+        ("--overhead-ms", args.overhead_ms, ">= 0"),
+        ("--latency-ms", args.latency_ms, ">= 0"),
+    ):
+        if not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0):
+            raise UsageError(f"{flag} is {value}: give a finite number {low}")
     seq_len: int = args.seq_len if args.seq_len is not None else config.max_seq_len
     if not 1 <= seq_len <= config.max_seq_len:
         raise UsageError(
@@ -227,6 +234,12 @@ def run(args: argparse.Namespace) -> int:
     config = get_model_config(args.model, **parse_overrides(args.set))
     seq_len = _check_args(args, config)
     spec = get_spec(args.schedule)
+    if args.chunks is not None and args.chunks > 1 and not spec.uses_chunks:
+        # Ignoring it would plan one stage per rank for a user who asked for several.
+        raise UsageError(
+            f"--chunks {args.chunks} needs a schedule with several stages per rank "
+            f"(interleaved-1f1b, looped-bfs); {args.schedule} has a fixed number: drop --chunks"
+        )
     split = parse_split(args.split) if args.split is not None else None
     memory_limit = parse_size(args.memory_limit) if args.memory_limit is not None else None
     # Fail on the schedule's constraints before any profiling.

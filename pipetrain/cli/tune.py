@@ -21,6 +21,7 @@ from typing import Any
 from pipetrain.cli.errors import UsageError
 from pipetrain.cli.train import add_config_flags, config_from_args, run_config
 from pipetrain.errors import InputError
+from pipetrain.train.config import TrainConfig
 
 __all__ = ["Candidate", "add_parser", "format_table", "parse_counts", "run"]
 
@@ -68,7 +69,11 @@ def parse_counts(text: str) -> list[int]:
     return sorted(set(counts))
 
 
-def _measure(args: argparse.Namespace, count: int, stamp: str) -> Candidate:
+def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
+    """The config of one candidate, checked as ``pipetrain train`` checks it before starting."""
+    from pipetrain.train.data import load_tokenizer
+    from pipetrain.train.plan import plan_run
+
     extra: dict[str, Any] = {
         "pipeline.microbatches": count,
         "run.evaluate": False,
@@ -79,10 +84,12 @@ def _measure(args: argparse.Namespace, count: int, stamp: str) -> Candidate:
         extra["run.steps"] = 4
     if args.cfg_name is None:
         extra["run.name"] = f"tune-{stamp}-m{count}"
-    try:
-        config = config_from_args(args, extra)
-    except InputError as exc:
-        return Candidate(count, 0, error=str(exc))
+    config = config_from_args(args, extra)
+    plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
+    return config
+
+
+def _measure(count: int, config: TrainConfig) -> Candidate:
     sys.stdout.write(f"--- micro-batches {count} (micro-batch size {config.microbatch_size})\n")
     sys.stdout.flush()
     code = run_config(config)
@@ -94,6 +101,15 @@ def _measure(args: argparse.Namespace, count: int, stamp: str) -> Candidate:
     return Candidate(
         count, config.microbatch_size, float(summary["tokens_per_s"]), max(summary["peak_memory"])
     )
+
+
+def _refused(refusals: dict[int, str]) -> InputError:
+    """One line for candidates that were all refused: the reason, or each count's own."""
+    reasons = set(refusals.values())
+    if len(reasons) == 1:
+        return UsageError(reasons.pop())
+    each = "; ".join(f"{count}: {reason}" for count, reason in refusals.items())
+    return UsageError(f"no --microbatches count can run ({each})")
 
 
 def _summary_line(path: Any) -> dict[str, Any] | None:
@@ -132,6 +148,23 @@ def format_table(candidates: list[Candidate]) -> str:
 def run(args: argparse.Namespace) -> int:
     counts = parse_counts(args.tune_microbatches)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidates = [_measure(args, count, stamp) for count in counts]
+    # Every candidate is checked before any runs: a count the schedule refuses (1F1B's
+    # m >= pp) is skipped like one that does not divide the batch, and a setting that no
+    # count can run with is one line and exit status 2, not a table of the same error.
+    configs: dict[int, TrainConfig] = {}
+    refusals: dict[int, str] = {}
+    for count in counts:
+        try:
+            configs[count] = _resolve(args, count, stamp)
+        except InputError as exc:
+            refusals[count] = str(exc)
+    if not configs:
+        raise _refused(refusals)
+    candidates = [
+        _measure(count, configs[count])
+        if count in configs
+        else Candidate(count, 0, error=refusals[count])
+        for count in counts
+    ]
     sys.stdout.write(format_table(candidates) + "\n")
     return 0 if any(not c.error for c in candidates) else 1

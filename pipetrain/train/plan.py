@@ -68,7 +68,7 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
     if p.chunks > 1 and not family.uses_chunks:
         raise ConfigError(
             f"pipeline.chunks {p.chunks} needs a schedule with several stages per rank "
-            f"(interleaved-1f1b, looped-bfs); {p.schedule} has one: drop --chunks"
+            f"(interleaved-1f1b, looped-bfs); {p.schedule} has a fixed number: drop --chunks"
         )
     from pipetrain.train.async_plan import check_async
 

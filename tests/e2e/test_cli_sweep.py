@@ -1,0 +1,110 @@
+"""`train`, `tune`, `plan` and `generate` given input a user sweep found mishandled.
+
+Each used to give a traceback, a table of nan, an abort of a whole tune, or an error only
+after training; now bad input is one line and exit status 2 before anything runs. All in
+this process: only one case trains (a few steps of the tiny model).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import main
+
+pytestmark = pytest.mark.e2e
+
+
+def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert captured.out == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--flops", "nan"], "--flops is nan: give a finite number > 0"),
+        (["--flops", "inf"], "--flops is inf"),
+        (["--overhead-ms", "nan"], "--overhead-ms is nan"),
+        (["--latency-ms", "inf"], "--latency-ms is inf"),
+        (["--chunks", "2"], "--chunks 2 needs a schedule with several stages per rank"),
+    ],
+)
+def test_plan_refuses_what_it_used_to_plan_as_nan_or_ignore(
+    flags: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _one_line_error(["plan", "--model", "llama-tiny", "--pp", "2", *flags], capsys)
+    assert words in line
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_generate_refuses_a_non_finite_temperature(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # nan crashed torch.multinomial after loading the model; inf ignored the model.
+    argv = ["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--temperature", value]
+    assert f"--temperature is {value}" in _one_line_error(argv, capsys)
+
+
+def test_train_checks_its_outputs_and_config_file_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "ckpt"
+    a_file.write_text("")
+    runs = tmp_path / "runs"
+    base = ["train", "--model", "llama-tiny", "--pp", "1", "--set", f"run.out_dir={json.dumps(str(runs))}"]  # fmt: skip
+    # Used to train every step, then fail at the first save.
+    line = _one_line_error([*base, "--checkpoint-dir", str(a_file)], capsys)
+    assert "run.checkpoint_dir" in line and "is not a folder" in line
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[run]\n")
+    line = _one_line_error([*base, "--config", str(binary)], capsys)
+    assert "is not UTF-8 text" in line
+    line = _one_line_error([*base, "--model", ""], capsys)
+    assert line.startswith("pipetrain train: error: model.name '' is not a model preset")
+    assert not runs.exists()
+
+
+def test_tune_skips_a_count_the_schedule_refuses_and_runs_the_others(
+    work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 1F1B on 4 ranks refuses m=2: that used to end the whole tune at its first candidate.
+    code = main(
+        [
+            "tune", "--pp", "4", "--single-process", "--microbatches", "2,4", "--steps", "2",
+            "--model", "llama-tiny", "--batch-size", "4", "--seq-len", "16",
+            "--data", str(work / "data"), "--set", "pipeline.threads=1",
+            "--set", f"run.out_dir={json.dumps(str(tmp_path))}",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    table = out[out.index("micro-batches   size") :]
+    assert re.search(r"^\s+2\s+skipped: pipeline: 1f1b needs --microbatches >= --pp", table, re.M)
+    assert re.search(r"^\s+4\s+1\s+[\d,]+\s+[\d,]+ MiB \*$", table, re.M)
+    assert "--- micro-batches 2" not in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        # The same reason for every count: that reason alone, not a table of it.
+        (["--microbatches", "2,4", "--set", "optim.lr=-1"], "error: optim.lr is -1.0"),
+        (["--microbatches", "2,4", "--schedule", "1fb1"], "error: pipeline.schedule: unknown"),
+        # Each count refused for its own reason.
+        (["--microbatches", "3,5"], "no --microbatches count can run (3: data.batch_size 4"),
+    ],
+)
+def test_tune_with_no_count_that_can_run_is_one_line(
+    flags: list[str], words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "4", "--seq-len", "16"]
+    argv += ["--set", f"run.out_dir={json.dumps(str(tmp_path))}", *flags]
+    assert words in _one_line_error(argv, capsys)
