@@ -183,7 +183,8 @@ def read_manifest(directory: Path) -> Manifest:
     if not path.is_file():
         raise CheckpointCorruptError(f"{path}: missing; resume from an earlier checkpoint")
     text = path.read_bytes()
-    if hashlib.sha256(text).hexdigest() != marker.read_text().strip():
+    # Compared as bytes: a damaged marker need not be text at all.
+    if hashlib.sha256(text).hexdigest().encode() != marker.read_bytes().strip():
         raise CheckpointCorruptError(
             f"{path}: sha256 differs from the one in {COMPLETE_MARKER}; the manifest is damaged"
         )
@@ -192,7 +193,7 @@ def read_manifest(directory: Path) -> Manifest:
         if data.get("format") != FORMAT_NAME:
             raise ValueError(f"format is {data.get('format')!r}")
         return Manifest.from_json(data)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptError(f"{path}: not a {FORMAT_NAME} manifest ({exc})") from None
 
 

@@ -26,6 +26,7 @@ from pipetrain.checkpoint import (
 )
 from pipetrain.checkpoint.export import export_checkpoint
 from pipetrain.checkpoint.load import tensor_metadata
+from pipetrain.checkpoint.manifest import COMPLETE_MARKER, MANIFEST_NAME
 
 MODEL = {"family": "toy", "d_model": 4}
 
@@ -145,3 +146,20 @@ def test_a_checkpoint_past_the_run_steps_is_refused_in_one_line(tmp_path: Path) 
     done = run(5)
     assert done.resume() == 5  # a finished run resumed with the same steps: nothing to do
     done.close()
+
+
+def test_a_marker_that_is_not_text_is_a_damaged_checkpoint_and_resume_falls_back(
+    tmp_path: Path,
+) -> None:
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    marker = newest / COMPLETE_MARKER
+    data = bytearray(marker.read_bytes())
+    data[3] ^= 0x80  # no longer UTF-8
+    marker.write_bytes(bytes(data))
+    assert verify_checkpoint(newest).problems == (
+        f"{newest / MANIFEST_NAME}: sha256 differs from the one in {COMPLETE_MARKER}; "
+        "the manifest is damaged",
+    )
+    result = resume_checkpoint(tmp_path, modules=nn.Linear(4, 4), model=MODEL)
+    assert result is not None and result.step == 1
