@@ -140,9 +140,11 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
     _at_least("run.sample_tokens", r.sample_tokens, 0)
     _at_least("run.checkpoint_every", r.checkpoint_every, 0)
     _at_least("run.keep", r.keep, 0)
-    if (r.resume or r.checkpoint_every) and not r.checkpoint_dir:
+    if (r.resume or r.checkpoint_every or r.keep) and not r.checkpoint_dir:
+        # run.keep too: without a checkpoint directory it would be ignored without a word.
         raise ConfigError(
-            "run.resume and run.checkpoint_every need run.checkpoint_dir: add --checkpoint-dir DIR"
+            "run.resume, run.checkpoint_every and run.keep need run.checkpoint_dir: "
+            "add --checkpoint-dir DIR"
         )
     if r.sample_temperature < 0:
         raise ConfigError(

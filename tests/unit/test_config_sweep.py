@@ -110,3 +110,10 @@ def test_output_folders_are_checked_before_the_run(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     # Configs resolved elsewhere (check_paths=False) are not checked against this machine.
     load_config(overrides={**base, "run.checkpoint_dir": str(a_file)}, check_paths=False)
+
+
+def test_keep_without_a_checkpoint_dir_is_refused() -> None:
+    # --keep 3 alone used to be accepted and do nothing.
+    message = _message({"run.keep": 3})
+    assert "run.keep need run.checkpoint_dir" in message and "--checkpoint-dir" in message
+    assert load_config(overrides={"run.keep": 3, "run.checkpoint_dir": "ck"}).run.keep == 3
