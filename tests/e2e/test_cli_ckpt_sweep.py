@@ -87,3 +87,31 @@ def test_export_to_a_directory_is_one_line(
         f"pipetrain ckpt: error: cannot write the export to {tmp_path}: it is a directory; "
         f"pass --out a file path such as {tmp_path / 'model.safetensors'}"
     ]
+
+
+def test_train_resume_refuses_all_damaged_checkpoints_and_one_past_its_steps(
+    work: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = work / "ckpt_train"
+    argv = [
+        "train", "--model", "llama-tiny", "--pp", "1", "--steps", "2", "--batch-size", "2",
+        "--microbatches", "1", "--seq-len", "8", "--eval-every", "0",
+        "--set", "run.sample_tokens=0", "--set", "optim.warmup_steps=0",
+        "--data", str(work / "data"), "--set", f"run.out_dir={work / 'runs'}",
+        "--checkpoint-dir", str(ckpt),
+    ]  # fmt: skip
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    code, _, err = cli(capsys, *argv, "--resume", "--steps", "1")
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        f"pipetrain train: error: {ckpt / 'step_000002'} is at step 2, past this run's 1 "
+        "steps: pass --steps 2 or more to continue it, or another --checkpoint-dir"
+    )
+    shard = next((ckpt / "step_000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    code, out, err = cli(capsys, *argv, "--resume")
+    assert code == 2 and "starting from step 0" not in out
+    assert err.splitlines()[-1].startswith(
+        f"pipetrain train: error: no valid checkpoint in {ckpt}: {shard}: 10 bytes"
+    )
