@@ -35,6 +35,7 @@ class Candidate:
     tokens_per_s: float = math.nan
     peak_memory: int = 0  # bytes, the largest of the ranks
     error: str = ""
+    exit_code: int = 0  # of the candidate's run; 2 is bad input
 
 
 def add_parser(subparsers: Any) -> None:
@@ -96,7 +97,10 @@ def _measure(count: int, config: TrainConfig) -> Candidate:
     summary = _summary_line(config.metrics_path) if code == 0 else None
     if summary is None:
         return Candidate(
-            count, config.microbatch_size, error=f"the run failed (exit status {code})"
+            count,
+            config.microbatch_size,
+            error=f"the run failed (exit status {code})",
+            exit_code=code,
         )
     return Candidate(
         count, config.microbatch_size, float(summary["tokens_per_s"]), max(summary["peak_memory"])
@@ -160,11 +164,16 @@ def run(args: argparse.Namespace) -> int:
             refusals[count] = str(exc)
     if not configs:
         raise _refused(refusals)
-    candidates = [
-        _measure(count, configs[count])
-        if count in configs
-        else Candidate(count, 0, error=refusals[count])
-        for count in counts
-    ]
+    candidates: list[Candidate] = []
+    for count in counts:
+        if count not in configs:
+            candidates.append(Candidate(count, 0, error=refusals[count]))
+            continue
+        candidate = _measure(count, configs[count])
+        if candidate.exit_code == 2:
+            # Bad input only the run could check (an empty corpus, say), which its ranks
+            # printed: every other count would start processes only to hit it again.
+            return 2
+        candidates.append(candidate)
     sys.stdout.write(format_table(candidates) + "\n")
     return 0 if any(not c.error for c in candidates) else 1

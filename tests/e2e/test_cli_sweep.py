@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import main
+from pipetrain.train.config import TrainConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -108,3 +109,24 @@ def test_tune_with_no_count_that_can_run_is_one_line(
     argv = ["tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "4", "--seq-len", "16"]
     argv += ["--set", f"run.out_dir={json.dumps(str(tmp_path))}", *flags]
     assert words in _one_line_error(argv, capsys)
+
+
+def test_tune_stops_at_the_first_run_that_exits_with_bad_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Launched ranks that find bad input (an empty corpus) exit 2, which used to be one
+    # skipped row per count, each starting its processes again, and exit status 1.
+    from pipetrain.cli import tune
+
+    started: list[int] = []
+
+    def bad_input_run(config: TrainConfig) -> int:
+        started.append(config.pipeline.microbatches)
+        return 2
+
+    monkeypatch.setattr(tune, "run_config", bad_input_run)
+    argv = ["tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "4", "--seq-len", "16"]
+    argv += ["--set", f"run.out_dir={json.dumps(str(tmp_path))}", "--microbatches", "1,2,4"]
+    assert main(argv) == 2
+    assert started == [1]
+    assert "micro-batches   size" not in capsys.readouterr().out
