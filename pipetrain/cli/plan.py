@@ -49,11 +49,13 @@ _UNITS = {
 
 def parse_size(text: str) -> float:
     """``"16GiB"`` -> 17179869184.0; decimal (GB) and binary (GiB) units, or plain bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    # The number may have an exponent ("2e9", as the error below suggests).
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+    size = float(match.group(1)) * _UNITS[unit] if match and unit in _UNITS else 0.0
+    if not 0 < size < math.inf:
         raise UsageError(f"--memory-limit {text!r} is not a size: write e.g. 16GiB, 512MiB or 2e9")
-    return float(match.group(1)) * _UNITS[unit]
+    return size
 
 
 def add_parser(subparsers: Any) -> None:

@@ -130,3 +130,12 @@ def test_tune_stops_at_the_first_run_that_exits_with_bad_input(
     assert main(argv) == 2
     assert started == [1]
     assert "micro-batches   size" not in capsys.readouterr().out
+
+
+def test_plan_takes_the_memory_limit_its_error_suggests(capsys: pytest.CaptureFixture[str]) -> None:
+    # "--memory-limit 2e9" was refused with "write e.g. 16GiB, 512MiB or 2e9".
+    argv = ["plan", "--model", "llama-tiny", "--pp", "2", "--memory-limit", "2e9", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["memory_limit"] == 2e9
+    line = _one_line_error([*argv[:-2], "1e400", "--json"], capsys)
+    assert "--memory-limit '1e400' is not a size" in line
