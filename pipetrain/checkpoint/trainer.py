@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.checkpoint.comm import jsonable
 from pipetrain.checkpoint.errors import CheckpointError
 from pipetrain.checkpoint.load import LoadResult, resume_checkpoint
 from pipetrain.checkpoint.manifest import Layout
 from pipetrain.checkpoint.save import save_checkpoint
 
-__all__ = ["CheckpointPolicy", "RunCheckpoints", "StopSignal"]
+__all__ = ["CheckpointPolicy", "RunCheckpoints", "StopSignal", "changed_settings"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,26 @@ class StopSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+# The settings that decide which batches come next and what the optimizer makes of them.
+# The layout (the pipeline section) and the run's bookkeeping may change on resume freely.
+_TRAJECTORY = {"data": None, "optim": None, "run": ("steps", "seed")}
+
+
+def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """``section.field old -> new`` for every trajectory setting of ``now`` that differs from
+    the saved run config (sections the saved config lacks are not compared)."""
+    out: list[str] = []
+    for section, fields in _TRAJECTORY.items():
+        before, after = saved.get(section), now.get(section)
+        if not isinstance(before, Mapping) or not isinstance(after, Mapping):
+            continue
+        for name in fields or sorted(after):
+            value = jsonable(after.get(name))  # as it would read back from the manifest
+            if name in before and before[name] != value:
+                out.append(f"{section}.{name} {before[name]!r} -> {value!r}")
+    return out
 
 
 class RunCheckpoints:
@@ -159,6 +180,14 @@ class RunCheckpoints:
             f"resumed from {result.path} at step {result.step} in {result.seconds:.2f} s "
             f"(saved with pp={saved.pp} chunks={saved.chunks} schedule={saved.schedule})"
         )
+        changed = changed_settings(result.manifest.config, self._config)
+        if changed:
+            # Not refused: a new LR or length is a choice; but a new grad_accum, batch or
+            # seed also reads other batches than the saved run would have (some again).
+            self._say(
+                f"note: resuming with settings other than the saved run's ({', '.join(changed)}): "
+                "the steps from here are not those of the run continued as it was"
+            )
         return result.step
 
     def after_step(self, step: int) -> bool:

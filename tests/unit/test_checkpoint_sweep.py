@@ -148,6 +148,45 @@ def test_a_checkpoint_past_the_run_steps_is_refused_in_one_line(tmp_path: Path) 
     done.close()
 
 
+def test_resume_names_the_settings_that_change_the_run_from_here(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = {
+        "pipeline": {"pp": 2},
+        "data": {"batch_size": 4, "seq_len": 16},
+        "optim": {"lr": 0.1, "grad_accum": 1},
+        "run": {"steps": 5, "seed": 0, "name": "first"},
+    }
+    save_checkpoint(tmp_path, 2, modules=model, optimizer=optimizer, model=MODEL, config=saved)
+
+    def resume(config: dict[str, dict[str, object]]) -> list[str]:
+        said: list[str] = []
+        run = RunCheckpoints(
+            CheckpointPolicy(str(tmp_path), resume=True),
+            modules=[model],
+            optimizer=optimizer,
+            model=MODEL,
+            layout=Layout(),
+            config=config,
+            total_steps=5,
+            group=None,
+            device=torch.device("cpu"),
+            say=said.append,
+        )
+        assert run.resume() == 2
+        run.close()
+        return [line for line in said if line.startswith("note:")]
+
+    # Another layout and another run name change nothing that matters.
+    same = {**saved, "pipeline": {"pp": 3}, "run": {**saved["run"], "name": "second"}}
+    assert resume(same) == []
+    other = {**same, "optim": {"lr": 0.1, "grad_accum": 2}, "run": {**same["run"], "steps": 8}}
+    assert resume(other) == [
+        "note: resuming with settings other than the saved run's (optim.grad_accum 1 -> 2, "
+        "run.steps 5 -> 8): the steps from here are not those of the run continued as it was"
+    ]
+
+
 def test_a_marker_that_is_not_text_is_a_damaged_checkpoint_and_resume_falls_back(
     tmp_path: Path,
 ) -> None:
