@@ -1,0 +1,109 @@
+"""`pipetrain train --pp 2` when a rank dies: what the user sees and how the run ends.
+
+A `sitecustomize` module on PYTHONPATH (Python imports it at start-up in every process)
+kills rank 1 with SIGKILL where the run gathers every stage's weights for the text sample
+at the end, a collective outside the pipeline's own waits. Rank 0 must exit 1 with one
+line naming the lost peer, no traceback, and the launcher must exit non-zero, every
+process of the run gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+TINY = [
+    "--model", "llama-tiny", "--pp", "2", "--steps", "1", "--batch-size", "4",
+    "--seq-len", "16", "--microbatches", "2", "--set", "optim.warmup_steps=0",
+    "--set", "run.sample_tokens=4", "--set", "data.eval_batches=1",
+    "--set", "pipeline.threads=1", "--set", "pipeline.timeout_s=60",
+]  # fmt: skip
+
+# Rank 1 (and only a rank of the launch: the launcher has no RANK) dies on entering
+# gather_state_dict, looked up where the trainer calls it.
+KILL_RANK_1 = textwrap.dedent(
+    """
+    import os
+    if os.environ.get("RANK") == "1":
+        import signal
+        import pipetrain.train.loop as loop
+
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        loop.gather_state_dict = die
+    """
+)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Processes whose parent chain reaches ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        current = frontier.pop()
+        children = [p for p, parent in parents.items() if parent == current]
+        found += children
+        frontier += children
+    return found
+
+
+def test_a_rank_killed_during_the_sample_ends_the_run_with_one_line(
+    work: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "sitecustomize.py").write_text(KILL_RANK_1)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipetrain.cli", "train", *TINY, "--data", "data", "--name", "k"],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
+    workers: set[int] = set()
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        workers.update(_descendants(proc.pid))
+        time.sleep(0.2)
+    try:
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+    assert proc.returncode == 1, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    # Training itself went through; the failure is in the sample's gather.
+    assert "step 1/1" in out, out[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("pipetrain train (rank 0)")]
+    assert len(lines) == 1, err[-3000:]
+    assert re.fullmatch(
+        r"pipetrain train \(rank 0\): rank 0: waiting on other ranks in gather_state_dict "
+        r"\(pipetrain/train/sample\.py:\d+\): a peer was lost \(.*\)",
+        lines[0],
+    ), lines[0]
+    assert "rank 1 exited with status -9" in err, err[-3000:]
+    # No process of the run outlives the launcher.
+    assert workers, "the launcher started no process"
+    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    assert not alive, alive
