@@ -72,7 +72,8 @@ class PipelineConfig:
     shard: bool = False
     # Stages per rank (virtual stages): >1 only for schedules that loop over the ranks.
     chunks: int = 1
-    # Schedule name from pipetrain.schedules.registry (`1f1b`, `gpipe`, `interleaved-1f1b`, `zb-h1`, ...).
+    # Schedule name from pipetrain.schedules.registry (`1f1b`, `gpipe`, `interleaved-1f1b`,
+    # `zb-h1`, ...).
     schedule: str = "1f1b"
     # Micro-batches per pipeline step; data.batch_size must be a multiple of it.
     microbatches: int = 8
