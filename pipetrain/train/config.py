@@ -257,17 +257,23 @@ def load_config(
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"optim.lr=1e-3"`` -> ``("optim.lr", 0.001)``; values are read as TOML, else as text."""
+    """``"optim.lr=1e-3"`` -> ``("optim.lr", 0.001)``; values are read as TOML, else as text.
+
+    A text field takes the text as written unless it is a quoted TOML string:
+    ``run.name=2024`` is the name "2024", not the integer TOML reads.
+    """
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError(
             f"override {text!r} is not SECTION.FIELD=VALUE: write e.g. --set optim.lr=1e-3"
         )
-    _split_key(key)
+    section, name = _split_key(key)
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    if typing.get_type_hints(_SECTIONS[section])[name] is str and not isinstance(value, str):
         value = raw.strip()
     return key, value
 

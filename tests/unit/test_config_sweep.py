@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.train.config import ConfigError, TrainConfig, load_config
+from pipetrain.train.config import ConfigError, TrainConfig, load_config, parse_override
 
 
 def _message(overrides: dict[str, object], path: Path | None = None) -> str:
@@ -117,3 +117,14 @@ def test_keep_without_a_checkpoint_dir_is_refused() -> None:
     message = _message({"run.keep": 3})
     assert "run.keep need run.checkpoint_dir" in message and "--checkpoint-dir" in message
     assert load_config(overrides={"run.keep": 3, "run.checkpoint_dir": "ck"}).run.keep == 3
+
+
+def test_text_fields_take_set_values_as_written() -> None:
+    # `--set run.name=2024` was "run.name must be a str, got 2024": TOML reads an integer.
+    assert parse_override("run.name=2024") == ("run.name", "2024")
+    assert parse_override("data.path=1e3") == ("data.path", "1e3")
+    assert parse_override("run.sample_prompt=true") == ("run.sample_prompt", "true")
+    assert parse_override('run.sample_prompt="def "') == ("run.sample_prompt", "def ")
+    # Other fields still read TOML values.
+    assert parse_override("run.steps=2024") == ("run.steps", 2024)
+    assert load_config(overrides=dict([parse_override("run.name=2024")])).run.name == "2024"
