@@ -65,10 +65,11 @@ def peak_memory_bytes(device: str) -> int:
 class MetricsFile:
     """One JSON object per line, flushed at once so a crashed run keeps its lines."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, append: bool = False) -> None:
+        """``append``: keep the lines already there (a resumed run continues its own file)."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file: IO[str] = path.open("w", encoding="utf-8")
+            self._file: IO[str] = path.open("a" if append else "w", encoding="utf-8")
         except OSError as exc:
             raise MetricsError(
                 f"run.metrics {str(path)!r} cannot be written ({exc.strerror}): choose another path"
@@ -169,9 +170,10 @@ class RunOutput:
         stream: IO[str] | None,
         metrics_path: Path,
         tensorboard_dir: Path | None,
+        resume: bool = False,
     ) -> None:
         self.progress = Progress(total_steps, stream) if active else None
-        self._metrics = MetricsFile(metrics_path) if active else None
+        self._metrics = MetricsFile(metrics_path, append=resume) if active else None
         self._board = (
             TensorBoard(tensorboard_dir) if active and tensorboard_dir is not None else None
         )

@@ -140,6 +140,8 @@ def open_output(config: TrainConfig, role: ProcessRole, out: IO[str]) -> RunOutp
         stream=out,
         metrics_path=config.metrics_path,
         tensorboard_dir=config.run_dir / "tensorboard" if config.run.tensorboard else None,
+        # A resumed run keeps the records of its earlier part (truncating lost them).
+        resume=config.run.resume,
     )
 
 

@@ -89,7 +89,7 @@ def test_export_to_a_directory_is_one_line(
     ]
 
 
-def test_train_resume_refuses_all_damaged_checkpoints_and_one_past_its_steps(
+def test_train_resume_keeps_the_metrics_and_refuses_past_steps_or_all_damaged(
     work: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = work / "ckpt_train"
@@ -97,7 +97,7 @@ def test_train_resume_refuses_all_damaged_checkpoints_and_one_past_its_steps(
         "train", "--model", "llama-tiny", "--pp", "1", "--steps", "2", "--batch-size", "2",
         "--microbatches", "1", "--seq-len", "8", "--eval-every", "0",
         "--set", "run.sample_tokens=0", "--set", "optim.warmup_steps=0",
-        "--data", str(work / "data"), "--set", f"run.out_dir={work / 'runs'}",
+        "--data", str(work / "data"), "--set", f"run.out_dir={work / 'runs'}", "--name", "same",
         "--checkpoint-dir", str(ckpt),
     ]  # fmt: skip
     code, _, err = cli(capsys, *argv)
@@ -108,9 +108,18 @@ def test_train_resume_refuses_all_damaged_checkpoints_and_one_past_its_steps(
         f"pipetrain train: error: {ckpt / 'step_000002'} is at step 2, past this run's 1 "
         "steps: pass --steps 2 or more to continue it, or another --checkpoint-dir"
     )
-    shard = next((ckpt / "step_000002").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:10])
-    code, out, err = cli(capsys, *argv, "--resume")
+
+    # Resumed under the same name, the run continues its metrics file.
+    code, _, err = cli(capsys, *argv, "--resume", "--steps", "3")
+    assert code == 0, err
+    lines = (work / "runs" / "same" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+
+    for step in (2, 3):
+        shard = next((ckpt / f"step_00000{step}").glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:10])
+    code, out, err = cli(capsys, *argv, "--resume", "--steps", "3")
     assert code == 2 and "starting from step 0" not in out
     assert err.splitlines()[-1].startswith(
         f"pipetrain train: error: no valid checkpoint in {ckpt}: {shard}: 10 bytes"
