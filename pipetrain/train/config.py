@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 import re
 import sys
@@ -416,5 +415,25 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    # A JSON string is a valid TOML basic string for the text this config holds.
-    return json.dumps(value)
+    return _toml_string(str(value))
+
+
+def _toml_string(text: str) -> str:
+    """``text`` as an ASCII TOML basic string.
+
+    Not ``json.dumps``: it writes a character beyond U+FFFF as a surrogate pair
+    (``"\\ud83d\\ude00"``), which TOML refuses, so a launched run's workers could not
+    read the config it saved.
+    """
+    out: list[str] = []
+    for char in text:
+        code = ord(char)
+        if char in '"\\':
+            out.append("\\" + char)
+        elif 0x20 <= code < 0x7F:
+            out.append(char)
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return '"' + "".join(out) + '"'

@@ -159,22 +159,34 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
             f"run.timeline {r.timeline!r} must name a .png file, e.g. --timeline step.png"
         )
     # After the checks above, whose messages are more specific for the fields they cover.
-    _finite_floats(config)
+    _check_values(config)
     if check_paths:
         _check_outputs(config)
 
 
-def _finite_floats(config: TrainConfig) -> None:
-    """NaN or infinity in any float field: a run that would diverge, hang or crash late."""
+def _check_values(config: TrainConfig) -> None:
+    """NaN or infinity in any float field: a run that would diverge, hang or crash late.
+
+    Also text that is not Unicode (bytes that are not UTF-8 in an argument reach Python
+    as lone surrogates): the config saved for a launched run could not hold it.
+    """
     for section in dataclasses.fields(config):
         table = getattr(config, section.name)
         for f in dataclasses.fields(table):
             value = getattr(table, f.name)
+            key = f"{section.name}.{f.name}"
             if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(
-                    f"{section.name}.{f.name} is {value}: give a finite number "
-                    f"(default {f.default})"
-                )
+                raise ConfigError(f"{key} is {value}: give a finite number (default {f.default})")
+            if isinstance(value, str) and not _is_unicode(value):
+                raise ConfigError(f"{key} {value!r} is not valid UTF-8 text: fix its value")
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_outputs(config: TrainConfig) -> None:

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.train.config import ConfigError, TrainConfig, load_config, parse_override
+from pipetrain.train.config import (
+    ConfigError,
+    TrainConfig,
+    config_to_toml,
+    load_config,
+    parse_override,
+)
 
 
 def _message(overrides: dict[str, object], path: Path | None = None) -> str:
@@ -128,3 +134,21 @@ def test_text_fields_take_set_values_as_written() -> None:
     # Other fields still read TOML values.
     assert parse_override("run.steps=2024") == ("run.steps", 2024)
     assert load_config(overrides=dict([parse_override("run.name=2024")])).run.name == "2024"
+
+
+def test_saved_config_reads_back_whatever_the_text(tmp_path: Path) -> None:
+    # An emoji in the sample prompt was saved as a JSON surrogate pair, which TOML refuses:
+    # every worker of a launched run failed on the config its launcher had just written.
+    prompt = 'def 😀 "q" \\ é\t\x00\x7f\n'
+    config = load_config(overrides={"run.sample_prompt": prompt, "run.name": "x"})
+    path = tmp_path / "config.toml"
+    text = config_to_toml(config)
+    assert text.isascii()
+    path.write_text(text, encoding="utf-8")
+    assert load_config(path) == config
+
+
+def test_text_that_is_not_unicode_is_refused() -> None:
+    # Non-UTF-8 bytes in an argument arrive as lone surrogates, which no file can hold.
+    message = _message({"run.sample_prompt": "def \udcff"})
+    assert message.startswith("run.sample_prompt 'def \\udcff' is not valid UTF-8 text")
