@@ -38,6 +38,7 @@ This module holds the pipeline and its step; ``build_pipeline`` (in
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,7 +103,10 @@ class Pipeline:
         self._group = group
         self._ranks = ranks  # the ranks whose programs run in this process
         self._timeout_s = timeout_s
+        # Every pass (training step or evaluation) has its own number on the wire, which
+        # the messages' headers check; errors name the pass as the user counts it.
         self._step = 0
+        self._passes = {True: 0, False: 0}  # training steps, evaluation passes so far
         self._stage_modules = stage_modules
         placement = schedule.placement
         runners = {
@@ -297,6 +301,22 @@ class Pipeline:
     ) -> StepResult:
         step = self._step
         self._step += 1
+        self._passes[training] += 1
+        try:
+            return self._run_pass(executors, step, inputs, targets, training, denominator)
+        except PipelineError as exc:
+            label = f"{'training step' if training else 'evaluation pass'} {self._passes[training]}"
+            raise PipelineError(_relabel(str(exc), step, label)) from exc
+
+    def _run_pass(
+        self,
+        executors: list[RankExecutor],
+        step: int,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        training: bool,
+        denominator: float | None,
+    ) -> StepResult:
         input_mbs = self._split("inputs", inputs, self._has_first)
         target_mbs = self._split("targets", targets, self._has_last)
         tokens = 0
@@ -373,3 +393,13 @@ class Pipeline:
         ]
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
+
+
+def _relabel(message: str, step: int, label: str) -> str:
+    """``message`` with the runtime's ``step <wire number>`` prefix told as ``label``.
+
+    The runtime's failures read ``rank R: step S, ...`` (``step S: ...`` in one process),
+    S counting evaluation passes too; the trainer's progress and a user's loop count
+    training steps only, so S alone would point at the wrong step.
+    """
+    return re.sub(rf"\bstep {step}(?=[,:])", label, message, count=1)

@@ -1,9 +1,10 @@
 """A rank that dies: what its surviving peer reports, and how soon.
 
-One launch of two processes: rank 1 is killed (SIGKILL) once both are up; rank 0 then
-meets the dead peer twice, in the pipeline's barrier at the start of a step and in a
-collective of the trainer outside the pipeline (the peak-memory gather of the summary),
-and writes what each failure said and how long it took.
+One launch of two processes: both run an evaluation pass and a training step of a tiny
+pipeline, then rank 1 is killed (SIGKILL); rank 0 meets the dead peer twice, in the
+pipeline's barrier at the start of its next step and in a collective of the trainer
+outside the pipeline (the peak-memory gather of the summary), and writes what each
+failure said and how long it took.
 """
 
 from __future__ import annotations
@@ -30,18 +31,29 @@ SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from pipetrain.process_exit import exit_rank
-    from pipetrain.runtime.collectives import dist_barrier
     from pipetrain.runtime.errors import PipelineError, lost_peer_error
     from pipetrain.train.loop import ProcessRole, peak_memory_per_rank
 
+    from pipetrain.models import get_model_config, model_spec
+    from pipetrain.runtime import build_pipeline
+
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds={TIMEOUT_S}))
     rank = dist.get_rank()
-    dist.barrier()
+    spec = model_spec(get_model_config("llama-tiny"))
+    pipe = build_pipeline(
+        spec, schedule="1f1b", microbatches=2, group=dist.group.WORLD,
+        device=torch.device("cpu"), seed=0, timeout_s={TIMEOUT_S},
+    )
+    ids = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
+    # An evaluation pass and a training step go through; the second training step meets
+    # the dead peer in its barrier.
+    pipe.eval_loss(ids[:, :-1], ids[:, 1:])
+    pipe.step(ids[:, :-1], ids[:, 1:])
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        dist_barrier(dist.group.WORLD, 0, 7, {TIMEOUT_S}, torch.device("cpu"))
+        pipe.step(ids[:, :-1], ids[:, 1:])
     except PipelineError as exc:
         print(f"barrier after {{time.monotonic() - start:.1f}} s: {{exc}}", file=sys.stderr)
     start = time.monotonic()
@@ -70,12 +82,13 @@ def test_a_dead_peer_is_reported_as_lost_at_once_in_one_line(tmp_path: Path) -> 
     assert "Traceback" not in err, err[-3000:]
 
     # gloo's monitored barrier says "failed to pass in 60000 ms" for a closed connection
-    # too; the peer died, it was not late.
+    # too; the peer died, it was not late. The step is the second training step, as the
+    # user counts (the pipeline's third pass, after the evaluation).
     seconds, text = _line(err, "barrier")
     assert seconds < TIMEOUT_S / 2
-    assert text.startswith("rank 0: step 7, barrier at the start of the step: peer rank(s) 1 "), (
-        text
-    )
+    assert text.startswith(
+        "rank 0: training step 2, barrier at the start of the step: peer rank(s) 1 "
+    ), text
     assert "were lost" in text and "did not arrive" not in text, text
 
     # A collective outside the pipeline: one line naming the rank, where it waited and

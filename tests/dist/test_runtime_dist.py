@@ -109,14 +109,14 @@ def test_a_killed_rank_stops_every_other_rank(tmp_path):
     for rank in (0, 2):
         assert result.returncodes[rank] == 1, result.stderr[rank]
         assert result.exited_at[rank] - killed_at < 60, result
-        assert re.search(r"step 1, .*peer rank 1 was lost", result.stderr[rank]), result.stderr[
-            rank
-        ]
+        assert re.search(r"training step 2, .*peer rank 1 was lost", result.stderr[rank]), (
+            result.stderr[rank]
+        )
 
 
 def test_a_stalled_rank_times_out_with_an_error_naming_it(tmp_path):
     result = launch(2, ["stall", str(tmp_path)], timeout_s=90.0)
     assert result.returncodes[0] == 1, result.stderr[0]
     assert re.search(
-        r"rank 0: .*step 1, .*peer rank 1 did not answer within 3 s", result.stderr[0]
+        r"rank 0: .*training step 2, .*peer rank 1 did not answer within 3 s", result.stderr[0]
     ), result.stderr[0]
