@@ -29,6 +29,9 @@ class ConfigError(InputError):
 _PRECISIONS = ("fp32", "bf16")
 _DEVICES = ("auto", "cpu", "cuda")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Files of one checkpoint (pipetrain.checkpoint.manifest's MANIFEST_NAME and
+# COMPLETE_MARKER, named here because importing that package imports torch).
+_CHECKPOINT_FILES = ("manifest.json", "COMPLETE")
 # Longer waits are hangs; torch's process-group timeout (a timedelta) overflows far above it.
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
@@ -198,7 +201,15 @@ def _check_outputs(config: TrainConfig) -> None:
     r = config.run
     _writable_folder("run.out_dir", config.run_dir, "--set run.out_dir=DIR")
     if r.checkpoint_dir:
-        _writable_folder("run.checkpoint_dir", Path(r.checkpoint_dir), "--checkpoint-dir DIR")
+        folder = Path(r.checkpoint_dir)
+        _writable_folder("run.checkpoint_dir", folder, "--checkpoint-dir DIR")
+        if any((folder / name).is_file() for name in _CHECKPOINT_FILES):
+            # Given one checkpoint (ck/step_000020), --resume found none inside it, started
+            # from step 0 and saved new checkpoints inside the old one.
+            raise ConfigError(
+                f"run.checkpoint_dir {r.checkpoint_dir!r} is one checkpoint, not a folder of "
+                f"them: pass the folder that holds it, --checkpoint-dir {str(folder.parent)!r}"
+            )
     if r.timeline:
         folder = Path(r.timeline).parent
         if not folder.is_dir():

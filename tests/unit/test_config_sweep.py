@@ -152,3 +152,16 @@ def test_text_that_is_not_unicode_is_refused() -> None:
     # Non-UTF-8 bytes in an argument arrive as lone surrogates, which no file can hold.
     message = _message({"run.sample_prompt": "def \udcff"})
     assert message.startswith("run.sample_prompt 'def \\udcff' is not valid UTF-8 text")
+
+
+def test_a_single_checkpoint_as_checkpoint_dir_is_refused(tmp_path: Path) -> None:
+    # --checkpoint-dir ck/step_000005 --resume started from step 0 and saved inside it.
+    from pipetrain.checkpoint.manifest import COMPLETE_MARKER, MANIFEST_NAME
+
+    for name in (COMPLETE_MARKER, MANIFEST_NAME):
+        step = tmp_path / name / "step_000005"
+        step.mkdir(parents=True)
+        (step / name).write_text("")
+        message = _message({"run.checkpoint_dir": str(step), "run.resume": True})
+        assert "is one checkpoint, not a folder of them" in message
+        assert f"--checkpoint-dir {str(step.parent)!r}" in message
