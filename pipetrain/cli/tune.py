@@ -4,8 +4,10 @@
 
 The last step in choosing a micro-batch size: after the memory estimate of
 ``pipetrain plan``, run a few real steps of each candidate and keep the fastest. Each
-candidate is a short ``pipetrain train`` run without evaluation or sample; its tokens/s
-leaves out the first step (allocations).
+candidate is a short ``pipetrain train`` run without evaluation, sample or checkpoints
+(a train command line's --checkpoint-dir, --resume and --keep are ignored: candidates
+would resume from, or save among and prune, that run's checkpoints); its tokens/s leaves
+out the first step (allocations).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def add_parser(subparsers: Any) -> None:
         help="run a few steps per micro-batch count; tokens/s and peak memory, best marked",
         description="Run a few training steps for each micro-batch count and print tokens/s "
         "and peak memory per candidate, marking the fastest. Takes every flag of "
-        "'pipetrain train'.",
+        "'pipetrain train'; candidates save no checkpoints and never resume.",
     )
     p.add_argument(
         "--microbatches",
@@ -80,6 +82,10 @@ def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
         "run.evaluate": False,
         "run.sample_tokens": 0,
         "optim.warmup_steps": 0,
+        "run.checkpoint_dir": "",
+        "run.resume": False,
+        "run.checkpoint_every": 0,
+        "run.keep": 0,
     }
     if args.cfg_steps is None:
         extra["run.steps"] = 4

@@ -139,3 +139,30 @@ def test_plan_takes_the_memory_limit_its_error_suggests(capsys: pytest.CaptureFi
     assert json.loads(capsys.readouterr().out)["memory_limit"] == 2e9
     line = _one_line_error([*argv[:-2], "1e400", "--json"], capsys)
     assert "--memory-limit '1e400' is not a size" in line
+
+
+def test_tune_leaves_the_checkpoints_of_a_train_command_line_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A train command line with its checkpoint flags used to make every candidate resume
+    # from that run's checkpoints (refused: past the candidate's steps) or save and prune
+    # among them.
+    from pipetrain.cli import tune
+
+    ran: list[TrainConfig] = []
+
+    def record(config: TrainConfig) -> int:
+        ran.append(config)
+        return 1
+
+    monkeypatch.setattr(tune, "run_config", record)
+    argv = ["tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "4", "--seq-len", "16"]
+    argv += ["--set", f"run.out_dir={json.dumps(str(tmp_path))}", "--microbatches", "1,2"]
+    argv += ["--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--keep", "2"]
+    assert main(argv) == 1
+    assert [c.pipeline.microbatches for c in ran] == [1, 2]
+    assert all(
+        (c.run.checkpoint_dir, c.run.resume, c.run.keep, c.run.checkpoint_every)
+        == ("", False, 0, 0)
+        for c in ran
+    )
