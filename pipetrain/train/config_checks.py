@@ -199,6 +199,11 @@ def _check_outputs(config: TrainConfig) -> None:
     after the steps before it were trained; a timeline's folder only after the last step.
     """
     r = config.run
+    if config.run_dir.exists() and not config.run_dir.is_dir():
+        raise ConfigError(
+            f"run.name {r.name!r}: {str(config.run_dir)!r} is a file, not a run folder: "
+            f"pass another --name"
+        )
     _writable_folder("run.out_dir", config.run_dir, "--set run.out_dir=DIR")
     if r.checkpoint_dir:
         folder = Path(r.checkpoint_dir)

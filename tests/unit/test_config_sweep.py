@@ -103,6 +103,12 @@ def test_output_folders_are_checked_before_the_run(tmp_path: Path) -> None:
     # An output folder under a file was a NotADirectoryError traceback.
     message = _message({**base, "run.out_dir": str(a_file / "runs")})
     assert message.startswith("run.out_dir") and "is not a folder" in message
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r").write_text("")
+    message = _message(base)
+    assert message.startswith("run.name 'r'") and "pass another --name" in message
+    (tmp_path / "runs" / "r").unlink()
+    (tmp_path / "runs").rmdir()
     # A timeline in a missing folder failed after the last step.
     message = _message({**base, "run.timeline": str(tmp_path / "no" / "t.png")})
     assert message.startswith("run.timeline") and "does not exist" in message
