@@ -63,12 +63,20 @@ def launch_local(config_path: Path, processes: int) -> None:
     try:
         elastic_launch(launch, sys.executable)("-m", "pipetrain.train.worker", str(config_path))
     except ChildFailedError as exc:
-        failures = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
+        # Timestamps are whole seconds of when the launcher noticed: a rank that died and
+        # the peers that then failed on its loss (status 1) often share one. Among those,
+        # the one killed by a signal or refusing its input (status 2) is the cause.
+        failures = sorted(
+            exc.failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode == 1)
+        )
         rank, failure = failures[0]
         # Exit status 2 is a bad input; any other one is a failure of the run.
         code = 2 if failure.exitcode == 2 else 1
+        first = (
+            f"rank {rank} was killed by {failure.signal_name()} first (exit status {failure.exitcode})"
+            if failure.exitcode < 0
+            else f"rank {rank} exited with status {failure.exitcode} first (its error is above)"
+        )
         raise LaunchFailed(
-            f"rank {rank} exited with status {failure.exitcode} first (its error is above); "
-            f"{len(failures)} of {processes} processes failed",
-            code,
+            f"{first}; {len(failures)} of {processes} processes failed", code
         ) from None

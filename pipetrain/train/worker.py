@@ -51,6 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         sys.stderr.write(f"pipetrain train (rank {role.rank}): {failure}\n")
         return 1
+    except KeyboardInterrupt:
+        # A second Ctrl-C (pipetrain.checkpoint.trainer.StopSignal): the user asked not
+        # to wait for the step, so this is where the rank was, not a bug.
+        sys.stderr.write(
+            f"pipetrain train (rank {role.rank}): interrupted by a second Ctrl-C: the step "
+            f"in progress was neither finished nor saved\n"
+        )
+        return 130
     return 0
 
 
@@ -58,8 +66,15 @@ def _run() -> int:
     """``main``'s exit status; an unexpected exception prints its traceback and gives 1."""
     try:
         return main()
-    except BaseException:
+    except BaseException as exc:
         traceback.print_exc()
+        # Every rank's traceback lands in one terminal: say whose it is.
+        rank = (role_from_env() or ProcessRole()).rank
+        text = str(exc).strip()
+        summary = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+        sys.stderr.write(
+            f"pipetrain train (rank {rank}): failed on {summary} (the traceback above says where)\n"
+        )
         return 1
 
 

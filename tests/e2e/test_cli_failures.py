@@ -102,8 +102,86 @@ def test_a_rank_killed_during_the_sample_ends_the_run_with_one_line(
         r"\(pipetrain/train/sample\.py:\d+\): a peer was lost \(.*\)",
         lines[0],
     ), lines[0]
-    assert "rank 1 exited with status -9" in err, err[-3000:]
+    assert "pipetrain train: rank 1 was killed by SIGKILL first" in err, err[-3000:]
     # No process of the run outlives the launcher.
     assert workers, "the launcher started no process"
     alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()]
     assert not alive, alive
+
+
+def _as_rank_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_a_second_ctrl_c_stops_a_rank_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The worker's own handling, in this process: StopSignal raises KeyboardInterrupt on a
+    # second Ctrl-C, wherever the rank is.
+    from pipetrain.train import worker
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    _as_rank_1(monkeypatch)
+    monkeypatch.setattr(worker, "train", interrupted)
+    # pytest's own faulthandler stays as it is (the worker's would want a real stderr).
+    monkeypatch.setattr(worker.faulthandler, "enable", lambda: None)
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    assert worker.main([str(config)]) == 130
+    assert capsys.readouterr().err == (
+        "pipetrain train (rank 1): interrupted by a second Ctrl-C: the step in progress "
+        "was neither finished nor saved\n"
+    )
+
+
+def test_an_unexpected_traceback_is_followed_by_the_rank_that_printed_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipetrain.train import worker
+
+    def bug(*args: object, **kwargs: object) -> int:
+        raise ValueError("a bug\nwith a second line")
+
+    _as_rank_1(monkeypatch)
+    monkeypatch.setattr(worker, "main", bug)
+    assert worker._run() == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):"), err
+    assert err.endswith(
+        "\npipetrain train (rank 1): failed on ValueError: a bug (the traceback above says where)\n"
+    ), err
+
+
+def test_the_launcher_blames_the_killed_rank_not_the_peer_that_lost_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Both failures seen in the same poll (same whole-second timestamp), the peer that
+    # reported the loss first in the mapping, as the elastic agent gives them.
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from pipetrain.train.launch import LaunchFailed, launch_local
+
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file="<N/A>"),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=-signal.SIGKILL, error_file="<N/A>"),
+    }
+    for failure in failures.values():
+        failure.timestamp = 1_000
+
+    def launch(config: object, entrypoint: object) -> object:
+        def run(*args: str) -> None:
+            raise ChildFailedError("pipetrain.train.worker", failures)
+
+        return run
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", launch)
+    with pytest.raises(LaunchFailed) as caught:
+        launch_local(tmp_path / "config.toml", 2)
+    assert str(caught.value) == (
+        "rank 1 was killed by SIGKILL first (exit status -9); 2 of 2 processes failed"
+    )
+    assert caught.value.exit_code == 1
