@@ -154,9 +154,19 @@ class RunCheckpoints:
         self._release = weakref.finalize(self, self.stop.close)
 
     def resume(self) -> int:
-        """The step to start from: 0, or that of the checkpoint loaded."""
+        """The step to start from: 0, or that of the checkpoint loaded.
+
+        Weights and optimizer state come from the checkpoint; the optimizer's settings
+        (betas, eps, weight decay) stay this run's, as its config says."""
         if not self.policy.resume:
             return 0
+        # Loading an optimizer state dict also loads the saved run's settings, which would
+        # quietly undo a changed --set optim.*; the learning rate is the schedule's at
+        # every step either way.
+        settings = [
+            {name: value for name, value in group.items() if name != "params"}
+            for group in self._optimizer.param_groups
+        ]
         result: LoadResult | None = resume_checkpoint(
             self.policy.directory,
             modules=self._modules,
@@ -164,6 +174,8 @@ class RunCheckpoints:
             model=self._model,
             group=self._group,
         )
+        for group, own in zip(self._optimizer.param_groups, settings, strict=True):
+            group.update(own)
         if result is None:
             self._say(f"no checkpoint in {self.policy.directory} yet: starting from step 0")
             return 0

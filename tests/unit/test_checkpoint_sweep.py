@@ -202,3 +202,31 @@ def test_a_marker_that_is_not_text_is_a_damaged_checkpoint_and_resume_falls_back
     )
     result = resume_checkpoint(tmp_path, modules=nn.Linear(4, 4), model=MODEL)
     assert result is not None and result.step == 1
+
+
+def test_resume_keeps_this_runs_optimizer_settings_and_loads_the_state(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    saved = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    saved.step()
+    save_checkpoint(tmp_path, 1, modules=model, optimizer=saved, model=MODEL)
+    moments = saved.state[model.weight]["exp_avg"].clone()
+
+    changed = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.5), weight_decay=0.7)
+    run = RunCheckpoints(
+        CheckpointPolicy(str(tmp_path), resume=True),
+        modules=[model],
+        optimizer=changed,
+        model=MODEL,
+        layout=Layout(),
+        config={},
+        total_steps=3,
+        group=None,
+        device=torch.device("cpu"),
+    )
+    assert run.resume() == 1
+    run.close()
+    (group,) = changed.param_groups
+    assert (group["betas"], group["weight_decay"]) == ((0.8, 0.5), 0.7)
+    assert torch.equal(changed.state[model.weight]["exp_avg"], moments)
