@@ -165,13 +165,15 @@ def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
     if args.chunks is not None and args.chunks < 1:
         raise UsageError(f"--chunks must be >= 1, got {args.chunks}")
     # NaN passes every comparison and inf makes every time 0 or inf: both print a plan of nan.
-    for flag, value, low in (
-        ("--flops", args.flops, "> 0"),
-        ("--overhead-ms", args.overhead_ms, ">= 0"),
-        ("--latency-ms", args.latency_ms, ">= 0"),
+    for flag, value, zero_ok in (
+        ("--flops", args.flops, False),
+        ("--overhead-ms", args.overhead_ms, True),
+        ("--latency-ms", args.latency_ms, True),
     ):
-        if not math.isfinite(value) or value < 0 or (low == "> 0" and value == 0):
-            raise UsageError(f"{flag} is {value}: give a finite number {low}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise UsageError(
+                f"{flag} is {value}: give a finite number {'>=' if zero_ok else '>'} 0"
+            )
     seq_len: int = args.seq_len if args.seq_len is not None else config.max_seq_len
     if not 1 <= seq_len <= config.max_seq_len:
         raise UsageError(
