@@ -149,6 +149,12 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
             "run.resume, run.checkpoint_every and run.keep need run.checkpoint_dir: "
             "add --checkpoint-dir DIR"
         )
+    if r.sample_tokens and not r.sample_prompt:
+        # The sample is drawn after the last step: an empty prompt crashed the run there.
+        raise ConfigError(
+            "run.sample_prompt is empty: give text for the sample to start from, "
+            "or --set run.sample_tokens=0 for no sample"
+        )
     if r.sample_temperature < 0:
         raise ConfigError(
             f"run.sample_temperature is {r.sample_temperature}: use 0 (greedy) or more"

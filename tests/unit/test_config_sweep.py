@@ -171,3 +171,10 @@ def test_a_single_checkpoint_as_checkpoint_dir_is_refused(tmp_path: Path) -> Non
         message = _message({"run.checkpoint_dir": str(step), "run.resume": True})
         assert "is one checkpoint, not a folder of them" in message
         assert f"--checkpoint-dir {str(step.parent)!r}" in message
+
+
+def test_an_empty_sample_prompt_is_refused_before_training() -> None:
+    # It crashed the model's forward after the last step (a reshape of 0 tokens).
+    message = _message({"run.sample_prompt": ""})
+    assert message.startswith("run.sample_prompt is empty") and "run.sample_tokens=0" in message
+    load_config(overrides={"run.sample_prompt": "", "run.sample_tokens": 0})
