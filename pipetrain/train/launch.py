@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import uuid
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ from pathlib import Path
 from pipetrain.process_exit import exit_rank, launched_rank
 from pipetrain.train.loop import ProcessRole
 
-__all__ = ["LaunchFailed", "exit_rank", "launch_local", "role_from_env"]
+__all__ = ["LaunchFailed", "exit_rank", "exit_record", "launch_local", "role_from_env"]
 
 
 class LaunchFailed(RuntimeError):
@@ -43,8 +44,38 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> ProcessRole | Non
     )
 
 
+def exit_record(config_path: Path, rank: int) -> Path:
+    """Where the worker of ``rank`` leaves its exit status for the launcher.
+
+    After a stop signal torch's launcher raises ``SignalException`` and keeps the ranks'
+    exit statuses to itself (it also SIGKILLs a rank still running 30 s later): these
+    files tell a stop that every rank finished from one that some rank did not.
+    """
+    return config_path.parent / ".exit" / f"rank{rank}"
+
+
+def _unfinished(config_path: Path, processes: int) -> str:
+    """What went wrong with the ranks of a stopped launch, or "" when every one exited 0."""
+    problems = []
+    for rank in range(processes):
+        try:
+            status = exit_record(config_path, rank).read_text().strip()
+        except OSError:
+            problems.append(f"rank {rank} was killed before it finished")
+            continue
+        if status != "0":
+            problems.append(f"rank {rank} exited with status {status}")
+    return "; ".join(problems)
+
+
 def launch_local(config_path: Path, processes: int) -> None:
-    """Run the worker in ``processes`` local processes; raise ``LaunchFailed`` if one fails."""
+    """Run the worker in ``processes`` local processes; raise ``LaunchFailed`` if one fails.
+
+    A stop signal that every rank obeys (finished its step, saved, exited 0) lets the
+    launcher's ``SignalException`` through; a stop that some rank did not survive is a
+    ``LaunchFailed`` that names it.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -60,8 +91,18 @@ def launch_local(config_path: Path, processes: int) -> None:
         max_restarts=0,
         monitor_interval=0.1,
     )
+    shutil.rmtree(exit_record(config_path, 0).parent, ignore_errors=True)  # an earlier run's
     try:
         elastic_launch(launch, sys.executable)("-m", "pipetrain.train.worker", str(config_path))
+    except SignalException as exc:
+        problems = _unfinished(config_path, processes)
+        if problems:
+            raise LaunchFailed(
+                f"stopped by signal {exc.sigval.name}, but not cleanly: {problems} "
+                f"(the last checkpoint may be older than the last step)",
+                1,
+            ) from None
+        raise
     except ChildFailedError as exc:
         # Timestamps are whole seconds of when the launcher noticed: a rank that died and
         # the peers that then failed on its loss (status 1) often share one. Among those,

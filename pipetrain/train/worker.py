@@ -8,16 +8,18 @@ gloo's threads can turn into a SIGABRT after a successful run (its docstring say
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from pipetrain.errors import InputError
 from pipetrain.runtime import PipelineError
 from pipetrain.runtime.errors import lost_peer_error
 from pipetrain.train.config import PipelineConfig, load_config
-from pipetrain.train.launch import exit_rank, role_from_env
+from pipetrain.train.launch import exit_rank, exit_record, role_from_env
 from pipetrain.train.loop import ProcessRole, train
 from pipetrain.train.optim import TrainingDiverged
 
@@ -78,5 +80,19 @@ def _run() -> int:
         return 1
 
 
+def _record(code: int) -> None:
+    """Leave the exit status where the local launcher looks after a stop signal."""
+    role = role_from_env()
+    if role is None or len(sys.argv) < 2:
+        return
+    path = exit_record(Path(sys.argv[1]), role.rank)
+    # Unwritable: the launcher then counts this rank as killed, which errs on the safe side.
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{code}\n")
+
+
 if __name__ == "__main__":
-    exit_rank(_run())
+    status = _run()
+    _record(status)
+    exit_rank(status)

@@ -46,6 +46,22 @@ KILL_RANK_1 = textwrap.dedent(
 )
 
 
+# Rank 1 dies (SIGKILL) on the stop signal instead of finishing its step.
+DIE_ON_STOP_RANK_1 = textwrap.dedent(
+    """
+    import os
+    if os.environ.get("RANK") == "1":
+        import signal
+        from pipetrain.checkpoint.trainer import StopSignal
+
+        def die(self, signum, frame):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        StopSignal._handle = die
+    """
+)
+
+
 def _descendants(pid: int) -> list[int]:
     """Processes whose parent chain reaches ``pid`` (from /proc)."""
     parents: dict[int, int] = {}
@@ -185,3 +201,41 @@ def test_the_launcher_blames_the_killed_rank_not_the_peer_that_lost_it(
         "rank 1 was killed by SIGKILL first (exit status -9); 2 of 2 processes failed"
     )
     assert caught.value.exit_code == 1
+
+
+def test_a_stop_that_a_rank_does_not_survive_is_not_a_clean_exit(
+    work: Path, tmp_path: Path
+) -> None:
+    # SIGTERM/Ctrl-C to the launcher: the ranks should finish the step and exit 0 (then
+    # so does the launcher). Here rank 1 dies instead: the launcher must say so, status 1.
+    (tmp_path / "sitecustomize.py").write_text(DIE_ON_STOP_RANK_1)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)}
+    flags = [*TINY, "--steps", "100000", "--set", "run.eval_every=0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipetrain.cli", "train", *flags, "--data", "data", "--name", "s"],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
+    metrics = work / "runs" / "s" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and '"loss"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert re.search(
+        r"^pipetrain train: stopped by signal SIGINT, but not cleanly: .*"
+        r"rank 1 was killed before it finished",
+        err,
+        re.MULTILINE,
+    ), err[-3000:]
