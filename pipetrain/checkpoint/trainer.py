@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.checkpoint.comm import jsonable
+from pipetrain.checkpoint.comm import Comm, jsonable
+from pipetrain.checkpoint.directory import list_checkpoints
 from pipetrain.checkpoint.errors import CheckpointError
 from pipetrain.checkpoint.load import LoadResult, resume_checkpoint
 from pipetrain.checkpoint.manifest import Layout
@@ -159,6 +160,7 @@ class RunCheckpoints:
         Weights and optimizer state come from the checkpoint; the optimizer's settings
         (betas, eps, weight decay) stay this run's, as its config says."""
         if not self.policy.resume:
+            self._refuse_earlier_checkpoints()
             return 0
         # Loading an optimizer state dict also loads the saved run's settings, which would
         # quietly undo a changed --set optim.*; the learning rate is the schedule's at
@@ -201,6 +203,22 @@ class RunCheckpoints:
                 "the steps from here are not those of the run continued as it was"
             )
         return result.step
+
+    def _refuse_earlier_checkpoints(self) -> None:
+        """A run that does not resume must not save into a directory of another run's
+        checkpoints: its step_N would replace theirs one by one (a forgotten --resume after
+        a preemption would throw the progress away)."""
+        if not self.policy.directory:
+            return
+        comm = Comm.of(self._group)
+        found = comm.broadcast(list_checkpoints(self.policy.directory) if comm.rank == 0 else None)
+        if found.complete:
+            step, newest = found.complete[-1]
+            raise CheckpointError(
+                f"{self.policy.directory} already holds checkpoints of an earlier run (the newest "
+                f"{newest.name}, step {step}): add --resume to continue it, or pass another "
+                "--checkpoint-dir (or remove those) to start over"
+            )
 
     def after_step(self, step: int) -> bool:
         """After ``step`` optimizer steps: save when due, and on a stop signal (then True)."""

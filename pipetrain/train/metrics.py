@@ -69,12 +69,16 @@ class MetricsFile:
         """``append``: keep the lines already there (a resumed run continues its own file)."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file: IO[str] = path.open("a" if append else "w", encoding="utf-8")
+            # Checked here, but emptied only at the first record: a run refused before its
+            # first step (a checkpoint directory in use, say) leaves the last run's lines.
+            path.open("a", encoding="utf-8").close()
         except OSError as exc:
             raise MetricsError(
                 f"run.metrics {str(path)!r} cannot be written ({exc.strerror}): choose another path"
             ) from None
         self.path = path
+        self._mode = "a" if append else "w"
+        self._file: IO[str] | None = None
 
     def write(self, record: Mapping[str, Any]) -> None:
         # NaN and inf are written as null: strict JSON readers reject the bare tokens.
@@ -82,11 +86,14 @@ class MetricsFile:
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()
         }
+        if self._file is None:
+            self._file = self.path.open(self._mode, encoding="utf-8")
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 class TensorBoard:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.checkpoint import save_checkpoint
+from pipetrain.checkpoint import list_checkpoints, save_checkpoint
 from pipetrain.cli import main
 
 pytestmark = pytest.mark.e2e
@@ -89,7 +89,7 @@ def test_export_to_a_directory_is_one_line(
     ]
 
 
-def test_train_resume_keeps_the_metrics_and_refuses_past_steps_or_all_damaged(
+def test_train_refuses_a_used_directory_without_resume_and_resume_keeps_the_metrics(
     work: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = work / "ckpt_train"
@@ -102,6 +102,15 @@ def test_train_resume_keeps_the_metrics_and_refuses_past_steps_or_all_damaged(
     ]  # fmt: skip
     code, _, err = cli(capsys, *argv)
     assert code == 0, err
+    # Again without --resume (forgotten after a preemption): its saves would replace these.
+    code, _, err = cli(capsys, *argv)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        f"pipetrain train: error: {ckpt} already holds checkpoints of an earlier run (the "
+        "newest step_000002, step 2): add --resume to continue it, or pass another "
+        "--checkpoint-dir (or remove those) to start over"
+    )
+    assert [s for s, _ in list_checkpoints(ckpt).complete] == [2]
     code, _, err = cli(capsys, *argv, "--resume", "--steps", "1")
     assert code == 2
     assert err.splitlines()[-1] == (
