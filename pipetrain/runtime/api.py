@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipetrain.models import PipelineSpec, StageModule
@@ -177,6 +178,15 @@ class Pipeline:
                 group, rank, replica_groups, replica_params, tied_groups, tied_params, timeout_s
             )
         self._transport = transport
+        # The runtime's errors number ranks within the pipeline's group; where those are
+        # not the global ranks (data parallelism: one pipeline per replica), they say
+        # which process is which.
+        self._rank_map = ""
+        if group is not None:
+            world = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+            if world != list(range(len(world))):
+                pairs = ", ".join(f"{r} is global rank {g}" for r, g in enumerate(world))
+                self._rank_map = f" [ranks of this pipeline's group: {pairs}]"
 
         def executors(program: Schedule, grads: GradsHook | None = None) -> list[RankExecutor]:
             return [
@@ -306,7 +316,7 @@ class Pipeline:
             return self._run_pass(executors, step, inputs, targets, training, denominator)
         except PipelineError as exc:
             label = f"{'training step' if training else 'evaluation pass'} {self._passes[training]}"
-            raise PipelineError(_relabel(str(exc), step, label)) from exc
+            raise PipelineError(_relabel(str(exc), step, label) + self._rank_map) from exc
 
     def _run_pass(
         self,

@@ -1,10 +1,10 @@
 """A rank that dies: what its surviving peer reports, and how soon.
 
-One launch of two processes: both run an evaluation pass and a training step of a tiny
-pipeline, then rank 1 is killed (SIGKILL); rank 0 meets the dead peer twice, in the
-pipeline's barrier at the start of its next step and in a collective of the trainer
-outside the pipeline (the peak-memory gather of the summary), and writes what each
-failure said and how long it took.
+One launch of three processes: global ranks 1 and 2 run an evaluation pass and a
+training step of a tiny pipeline on their own group, then rank 2 is killed (SIGKILL);
+rank 1 meets the dead peer in the pipeline's barrier at the start of its next step, and
+ranks 0 and 1 in a collective of the trainer outside the pipeline (the peak-memory
+gather of the summary). Each writes what its failures said and how long they took.
 """
 
 from __future__ import annotations
@@ -30,37 +30,40 @@ SCRIPT = textwrap.dedent(
     import datetime, os, signal, sys, time
     import torch
     import torch.distributed as dist
+    from pipetrain.models import get_model_config, model_spec
     from pipetrain.process_exit import exit_rank
+    from pipetrain.runtime import build_pipeline
     from pipetrain.runtime.errors import PipelineError, lost_peer_error
     from pipetrain.train.loop import ProcessRole, peak_memory_per_rank
 
-    from pipetrain.models import get_model_config, model_spec
-    from pipetrain.runtime import build_pipeline
-
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds={TIMEOUT_S}))
     rank = dist.get_rank()
-    spec = model_spec(get_model_config("llama-tiny"))
-    pipe = build_pipeline(
-        spec, schedule="1f1b", microbatches=2, group=dist.group.WORLD,
-        device=torch.device("cpu"), seed=0, timeout_s={TIMEOUT_S},
-    )
-    ids = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
-    # An evaluation pass and a training step go through; the second training step meets
-    # the dead peer in its barrier.
-    pipe.eval_loss(ids[:, :-1], ids[:, 1:])
-    pipe.step(ids[:, :-1], ids[:, 1:])
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    try:
+    # The pipeline runs on global ranks 1 and 2 (its ranks 0 and 1), as one replica of a
+    # data-parallel run would; global rank 0 only takes part in the world's gather.
+    group = dist.new_group([1, 2])
+    if rank > 0:
+        spec = model_spec(get_model_config("llama-tiny"))
+        pipe = build_pipeline(
+            spec, schedule="1f1b", microbatches=2, group=group,
+            device=torch.device("cpu"), seed=0, timeout_s={TIMEOUT_S},
+        )
+        ids = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
+        # An evaluation pass and a training step go through; the second training step
+        # meets the dead peer in its barrier.
+        pipe.eval_loss(ids[:, :-1], ids[:, 1:])
         pipe.step(ids[:, :-1], ids[:, 1:])
-    except PipelineError as exc:
-        print(f"barrier after {{time.monotonic() - start:.1f}} s: {{exc}}", file=sys.stderr)
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            pipe.step(ids[:, :-1], ids[:, 1:])
+        except PipelineError as exc:
+            print(f"barrier after {{time.monotonic() - start:.1f}} s: {{exc}}", file=sys.stderr)
     start = time.monotonic()
     try:
-        peak_memory_per_rank(ProcessRole(rank=0, world_size=2), torch.device("cpu"))
+        peak_memory_per_rank(ProcessRole(rank=rank, world_size=3), torch.device("cpu"))
     except Exception as exc:
-        failure = lost_peer_error(exc, rank=0, timeout_s={TIMEOUT_S})
+        failure = lost_peer_error(exc, rank=rank, timeout_s={TIMEOUT_S})
         print(f"gather after {{time.monotonic() - start:.1f}} s: {{failure}}", file=sys.stderr)
     exit_rank(0)
     """
@@ -76,30 +79,35 @@ def _line(stderr: str, prefix: str) -> tuple[float, str]:
 def test_a_dead_peer_is_reported_as_lost_at_once_in_one_line(tmp_path: Path) -> None:
     script = tmp_path / "lost_peer.py"
     script.write_text(SCRIPT)
-    run = launch(2, [], timeout_s=150.0, worker=script)
-    assert run.returncodes == (0, -signal.SIGKILL), (run.returncodes, run.stderr[0][-3000:])
-    err = run.stderr[0]
-    assert "Traceback" not in err, err[-3000:]
+    run = launch(3, [], timeout_s=150.0, worker=script)
+    assert run.returncodes == (0, 0, -signal.SIGKILL), (run.returncodes, run.stderr[1][-3000:])
+    for rank in (0, 1):
+        assert "Traceback" not in run.stderr[rank], run.stderr[rank][-3000:]
 
     # gloo's monitored barrier says "failed to pass in 60000 ms" for a closed connection
     # too; the peer died, it was not late. The step is the second training step, as the
-    # user counts (the pipeline's third pass, after the evaluation).
-    seconds, text = _line(err, "barrier")
+    # user counts (the pipeline's third pass, after the evaluation), and the pipeline's
+    # ranks are told apart from the global ones.
+    seconds, text = _line(run.stderr[1], "barrier")
     assert seconds < TIMEOUT_S / 2
     assert text.startswith(
-        "rank 0: training step 2, barrier at the start of the step: peer rank(s) 1 "
+        "rank 0: training step 2, barrier at the start of the step: peer rank(s) 1 were lost "
     ), text
-    assert "were lost" in text and "did not arrive" not in text, text
+    assert "did not arrive" not in text, text
+    assert text.endswith(
+        " [ranks of this pipeline's group: 0 is global rank 1, 1 is global rank 2]"
+    ), text
 
     # A collective outside the pipeline: one line naming the rank, where it waited and
     # what happened, not gloo's multi-line RuntimeError.
-    seconds, text = _line(err, "gather")
-    assert seconds < TIMEOUT_S / 2
-    assert re.fullmatch(
-        r"rank 0: waiting on other ranks in peak_memory_per_rank \(pipetrain/train/loop\.py:\d+\): "
-        r"a peer was lost \(.*\)",
-        text,
-    ), text
+    for rank in (0, 1):
+        seconds, text = _line(run.stderr[rank], "gather")
+        assert seconds < TIMEOUT_S / 2
+        assert re.fullmatch(
+            rf"rank {rank}: waiting on other ranks in peak_memory_per_rank "
+            r"\(pipetrain/train/loop\.py:\d+\): a peer was lost \(.*\)",
+            text,
+        ), text
 
 
 def test_lost_peer_error_keeps_other_errors_for_their_traceback() -> None:
