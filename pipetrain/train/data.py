@@ -239,15 +239,18 @@ def load_corpus(config: DataConfig) -> Corpus:
     for name, text in documents:
         if train_bytes >= config.max_bytes and eval_bytes >= eval_budget:
             break
-        size = len(text)
+        # The document that crosses a budget is cut there: one large file would otherwise
+        # make the held-out part far more than eval_fraction of a small corpus.
         if _hash(name) % _BUCKETS < threshold:
             if eval_bytes < eval_budget:
+                text = text[: max(1, int(eval_budget - eval_bytes))]
                 eval_parts.append(text)
-                eval_bytes += size
+                eval_bytes += len(text)
                 count += 1
         elif train_bytes < config.max_bytes:
+            text = text[: config.max_bytes - train_bytes]
             train_parts.append(text)
-            train_bytes += size
+            train_bytes += len(text)
             count += 1
     if count == 0:
         raise DataError(

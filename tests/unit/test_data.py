@@ -149,3 +149,11 @@ def test_byte_tokenizer_round_trips() -> None:
     tokenizer = load_tokenizer("")
     assert tokenizer.vocab_size == 256
     assert tokenizer.decode(tokenizer.encode("héllo")) == "héllo"
+
+
+def test_a_large_document_does_not_swell_the_held_out_part() -> None:
+    # The first held-out document of the standard library within 100 kB is far larger than
+    # 5% of it: it is cut at the budget, as the train document that crosses max_bytes is.
+    corpus = load_corpus(DataConfig(max_bytes=100_000, eval_fraction=0.05))
+    assert 100_000 <= len(corpus.train) < 110_000
+    assert 5_000 <= len(corpus.eval) < 5_500
