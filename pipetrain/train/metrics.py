@@ -242,7 +242,8 @@ class RunSummary:
         """A few lines for the end of the run log."""
         lines = [
             f"trained {self.steps} steps, {self.tokens:,} tokens in {format_duration(self.wall_s)} "
-            f"({self.wall_s:.1f} s): {self.tokens_per_s:,.0f} tokens/s",
+            f"({self.wall_s:.1f} s with start-up and evaluation); {self.tokens_per_s:,.0f} "
+            f"tokens/s over the training steps after the first",
         ]
         if math.isfinite(self.first_eval_loss) and math.isfinite(self.final_eval_loss):
             drop = 1.0 - self.final_eval_loss / self.first_eval_loss
