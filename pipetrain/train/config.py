@@ -244,6 +244,7 @@ def load_config(
             for section, cls in _SECTIONS.items()
         }
     )
+    config = _expand_home(config)
     if not config.run.name:
         parts = (config.model.name, config.pipeline.schedule, f"pp{config.pipeline.pp}")
         # A bad model or schedule name is reported by its own check, not as a bad run name.
@@ -252,6 +253,27 @@ def load_config(
         )
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
     validate(config, check_paths=check_paths)
+    return config
+
+
+# Text fields that name files or folders: "~" in them means the home folder, as in a
+# shell (a TOML file or a quoted argument does not go through one).
+_PATH_FIELDS = {
+    "data": ("path", "tokenizer"),
+    "run": ("out_dir", "metrics", "timeline", "checkpoint_dir"),
+}
+
+
+def _expand_home(config: TrainConfig) -> TrainConfig:
+    for section, names in _PATH_FIELDS.items():
+        table = getattr(config, section)
+        changed = {
+            name: os.path.expanduser(getattr(table, name))
+            for name in names
+            if getattr(table, name).startswith("~")
+        }
+        if changed:
+            config = dataclasses.replace(config, **{section: dataclasses.replace(table, **changed)})
     return config
 
 

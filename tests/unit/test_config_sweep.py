@@ -178,3 +178,16 @@ def test_an_empty_sample_prompt_is_refused_before_training() -> None:
     message = _message({"run.sample_prompt": ""})
     assert message.startswith("run.sample_prompt is empty") and "run.sample_tokens=0" in message
     load_config(overrides={"run.sample_prompt": "", "run.sample_tokens": 0})
+
+
+def test_a_home_folder_in_a_path_is_expanded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # "~/runs" in a TOML file or a quoted --set reached the run as a folder named "~".
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_config(
+        overrides={"run.name": "r", "run.out_dir": "~/runs", "run.checkpoint_dir": "~/ck"}
+    )
+    assert config.run.out_dir == str(tmp_path / "runs")
+    assert config.run.checkpoint_dir == str(tmp_path / "ck")
+    assert config.run_dir == tmp_path / "runs" / "r"
