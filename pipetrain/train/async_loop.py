@@ -123,9 +123,13 @@ def train_async(
         )
         start = checkpoints.resume()
         if start % stream:
+            # A derived stream length changes with --checkpoint-every and --eval-every, so
+            # the saved run's may be one the user never typed: name one that fits.
+            derived = "" if p.stream_steps else " (from run.steps, eval_every, checkpoint_every)"
             raise ConfigError(
-                f"the checkpoint is at step {start}, not between two streams of "
-                f"pipeline.stream_steps {stream}: resume with the --stream-steps of the saved run"
+                f"the checkpoint is at step {start}, not between two streams of {stream} "
+                f"steps{derived}: pass --stream-steps {math.gcd(start, stream)}, or the "
+                "--checkpoint-every and --eval-every of the saved run"
             )
         first_eval = evaluate(start)
         last_eval = first_eval

@@ -133,3 +133,29 @@ def test_train_refuses_a_used_directory_without_resume_and_resume_keeps_the_metr
     assert err.splitlines()[-1].startswith(
         f"pipetrain train: error: no valid checkpoint in {ckpt}: {shard}: 10 bytes"
     )
+
+
+def test_async_resume_between_streams_of_another_length_names_a_stream_that_fits(
+    work: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = work / "ckpt_async"
+    argv = [
+        "train", "--model", "llama-tiny", "--pp", "2", "--single-process",
+        "--schedule", "pipedream", "--steps", "4", "--batch-size", "2", "--microbatches", "2",
+        "--seq-len", "8", "--eval-every", "0", "--set", "run.sample_tokens=0",
+        "--set", "optim.warmup_steps=0", "--data", str(work / "data"),
+        "--set", f"run.out_dir={work / 'runs'}", "--checkpoint-dir", str(ckpt),
+    ]  # fmt: skip
+    code, _, err = cli(capsys, *argv, "--checkpoint-every", "2")  # streams of 2 steps
+    assert code == 0, err
+    shutil.rmtree(ckpt / "step_000004")
+    code, _, err = cli(capsys, *argv, "--resume")  # streams of 4: step 2 is inside one
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        "pipetrain train: error: the checkpoint is at step 2, not between two streams of 4 "
+        "steps (from run.steps, eval_every, checkpoint_every): pass --stream-steps 2, or the "
+        "--checkpoint-every and --eval-every of the saved run"
+    )
+    code, out, err = cli(capsys, *argv, "--resume", "--stream-steps", "2")
+    assert code == 0, err
+    assert f"resumed from {ckpt / 'step_000002'} at step 2" in out
