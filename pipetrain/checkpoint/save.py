@@ -8,7 +8,9 @@ Save protocol (every rank calls ``save_checkpoint`` with its own stage modules):
 3. rank 0 writes ``manifest.json`` (sha256 and size of every file, format version, model
    config, layout, run config, trainer state) and the ``COMPLETE`` marker, fsyncs them,
    and renames the directory to ``ROOT/step_000123/`` in one atomic step;
-4. rank 0 removes checkpoints beyond ``keep`` and the leftovers of crashed saves.
+4. rank 0 removes the leftovers of crashed saves and, with ``keep``, all but the newest
+   ``keep`` checkpoints up to this step (later steps, left from before a resume that fell
+   back past them, are neither counted nor removed).
 
 A process killed before step 3 ends leaves only a ``.tmp-`` directory, which loading
 ignores with a warning: the previous checkpoint stays the newest valid one.
