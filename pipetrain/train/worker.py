@@ -9,7 +9,10 @@ gloo's threads can turn into a SIGABRT after a successful run (its docstring say
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
+import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -26,7 +29,27 @@ from pipetrain.train.optim import TrainingDiverged
 __all__ = ["main"]
 
 
+def _stop_with_launcher() -> None:
+    """Linux: have the kernel send this rank SIGTERM when its launcher dies.
+
+    torch's launcher starts each rank in a session of its own and stops the ranks itself
+    when it is signalled; killed (SIGKILL, the OOM killer), it cannot, and its ranks would
+    train on as orphans. SIGTERM is the stop signal the trainer obeys: finish the step,
+    save, exit. (The kernel watches the thread that started the process: the launcher's
+    main thread, which runs its agent.)
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return  # not worth failing the run over: the launcher's own stop still works
+    if os.getppid() == 1:  # the launcher died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _stop_with_launcher()
     # A native crash (SIGSEGV, SIGABRT from a C++ std::terminate in torch or gloo) would
     # otherwise leave one bare line on stderr; this dumps every thread's Python stack with
     # it, so the log says where the rank was.

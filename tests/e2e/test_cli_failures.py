@@ -9,6 +9,7 @@ process of the run gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -142,6 +143,7 @@ def test_a_second_ctrl_c_stops_a_rank_with_one_line(
 
     _as_rank_1(monkeypatch)
     monkeypatch.setattr(worker, "train", interrupted)
+    monkeypatch.setattr(worker, "_stop_with_launcher", lambda: None)  # not on pytest
     # pytest's own faulthandler stays as it is (the worker's would want a real stderr).
     monkeypatch.setattr(worker.faulthandler, "enable", lambda: None)
     config = tmp_path / "config.toml"
@@ -239,3 +241,35 @@ def test_a_stop_that_a_rank_does_not_survive_is_not_a_clean_exit(
         err,
         re.MULTILINE,
     ), err[-3000:]
+
+
+def test_ranks_do_not_outlive_a_killed_launcher(work: Path) -> None:
+    # torch's launcher stops its ranks when signalled, but SIGKILL (or the OOM killer)
+    # gives it no chance: the ranks, in sessions of their own, would train on as orphans.
+    flags = [*TINY, "--steps", "100000", "--set", "run.eval_every=0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipetrain.cli", "train", *flags, "--data", "data", "--name", "o"],
+        cwd=work,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    metrics = work / "runs" / "o" / "metrics.jsonl"
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and '"loss"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2, workers
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in workers):
+            time.sleep(0.2)
+        assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+    finally:
+        for pid in workers:  # when the test fails: no orphan of ours either
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
