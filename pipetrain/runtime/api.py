@@ -58,7 +58,7 @@ from pipetrain.runtime.collectives import (
     dist_barrier,
     dist_step_summary,
 )
-from pipetrain.runtime.errors import PipelineError, PipelineInputError
+from pipetrain.runtime.errors import PipelineError, PipelineInputError, lost_peer_error
 from pipetrain.runtime.executor import ComputeHook, GradsHook, RankExecutor, StepHook
 from pipetrain.runtime.stage import IGNORE_INDEX, LossFn, StageRunner
 from pipetrain.runtime.timeline import merge_timelines, rank_events
@@ -315,8 +315,22 @@ class Pipeline:
         try:
             return self._run_pass(executors, step, inputs, targets, training, denominator)
         except PipelineError as exc:
-            label = f"{'training step' if training else 'evaluation pass'} {self._passes[training]}"
+            label = self._label(training)
             raise PipelineError(_relabel(str(exc), step, label) + self._rank_map) from exc
+        except RuntimeError as exc:
+            # A transfer that torch refused at once (gloo raises when a send or receive is
+            # posted on a connection its peer already closed).
+            failure = lost_peer_error(
+                exc, rank=executors[0].rank, timeout_s=self._timeout_s, step=self._label(training)
+            )
+            if failure is None:
+                raise
+            raise PipelineError(str(failure) + self._rank_map) from exc
+
+    def _label(self, training: bool) -> str:
+        """The current pass as the user counts it (1-based), for error messages."""
+        kind = "training step" if training else "evaluation pass"
+        return f"{kind} {self._passes[training]}"
 
     def _run_pass(
         self,

@@ -40,12 +40,15 @@ _GLOO = "gloo/transport"
 _PACKAGE = Path(__file__).resolve().parent.parent  # .../pipetrain
 
 
-def lost_peer_error(exc: BaseException, *, rank: int, timeout_s: float) -> PipelineError | None:
+def lost_peer_error(
+    exc: BaseException, *, rank: int, timeout_s: float, step: str = ""
+) -> PipelineError | None:
     """A one-line ``PipelineError`` for a collective that failed because of a peer, or None.
 
     None for anything else (a bug keeps its traceback). The line names this rank, the
-    pipetrain function that waited and what happened to the peer; gloo does not say which
-    peer, so the line points at the other ranks' logs.
+    pipetrain function that waited (after ``step``, e.g. "training step 3", when known)
+    and what happened to the peer; gloo does not say which peer, so the line points at
+    the other ranks' logs.
     """
     if isinstance(exc, PipelineError):
         return exc
@@ -66,8 +69,9 @@ def lost_peer_error(exc: BaseException, *, rank: int, timeout_s: float) -> Pipel
     else:
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         what = f"{type(exc).__name__}: {first}"
+    when = f"{step}, " if step else ""
     return PipelineError(
-        f"rank {rank}: waiting on other ranks in {_where(exc.__traceback__)}: {what}"
+        f"rank {rank}: {when}waiting on other ranks in {_where(exc.__traceback__)}: {what}"
     )
 
 

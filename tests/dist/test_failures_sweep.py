@@ -1,10 +1,11 @@
 """A rank that dies: what its surviving peer reports, and how soon.
 
 One launch of three processes: global ranks 1 and 2 run an evaluation pass and a
-training step of a tiny pipeline on their own group, then rank 2 is killed (SIGKILL);
-rank 1 meets the dead peer in the pipeline's barrier at the start of its next step, and
-ranks 0 and 1 in a collective of the trainer outside the pipeline (the peak-memory
-gather of the summary). Each writes what its failures said and how long they took.
+training step of a tiny pipeline on their own group, then rank 2 is killed (SIGKILL).
+Rank 1 meets the dead peer in the pipeline's barrier at the start of its next step, then
+(the barrier switched off) in the step's first transfer; ranks 0 and 1 meet it in a
+collective of the trainer outside the pipeline (the peak-memory gather of the summary).
+Each writes what its failures said and how long they took.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ SCRIPT = textwrap.dedent(
             pipe.step(ids[:, :-1], ids[:, 1:])
         except PipelineError as exc:
             print(f"barrier after {{time.monotonic() - start:.1f}} s: {{exc}}", file=sys.stderr)
+        # Past the barrier, the step's first transfer meets the closed connection.
+        import pipetrain.runtime.api as api
+        api.dist_barrier = lambda *args, **kwargs: None
+        start = time.monotonic()
+        try:
+            pipe.step(ids[:, :-1], ids[:, 1:])
+        except PipelineError as exc:
+            print(f"transfer after {{time.monotonic() - start:.1f}} s: {{exc}}", file=sys.stderr)
     start = time.monotonic()
     try:
         peak_memory_per_rank(ProcessRole(rank=rank, world_size=3), torch.device("cpu"))
@@ -97,6 +106,16 @@ def test_a_dead_peer_is_reported_as_lost_at_once_in_one_line(tmp_path: Path) -> 
     assert text.endswith(
         " [ranks of this pipeline's group: 0 is global rank 1, 1 is global rank 2]"
     ), text
+
+    # Past the barrier (switched off), the step's first transfer: gloo refuses to post it
+    # on the closed connection with its own RuntimeError, which becomes the same line.
+    seconds, text = _line(run.stderr[1], "transfer")
+    assert seconds < TIMEOUT_S / 2
+    assert text.startswith("rank 0: training step 3, "), text
+    assert "was lost" in text, text
+    assert text.endswith(
+        " [ranks of this pipeline's group: 0 is global rank 1, 1 is global rank 2]"
+    )
 
     # A collective outside the pipeline: one line naming the rank, where it waited and
     # what happened, not gloo's multi-line RuntimeError.
