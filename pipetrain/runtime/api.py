@@ -329,7 +329,9 @@ class Pipeline:
 
     def _label(self, training: bool) -> str:
         """The current pass as the user counts it (1-based), for error messages."""
-        kind = "training step" if training else "evaluation pass"
+        # An asynchronous schedule's pass is a stream of several optimizer steps.
+        unit = "stream" if self.schedule.asynchronous else "step"
+        kind = f"training {unit}" if training else "evaluation pass"
         return f"{kind} {self._passes[training]}"
 
     def _run_pass(
