@@ -264,6 +264,7 @@ class Pipeline:
         targets: torch.Tensor | None,
         *,
         denominator: float | None = None,
+        label: str | None = None,
     ) -> StepResult:
         """One forward and backward of the whole batch; gradients end up in ``.grad``.
 
@@ -272,8 +273,12 @@ class Pipeline:
         ``denominator``: what the summed loss is divided by, by default the targets that
         count in this batch. Data parallelism passes the global batch's count over the
         replicas, so that replicas with fewer tokens weigh less in the mean of replicas.
+        ``label``: how errors name this step (default "training step N", N counting this
+        pipeline's steps from 1; a loop that resumed or accumulates knows better).
         """
-        return self._run(self._train, inputs, targets, training=True, denominator=denominator)
+        return self._run(
+            self._train, inputs, targets, training=True, denominator=denominator, label=label
+        )
 
     def eval_loss(
         self,
@@ -281,10 +286,13 @@ class Pipeline:
         targets: torch.Tensor | None,
         *,
         denominator: float | None = None,
+        label: str | None = None,
     ) -> float:
         """The loss of a batch, forward only, without touching gradients (``denominator``
-        as in ``step``)."""
-        return self._run(self._eval, inputs, targets, training=False, denominator=denominator).loss
+        and ``label`` as in ``step``)."""
+        return self._run(
+            self._eval, inputs, targets, training=False, denominator=denominator, label=label
+        ).loss
 
     def _split(self, name: str, batch: torch.Tensor | None, needed: bool) -> list[torch.Tensor]:
         m = self.schedule.microbatches
@@ -308,6 +316,7 @@ class Pipeline:
         targets: torch.Tensor | None,
         training: bool,
         denominator: float | None = None,
+        label: str | None = None,
     ) -> StepResult:
         step = self._step
         self._step += 1
@@ -315,13 +324,16 @@ class Pipeline:
         try:
             return self._run_pass(executors, step, inputs, targets, training, denominator)
         except PipelineError as exc:
-            label = self._label(training)
+            label = label or self._label(training)
             raise PipelineError(_relabel(str(exc), step, label) + self._rank_map) from exc
         except RuntimeError as exc:
             # A transfer that torch refused at once (gloo raises when a send or receive is
             # posted on a connection its peer already closed).
             failure = lost_peer_error(
-                exc, rank=executors[0].rank, timeout_s=self._timeout_s, step=self._label(training)
+                exc,
+                rank=executors[0].rank,
+                timeout_s=self._timeout_s,
+                step=label or self._label(training),
             )
             if failure is None:
                 raise

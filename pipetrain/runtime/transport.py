@@ -250,13 +250,14 @@ class DistTransport:
                     else:
                         pending = self._post_header(entry, peer.rank)
                         pending.predicted = specs
-                        self._post_payload(pending, peer.rank, specs)
+                        self._post_payload(pending, entry.key, peer.rank, specs)
                 else:
                     # A boundary's first message: its header comes first.
                     pending = self._pending.get(entry.key) or self._post_header(entry, peer.rank)
                     if through is None:
                         return
-                    self._post_payload(pending, peer.rank, self._read_header(entry.key, pending))
+                    specs = self._read_header(entry.key, pending)
+                    self._post_payload(pending, entry.key, peer.rank, specs)
                 peer.ahead += 1
             peer.head += 1
 
@@ -267,17 +268,15 @@ class DistTransport:
         values = header_values(self._step, entry.src_stage, key, tensors)
         if packed:
             buf = pack(values, tensors)
-            work = dist.isend(buf, group=self._group, group_dst=peer, tag=TAG)
-            self._sends[key] = ([work], (buf,))
+            self._sends[key] = ([self._post(buf, peer, key, sending=True)], (buf,))
             return
         header = to_device(values, self._device)
-        works = [dist.isend(header, group=self._group, group_dst=peer, tag=TAG)]
-        works += [dist.isend(t, group=self._group, group_dst=peer, tag=TAG) for t in tensors]
+        works = [self._post(t, peer, key, sending=True) for t in (header, *tensors)]
         self._sends[key] = (works, (header, *tensors))
 
     def _post_header(self, entry: Entry, peer: int) -> Pending:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
-        work = dist.irecv(header, group=self._group, group_src=peer, tag=TAG)
+        work = self._post(header, peer, entry.key, sending=False)
         pending = Pending(entry.src_stage, header, work)
         self._pending[entry.key] = pending
         return pending
@@ -296,17 +295,24 @@ class DistTransport:
         pending = Pending(entry.src_stage, None, None)
         pending.packed = buf
         pending.predicted = specs
-        pending.payload_works = [dist.irecv(buf, group=self._group, group_src=peer, tag=TAG)]
+        pending.payload_works = [self._post(buf, peer, entry.key, sending=False)]
         self._pending[entry.key] = pending
 
-    def _post_payload(self, pending: Pending, peer: int, specs: Specs) -> None:
+    def _post_payload(self, pending: Pending, key: MessageKey, peer: int, specs: Specs) -> None:
         payload = tuple(
             torch.empty(shape, dtype=dtype, device=self._device) for dtype, shape in specs
         )
         pending.payload = payload
-        pending.payload_works = [
-            dist.irecv(t, group=self._group, group_src=peer, tag=TAG) for t in payload
-        ]
+        pending.payload_works = [self._post(t, peer, key, sending=False) for t in payload]
+
+    def _post(self, tensor: torch.Tensor, peer: int, key: MessageKey, sending: bool) -> Any:
+        """Post one transfer; gloo refuses at once on a connection its peer has closed."""
+        try:
+            if sending:
+                return dist.isend(tensor, group=self._group, group_dst=peer, tag=TAG)
+            return dist.irecv(tensor, group=self._group, group_src=peer, tag=TAG)
+        except RuntimeError as exc:
+            raise self.failure(exc, key, sending, peer=peer) from exc
 
     # ----------------------------------------------------------------- send, receive
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -393,10 +399,14 @@ class DistTransport:
         except RuntimeError as exc:
             raise self.failure(exc, key, sending) from exc
 
-    def failure(self, exc: BaseException, key: MessageKey, sending: bool) -> PipelineError:
-        src = self._pending[key].src if key in self._pending else None
-        peer_stage = key.dst_stage if sending else src
-        peer = "?" if peer_stage is None else str(self._stage_ranks[peer_stage])
+    def failure(
+        self, exc: BaseException, key: MessageKey, sending: bool, peer: int | None = None
+    ) -> PipelineError:
+        if peer is None:
+            src = self._pending[key].src if key in self._pending else None
+            peer_stage = key.dst_stage if sending else src
+            if peer_stage is not None:
+                peer = self._stage_ranks[peer_stage]
         what = "gradient" if key.is_grad else "activations"
         verb = (
             f"sending {what} to stage {key.dst_stage}"
@@ -405,5 +415,5 @@ class DistTransport:
         )
         return PipelineError(
             f"rank {self._rank}: step {self._step}, {verb} (micro-batch {key.microbatch}): "
-            f"peer rank {peer} {describe_failure(exc, self._timeout_s)}"
+            f"peer rank {'?' if peer is None else peer} {describe_failure(exc, self._timeout_s)}"
         )

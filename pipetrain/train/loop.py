@@ -209,6 +209,9 @@ def _step(session: Session, step: int, loop_started: float) -> StepRecord:
             targets,
             compiled=config.pipeline.compile and step == 0 and micro == 0,
             denominator=denominator,
+            # Errors count steps as the progress does, a resumed run's included.
+            label=f"training step {step + 1}"
+            + (f" (accumulation {micro + 1} of {accum})" if accum > 1 else ""),
         )
         losses.append(result.loss)
         tokens += result.tokens
@@ -269,12 +272,13 @@ def _first_step_guard(
     *,
     compiled: bool,
     denominator: float | None = None,
+    label: str | None = None,
 ) -> Any:
     """Run a step; a failure of torch.compile (it compiles on the first call) becomes one line."""
     if not compiled:
-        return pipeline.step(inputs, targets, denominator=denominator)
+        return pipeline.step(inputs, targets, denominator=denominator, label=label)
     try:
-        return pipeline.step(inputs, targets, denominator=denominator)
+        return pipeline.step(inputs, targets, denominator=denominator, label=label)
     except InputError:
         raise
     except Exception as exc:

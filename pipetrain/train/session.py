@@ -120,6 +120,7 @@ class Session:
                     batch.inputs if batch is not None and self.first else None,
                     batch.targets if batch is not None and self.last else None,
                     denominator=denominator,
+                    label=f"evaluation after step {step} (batch {i + 1} of {d.eval_batches})",
                 )
             )
         if self.sharded is not None:  # the forwards gathered the parameters: free them

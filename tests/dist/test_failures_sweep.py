@@ -65,7 +65,8 @@ SCRIPT = textwrap.dedent(
         api.dist_barrier = lambda *args, **kwargs: None
         start = time.monotonic()
         try:
-            pipe.step(ids[:, :-1], ids[:, 1:])
+            # A loop that resumed or accumulates names its steps itself.
+            pipe.step(ids[:, :-1], ids[:, 1:], label="training step 41 (accumulation 2 of 2)")
         except PipelineError as exc:
             print(f"transfer after {{time.monotonic() - start:.1f}} s: {{exc}}", file=sys.stderr)
     start = time.monotonic()
@@ -108,10 +109,11 @@ def test_a_dead_peer_is_reported_as_lost_at_once_in_one_line(tmp_path: Path) -> 
     ), text
 
     # Past the barrier (switched off), the step's first transfer: gloo refuses to post it
-    # on the closed connection with its own RuntimeError, which becomes the same line.
+    # on the closed connection with its own RuntimeError, which becomes the same line,
+    # here with the step as the caller labelled it.
     seconds, text = _line(run.stderr[1], "transfer")
     assert seconds < TIMEOUT_S / 2
-    assert text.startswith("rank 0: training step 3, "), text
+    assert text.startswith("rank 0: training step 41 (accumulation 2 of 2), "), text
     assert "was lost" in text, text
     assert text.endswith(
         " [ranks of this pipeline's group: 0 is global rank 1, 1 is global rank 2]"

@@ -76,7 +76,9 @@ def test_compile_is_accepted_and_wraps_the_stage() -> None:
 
 
 class _FailingPipeline:
-    def step(self, inputs: object, targets: object, *, denominator: object = None) -> None:
+    def step(
+        self, inputs: object, targets: object, *, denominator: object = None, label: object = None
+    ) -> None:
         raise RuntimeError("InductorError: CppCompileError: C++ compile error\nlong log ...")
 
 

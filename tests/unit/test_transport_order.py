@@ -230,7 +230,8 @@ def _run_threads(nccl: FakeNccl, program: Schedule, steps: int, timeout_s: float
                     current[0] = step + 1
                 barrier.wait(timeout_s)
         except Exception as exc:
-            errors.append(f"rank {rank}: {exc}")
+            cause = f" (from: {exc.__cause__})" if exc.__cause__ is not None else ""
+            errors.append(f"rank {rank}: {exc}{cause}")
             barrier.abort()
             with nccl.cond:
                 nccl.error = nccl.error or f"rank {rank} failed"
@@ -390,3 +391,26 @@ def test_messages_too_large_to_pack_go_as_header_and_payload(monkeypatch, name, 
     gloo = FakeNccl(False, init_timeout_s=TIMEOUT_S)
     monkeypatch.setattr(transport_module, "dist", gloo)
     assert _run_threads(gloo, program, 2, TIMEOUT_S) == ""
+
+
+def test_a_transfer_refused_at_once_names_the_message_and_the_peer():
+    # gloo raises from isend/irecv themselves when the peer has closed the connection:
+    # that is one line naming the step, the message and the peer, like a failed wait.
+    program = resolve_schedule("1f1b", 2, 2, None)
+    nccl = FakeNccl(True, init_timeout_s=2.0)
+    real_isend = nccl.isend
+
+    def isend(tensor, group, group_dst, tag):
+        if group.rank == 0 and tensor.numel() > 1:  # not the meeting token
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer")
+        return real_isend(tensor, group, group_dst, tag)
+
+    nccl.isend = isend
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transport_module, "dist", nccl)
+        problem = _run_threads(nccl, program, 1, 2.0)
+    assert re.search(
+        r"rank 0: rank 0: step 0, sending activations to stage 1 \(micro-batch 0\): peer rank 1 "
+        r"was lost",
+        problem,
+    ), problem
