@@ -29,6 +29,7 @@ from torch import nn
 
 from pipetrain.runtime.errors import PipelineError
 from pipetrain.runtime.transport import describe_failure
+from pipetrain.runtime.waits import finish
 
 __all__ = [
     "DistReducer",
@@ -163,7 +164,7 @@ class DistReducer:
     ) -> None:
         self._rank = rank
         self._timeout_s = timeout_s
-        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._polls = dist.get_backend(group) == "nccl"  # waits.finish
         self._replica_params = replica_params
         self._tied_params = tied_params
         self._subgroups: dict[tuple[int, ...], Any] = {}
@@ -228,7 +229,7 @@ class DistReducer:
 
     def _wait(self, work: Any, what: str, step: int) -> None:
         try:
-            work.wait(self._timeout)
+            finish(work, self._timeout_s, self._polls)
         except RuntimeError as exc:
             raise PipelineError(
                 f"rank {self._rank}: step {step}, {what}: a peer {describe_failure(exc, self._timeout_s)}"
@@ -274,7 +275,8 @@ def dist_barrier(group: Any, rank: int, step: int, timeout_s: float, device: tor
         if dist.get_backend(group) == "gloo":
             dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
             return
-        dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True).wait(timeout)
+        work = dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)
+        finish(work, timeout_s, polls=True)
     except RuntimeError as exc:
         absent = re.search(r"Ranks? ([\d, ]+) failed to pass", str(exc))
         if absent:
@@ -308,7 +310,7 @@ def dist_step_summary(
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(rows, mine, group=group, async_op=True)
     try:
-        work.wait(datetime.timedelta(seconds=timeout_s))
+        finish(work, timeout_s, polls=dist.get_backend(group) == "nccl")
     except RuntimeError as exc:
         raise PipelineError(
             f"rank {rank}: step {step}, gathering the loss at the end of the step: a peer "

@@ -16,7 +16,6 @@ sums their local shards.
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -29,6 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipetrain.runtime import Pipeline, PipelineError
+from pipetrain.runtime.messages import describe_failure
+from pipetrain.runtime.waits import finish
 from pipetrain.schedules import Action, Kind
 from pipetrain.train.config import ConfigError
 
@@ -183,7 +184,8 @@ class ReplicaGradients:
         if bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes is {bucket_bytes}: use a positive size")
         self._mesh = mesh
-        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._timeout_s = timeout_s
+        self._polls = dist.get_backend(mesh.dp_group) == "nccl"  # waits.finish
         self._bucket_bytes = bucket_bytes
         self._stage_buckets: dict[int, list[list[nn.Parameter]]] = {}
         self._late: list[list[nn.Parameter]] = []
@@ -270,12 +272,13 @@ class ReplicaGradients:
         scale = 1.0 / self._mesh.dp
         for launched in self._in_flight:
             try:
-                launched.work.wait(self._timeout)
+                finish(launched.work, self._timeout_s, self._polls)
             except RuntimeError as exc:
+                # ``step`` counts from 0, the progress and the pipeline's errors from 1.
                 raise PipelineError(
-                    f"rank {self._mesh.rank}: step {step}, data-parallel all-reduce of {launched.what} "
-                    f"with the other replicas (dp group of pp rank {self._mesh.pp_rank}) failed or "
-                    f"timed out: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}"
+                    f"rank {self._mesh.rank}: training step {step + 1}, data-parallel all-reduce "
+                    f"of {launched.what} with the other replicas (dp group of pp rank "
+                    f"{self._mesh.pp_rank}): a peer {describe_failure(exc, self._timeout_s)}"
                 ) from exc
             launched.flat.mul_(scale)
             offset = 0
