@@ -83,13 +83,12 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def test_a_rank_killed_during_the_sample_ends_the_run_with_one_line(
-    work: Path, tmp_path: Path
-) -> None:
-    (tmp_path / "sitecustomize.py").write_text(KILL_RANK_1)
+def _train_with(work: Path, tmp_path: Path, site: str, flags: list[str]) -> subprocess.Popen[str]:
+    """``pipetrain train`` in its own session, every process importing ``site`` first."""
+    (tmp_path / "sitecustomize.py").write_text(site)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipetrain.cli", "train", *TINY, "--data", "data", "--name", "k"],
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipetrain.cli", "train", *flags, "--data", "data"],
         cwd=work,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -97,6 +96,12 @@ def test_a_rank_killed_during_the_sample_ends_the_run_with_one_line(
         start_new_session=True,
         env=env,
     )
+
+
+def test_a_rank_killed_during_the_sample_ends_the_run_with_one_line(
+    work: Path, tmp_path: Path
+) -> None:
+    proc = _train_with(work, tmp_path, KILL_RANK_1, [*TINY, "--name", "k"])
     workers: set[int] = set()
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
@@ -210,18 +215,8 @@ def test_a_stop_that_a_rank_does_not_survive_is_not_a_clean_exit(
 ) -> None:
     # SIGTERM/Ctrl-C to the launcher: the ranks should finish the step and exit 0 (then
     # so does the launcher). Here rank 1 dies instead: the launcher must say so, status 1.
-    (tmp_path / "sitecustomize.py").write_text(DIE_ON_STOP_RANK_1)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)}
-    flags = [*TINY, "--steps", "100000", "--set", "run.eval_every=0"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipetrain.cli", "train", *flags, "--data", "data", "--name", "s"],
-        cwd=work,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env=env,
-    )
+    flags = [*TINY, "--steps", "100000", "--set", "run.eval_every=0", "--name", "s"]
+    proc = _train_with(work, tmp_path, DIE_ON_STOP_RANK_1, flags)
     metrics = work / "runs" / "s" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 180
