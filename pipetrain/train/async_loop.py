@@ -90,6 +90,14 @@ def train_async(
             f"{stream} steps x {p.microbatches} micro-batches (the pipeline drains between "
             f"streams), device {device}"
         )
+        if r.checkpoint_dir and stream == r.steps and r.steps > 1:
+            # A stop signal (SIGTERM, Ctrl-C) is obeyed between streams only, and the
+            # launcher kills the ranks 30 s after it: here that would lose the whole run.
+            say(
+                "note: one stream is the whole run, so a stop signal would save nothing before "
+                "the end; --checkpoint-every K (or --stream-steps K) makes streams of K steps "
+                "to stop and save between"
+            )
 
         def evaluate(step: int) -> float:
             if not r.evaluate:

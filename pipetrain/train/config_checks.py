@@ -32,6 +32,7 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Files of one checkpoint (pipetrain.checkpoint.manifest's MANIFEST_NAME and
 # COMPLETE_MARKER, named here because importing that package imports torch).
 _CHECKPOINT_FILES = ("manifest.json", "COMPLETE")
+_MAX_BATCH_TOKENS = 1 << 31
 # Longer waits are hangs; torch's process-group timeout (a timedelta) overflows far above it.
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
@@ -71,6 +72,13 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
 
     _at_least("data.batch_size", d.batch_size, 1)
     _at_least("data.seq_len", d.seq_len, 1)
+    if d.batch_size * (d.seq_len + 1) > _MAX_BATCH_TOKENS:
+        # Batches are built as one index array: far past this, numpy fails for memory.
+        raise ConfigError(
+            f"data.batch_size {d.batch_size} x data.seq_len {d.seq_len} is over "
+            f"{_MAX_BATCH_TOKENS:,} tokens per batch: use a smaller --batch-size (and "
+            f"optim.grad_accum for a larger effective batch)"
+        )
     _at_least("data.eval_batches", d.eval_batches, 1)
     _at_least("data.max_bytes", d.max_bytes, 1024)
     if p.shard and p.dp < 2:

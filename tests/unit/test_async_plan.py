@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,3 +84,43 @@ def test_rejected_before_launch(overrides: dict[str, Any], words: tuple[str, ...
     assert "\n" not in message
     for word in words:
         assert word in message, message
+
+
+def test_a_whole_run_stream_with_checkpoints_says_a_stop_would_save_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stop signal is obeyed between streams only: with one stream for the whole run the
+    # user is told how to get streams to stop and save between (the run itself is cut
+    # short here once the note is out).
+    import io
+
+    from pipetrain.train.asynchronous import AsyncTrainer
+    from pipetrain.train.loop import train
+    from pipetrain.train.session import ProcessRole
+
+    def stop(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("stopped after the set-up")
+
+    monkeypatch.setattr(AsyncTrainer, "train_stream", stop)
+    out = io.StringIO()
+    overrides = {
+        "run.out_dir": str(tmp_path),
+        "run.evaluate": False,
+        "run.sample_tokens": 0,
+        "run.checkpoint_dir": str(tmp_path / "ck"),
+        "model.name": "llama-tiny",
+        "pipeline.pp": 2,
+        "pipeline.single_process": True,
+        "pipeline.schedule": "pipedream",
+        "pipeline.microbatches": 2,
+        "data.batch_size": 4,
+        "data.seq_len": 16,
+        "data.max_bytes": 100_000,
+    }
+    with pytest.raises(RuntimeError, match="stopped after the set-up"):
+        train(_config(**overrides), ProcessRole(), out=out)
+    assert "note: one stream is the whole run" in out.getvalue()
+    out = io.StringIO()
+    with pytest.raises(RuntimeError, match="stopped after the set-up"):
+        train(_config(**overrides, **{"run.checkpoint_every": 4}), ProcessRole(), out=out)
+    assert "note: one stream" not in out.getvalue()

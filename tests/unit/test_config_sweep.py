@@ -191,3 +191,9 @@ def test_a_home_folder_in_a_path_is_expanded(
     assert config.run.out_dir == str(tmp_path / "runs")
     assert config.run.checkpoint_dir == str(tmp_path / "ck")
     assert config.run_dir == tmp_path / "runs" / "r"
+
+
+def test_a_batch_too_large_to_index_is_refused() -> None:
+    # Built as one index array of batch x (seq_len + 1) tokens: numpy failed for memory.
+    with pytest.raises(ConfigError, match=r"data.batch_size 100000000000 x data.seq_len 128"):
+        load_config(overrides={"run.name": "r", "data.batch_size": 100_000_000_000})
