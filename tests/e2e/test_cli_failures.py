@@ -268,3 +268,39 @@ def test_ranks_do_not_outlive_a_killed_launcher(work: Path) -> None:
         for pid in workers:  # when the test fails: no orphan of ours either
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# Rank 1 dies as it would start its first data-parallel all-reduce: rank 0's ones wait.
+KILL_RANK_1_IN_DP = textwrap.dedent(
+    """
+    import os
+    if os.environ.get("RANK") == "1":
+        import signal
+        from pipetrain.train.replicas import ReplicaGradients
+
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        ReplicaGradients._start = die
+    """
+)
+
+
+def test_a_replica_lost_in_the_gradient_all_reduce_is_one_line(work: Path, tmp_path: Path) -> None:
+    flags = [*TINY, "--pp", "1", "--dp", "2", "--name", "dp"]
+    proc = _train_with(work, tmp_path, KILL_RANK_1_IN_DP, flags)
+    try:
+        _, err = proc.communicate(timeout=240)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 1, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("pipetrain train (rank 0)")]
+    assert len(lines) == 1, err[-3000:]
+    # The step as the progress counts it, and the peer's fate in words, not gloo's text.
+    assert re.fullmatch(
+        r"pipetrain train \(rank 0\): rank 0: training step 1, data-parallel all-reduce of "
+        r".* with the other replicas \(dp group of pp rank 0\): a peer was lost \(.*\)",
+        lines[0],
+    ), lines[0]
