@@ -55,7 +55,8 @@ _side_streams: dict[int, Any] = {}
 def host_ints(tensor: torch.Tensor) -> list[int]:
     """The values of a small integer tensor whose producer is known to be complete."""
     if tensor.device.type != "cuda":
-        return [int(v) for v in tensor.tolist()]
+        values: list[int] = tensor.tolist()  # an int64 tensor gives Python ints
+        return values
     index = tensor.device.index if tensor.device.index is not None else 0
     stream = _side_streams.get(index)
     if stream is None:
@@ -64,7 +65,8 @@ def host_ints(tensor: torch.Tensor) -> list[int]:
     with torch.cuda.stream(stream):
         host.copy_(tensor, non_blocking=True)
     stream.synchronize()
-    return [int(v) for v in host.tolist()]
+    values = host.tolist()
+    return values
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
