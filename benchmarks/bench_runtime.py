@@ -270,6 +270,12 @@ def worker(args: argparse.Namespace) -> None:
     from pipetrain.models import get_model_config, model_spec
 
     torch.set_num_threads(1)
+    if args.heap == "keep":
+        # As the trainer's processes do (pipetrain.heap); one setting for the
+        # whole process, so both sides run under it.
+        from pipetrain.heap import keep_heap
+
+        keep_heap()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     spec = model_spec(get_model_config(args.model))
     rows: list[dict[str, Any]] = []
@@ -382,6 +388,13 @@ def main() -> int:
         default=0,
         metavar="N",
         help="instead: N paired steps per row, ours and torch's in turn in the same processes",
+    )
+    parser.add_argument(
+        "--heap",
+        choices=("keep", "glibc"),
+        default="keep",
+        help="keep: fix glibc's heap thresholds in both processes, as `pipetrain train` "
+        "does (pipetrain.heap); glibc: its own dynamic thresholds",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.errors import InputError
+from pipetrain.heap import keep_heap
 from pipetrain.models import build_full_model, model_spec
 from pipetrain.runtime import Pipeline
 from pipetrain.runtime.build import gpu_shortfall
@@ -114,6 +115,8 @@ def train(
     )
     if device.type == "cpu":
         torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
+        # Activations live in the C heap: keep its freed pages for the next step.
+        keep_heap()
     if role.reporter and not announced:
         announce(config, out)
 

@@ -1,0 +1,52 @@
+"""Keep the C heap's freed memory in the process between training steps (glibc, CPU).
+
+A training step allocates and frees the same few hundred MiB of activations every time.
+glibc gives memory back to the kernel whenever the free space at the top of its heap
+passes a threshold that it adjusts on its own (``M_TRIM_THRESHOLD``, twice the dynamic
+``M_MMAP_THRESHOLD``), and serves blocks above the mmap threshold with fresh mappings.
+Which step frees the top of the heap depends on what happens to be allocated last, so a
+process can pay for its pages again at every step: measured on llama-default, GPipe
+m = 4, 2 gloo ranks, the last stage grew the heap by 10-25 MiB with ``brk`` each step and
+shrank it at the end, 950-11,000 minor page faults and 12-26 ms of system time per step,
+while a pipeline that happened to keep 4 MiB of logits alive across steps (torch's
+pipelining, in the same process) took none; the two had the same peak of live tensors
+(275 MiB, torch.profiler's memory events).
+
+``keep_heap`` fixes both thresholds, so a step reuses the pages the previous one freed:
+the process keeps its high-water mark of heap, which a training run reaches at every step
+anyway. Blocks of ``mmap_threshold`` and more (large weights, checkpoint buffers) are
+still mapped and unmapped on their own. The trainer's processes call it; a user's own
+process may (the runtime never changes the allocator on its own).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+__all__ = ["keep_heap"]
+
+# <malloc.h>
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+# glibc's own ceiling for the dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
+_MMAP_THRESHOLD = 32 * 1024 * 1024
+_TRIM_THRESHOLD = 1024 * 1024 * 1024
+
+
+def keep_heap(mmap_threshold: int = _MMAP_THRESHOLD, trim_threshold: int = _TRIM_THRESHOLD) -> bool:
+    """Fix glibc's mmap and trim thresholds (module doc); False where the C library is not
+    glibc or refuses, in which case nothing changed."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    # mallopt returns 1 on success; setting either threshold turns glibc's dynamic
+    # adjustment of both off.
+    return bool(
+        libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+        and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    )
