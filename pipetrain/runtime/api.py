@@ -38,7 +38,6 @@ This module holds the pipeline and its step; ``build_pipeline`` (in
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -318,14 +317,14 @@ class Pipeline:
         denominator: float | None = None,
         label: str | None = None,
     ) -> StepResult:
-        step = self._step
+        step = self._step  # numbers the messages: every pass, the same on every rank
         self._step += 1
         self._passes[training] += 1
+        where = label or self._label(training)
         try:
-            return self._run_pass(executors, step, inputs, targets, training, denominator)
+            return self._run_pass(executors, step, where, inputs, targets, training, denominator)
         except PipelineError as exc:
-            label = label or self._label(training)
-            raise PipelineError(_relabel(str(exc), step, label) + self._rank_map) from exc
+            raise PipelineError(str(exc) + self._rank_map) from exc
         except RuntimeError as exc:
             # A transfer that torch refused at once (gloo raises when a send or receive is
             # posted on a connection its peer already closed).
@@ -333,7 +332,7 @@ class Pipeline:
                 exc,
                 rank=executors[0].rank,
                 timeout_s=self._timeout_s,
-                step=label or self._label(training),
+                step=where,
             )
             if failure is None:
                 raise
@@ -350,11 +349,13 @@ class Pipeline:
         self,
         executors: list[RankExecutor],
         step: int,
+        where: str,
         inputs: torch.Tensor | None,
         targets: torch.Tensor | None,
         training: bool,
         denominator: float | None,
     ) -> StepResult:
+        """One pass: ``step`` numbers its messages on the wire, ``where`` names it in errors."""
         input_mbs = self._split("inputs", inputs, self._has_first)
         target_mbs = self._split("targets", targets, self._has_last)
         tokens = 0
@@ -368,18 +369,18 @@ class Pipeline:
             raise PipelineInputError(f"denominator is {denominator}: pass a positive count")
         divide_by = float(max(tokens, 1)) if denominator is None else float(denominator)
         for ex in executors:
-            ex.begin(step, input_mbs, target_mbs, divide_by, training)
+            ex.begin(step, input_mbs, target_mbs, divide_by, training, where)
         if self._group is None:
-            self._transport.begin_step(step, [])  # in memory, messages match by name
-            return self._run_local(executors, step, tokens, training)
+            self._transport.begin_step(step, [], where)  # in memory, messages match by name
+            return self._run_local(executors, where, tokens, training)
         # The barrier first: gloo's monitored barrier uses point-to-point tags that could
         # match receives posted early.
-        dist_barrier(self._group, executors[0].rank, step, self._timeout_s, self.device)
-        self._transport.begin_step(step, [executors[0].wire])
-        return self._run_dist(executors[0], step, tokens, training)
+        dist_barrier(self._group, executors[0].rank, where, self._timeout_s, self.device)
+        self._transport.begin_step(step, [executors[0].wire], where)
+        return self._run_dist(executors[0], where, tokens, training)
 
     def _run_local(
-        self, executors: list[RankExecutor], step: int, tokens: int, training: bool
+        self, executors: list[RankExecutor], where: str, tokens: int, training: bool
     ) -> StepResult:
         origin = time.perf_counter_ns()
         pending = list(executors)
@@ -393,11 +394,11 @@ class Pipeline:
             if pending and not progressed:
                 stuck = ", ".join(f"rank {ex.rank} at {ex.blocked_on}" for ex in pending)
                 raise PipelineError(
-                    f"step {step}: every rank waits for a message that never comes ({stuck})"
+                    f"{where}: every rank waits for a message that never comes ({stuck})"
                 )
         self._transport.end_step()
         if training:
-            self._reducer.finish(step)
+            self._reducer.finish(where)
         loss = sum(ex.loss_sum() for ex in executors)
         per_rank = []
         for ex in executors:
@@ -407,17 +408,17 @@ class Pipeline:
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, tokens, timeline, elapsed)
 
-    def _run_dist(self, ex: RankExecutor, step: int, tokens: int, training: bool) -> StepResult:
+    def _run_dist(self, ex: RankExecutor, where: str, tokens: int, training: bool) -> StepResult:
         origin = time.perf_counter_ns()
         ex.clock.origin_ns = origin
         ex.run()
         self._transport.end_step()
         if training:
-            self._reducer.finish(step)
+            self._reducer.finish(where)
         width = 2 + 2 * max(len(row) for row in self.schedule.actions)
         row = [ex.loss_sum(), float(tokens), *map(float, ex.clock.relative())]
         rows = dist_step_summary(
-            self._group, ex.rank, step, row, width, self._timeout_s, self.device
+            self._group, ex.rank, where, row, width, self._timeout_s, self.device
         )
         loss = 0.0
         for r in rows:
@@ -431,13 +432,3 @@ class Pipeline:
         ]
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
-
-
-def _relabel(message: str, step: int, label: str) -> str:
-    """``message`` with the runtime's ``step <wire number>`` prefix told as ``label``.
-
-    The runtime's failures read ``rank R: step S, ...`` (``step S: ...`` in one process),
-    S counting evaluation passes too; the trainer's progress and a user's loop count
-    training steps only, so S alone would point at the wrong step.
-    """
-    return re.sub(rf"\bstep {step}(?=[,:])", label, message, count=1)

@@ -114,12 +114,13 @@ class LocalReducer:
     def start(self, stage: int) -> None:
         self._ready.add(stage)
 
-    def finish(self, step: int) -> None:
+    def finish(self, where: str) -> None:
+        """Sum the replicas' and tied copies' gradients; ``where`` names the step in errors."""
         for group in self._replica_groups:
             missing = [s for s in group.stages if s not in self._ready]
             if missing and len(missing) < len(group.stages):
                 raise PipelineError(
-                    f"step {step}: stages {missing} never ran ALLREDUCE while their replicas did: "
+                    f"{where}: stages {missing} never ran ALLREDUCE while their replicas did: "
                     f"every replica of model stage {group.model_stage} needs one"
                 )
             if missing:
@@ -198,7 +199,7 @@ class DistReducer:
         self._ready.add(stage)
         self._launch(final=False)
 
-    def _launch(self, final: bool) -> None:
+    def _launch(self, final: bool, where: str = "the step") -> None:
         while self._launched < len(self._replicas):
             group, pg, local = self._replicas[self._launched]
             if not all(s in self._ready for s in local):
@@ -206,7 +207,7 @@ class DistReducer:
                     return
                 if not any(s in self._ready for s in local):
                     raise PipelineError(
-                        f"rank {self._rank}: the step ended before ALLREDUCE of model stage {group.model_stage} "
+                        f"rank {self._rank}: {where} ended before ALLREDUCE of model stage {group.model_stage} "
                         f"(stages {local}): its replicas on ranks {group.ranks} would wait forever"
                     )
             params = [p for s in local for p in self._replica_params[s]]
@@ -227,18 +228,19 @@ class DistReducer:
             )
             self._launched += 1
 
-    def _wait(self, work: Any, what: str, step: int) -> None:
+    def _wait(self, work: Any, what: str, where: str) -> None:
         try:
             finish(work, self._timeout_s, self._polls)
         except RuntimeError as exc:
             raise PipelineError(
-                f"rank {self._rank}: step {step}, {what}: a peer {describe_failure(exc, self._timeout_s)}"
+                f"rank {self._rank}: {where}, {what}: a peer {describe_failure(exc, self._timeout_s)}"
             ) from exc
 
-    def finish(self, step: int) -> None:
-        self._launch(final=True)
+    def finish(self, where: str) -> None:
+        """Wait for the all-reduces and sum the tied weights; ``where`` names the step in errors."""
+        self._launch(final=True, where=where)
         for work, flat, params, what in self._works:
-            self._wait(work, what, step)
+            self._wait(work, what, where)
             _unflatten_into(flat, params)
         self._works.clear()
         self._ready.clear()
@@ -251,7 +253,7 @@ class DistReducer:
             if pg is not None:
                 total = total.clone()
                 work = dist.all_reduce(total, group=pg, async_op=True)
-                self._wait(work, f"sum of tied weight {tied.key} with ranks {tied.ranks}", step)
+                self._wait(work, f"sum of tied weight {tied.key} with ranks {tied.ranks}", where)
             for s in local:
                 param = self._tied_params[(tied.key, s)]
                 assert param.grad is not None
@@ -263,13 +265,13 @@ class DistReducer:
 _SILENT_SHARE = 0.9
 
 
-def dist_barrier(group: Any, rank: int, step: int, timeout_s: float, device: torch.device) -> None:
-    """All ranks of the pipeline reach the start of ``step`` (with a timeout).
+def dist_barrier(group: Any, rank: int, where: str, timeout_s: float, device: torch.device) -> None:
+    """All ranks of the pipeline reach the start of the step ``where`` names (with a timeout).
 
     On gloo, torch's monitored barrier: when a rank does not arrive, rank 0 learns which.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
-    where = f"rank {rank}: step {step}, barrier at the start of the step"
+    context = f"rank {rank}: {where}, barrier at the start of the step"
     started = time.monotonic()
     try:
         if dist.get_backend(group) == "gloo":
@@ -290,14 +292,14 @@ def dist_barrier(group: Any, rank: int, step: int, timeout_s: float, device: tor
                 else f"were lost after {waited:.1f} s (the process died or closed the "
                 f"connection; the first rank to fail names the cause in its log)"
             )
-            raise PipelineError(f"{where}: peer rank(s) {absent.group(1)} {fate}") from exc
-        raise PipelineError(f"{where}: a peer {describe_failure(exc, timeout_s)}") from exc
+            raise PipelineError(f"{context}: peer rank(s) {absent.group(1)} {fate}") from exc
+        raise PipelineError(f"{context}: a peer {describe_failure(exc, timeout_s)}") from exc
 
 
 def dist_step_summary(
     group: Any,
     rank: int,
-    step: int,
+    where: str,
     row: list[float],
     width: int,
     timeout_s: float,
@@ -313,7 +315,7 @@ def dist_step_summary(
         finish(work, timeout_s, polls=dist.get_backend(group) == "nccl")
     except RuntimeError as exc:
         raise PipelineError(
-            f"rank {rank}: step {step}, gathering the loss at the end of the step: a peer "
+            f"rank {rank}: {where}, gathering the loss at the end of the step: a peer "
             f"{describe_failure(exc, timeout_s)}"
         ) from exc
     return [r.tolist() for r in rows]

@@ -41,7 +41,7 @@ GradsHook = Callable[[int], None]
 
 
 class Transport(Protocol):
-    def begin_step(self, step: int, wires: Sequence[PeerOrders]) -> None: ...
+    def begin_step(self, step: int, wires: Sequence[PeerOrders], where: str = "") -> None: ...
     def end_step(self) -> None: ...
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None: ...
     def recv(self, key: MessageKey, src_stage: int) -> tuple[torch.Tensor, ...] | None: ...
@@ -115,7 +115,7 @@ class RankExecutor:
         self._inbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._outbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._pos = 0
-        self._step_index = 0
+        self._where = "step 0"
         self._inputs: Sequence[torch.Tensor] = ()
         self._targets: Sequence[torch.Tensor] = ()
         self._denominator = 1.0
@@ -140,9 +140,13 @@ class RankExecutor:
         targets: Sequence[torch.Tensor],
         denominator: float,
         training: bool,
+        where: str = "",
     ) -> None:
-        """Prepare a step: micro-batched inputs (first stages) and targets (last stages)."""
-        self._step_index = step
+        """Prepare a step: micro-batched inputs (first stages) and targets (last stages).
+
+        ``where``: the step as errors name it (the caller's count; default ``step N``).
+        """
+        self._where = where or f"step {step}"
         self._inputs = inputs
         self._targets = targets
         self._denominator = denominator
@@ -214,7 +218,7 @@ class RankExecutor:
         runner = self._stages[stage]
         if mb not in runner.saved:
             raise PipelineError(
-                f"rank {self.rank}: step {self._step_index}, action {action} runs before F{mb} of stage {stage}: "
+                f"rank {self.rank}: {self._where}, action {action} runs before F{mb} of stage {stage}: "
                 f"the schedule is invalid (validate it with pipetrain.schedules.validate)"
             )
         grads = None if runner.is_last else self._take(action, MessageKey(stage, True, mb))
@@ -249,7 +253,7 @@ class RankExecutor:
         except KeyError:
             what = "gradient" if key.is_grad else "input"
             raise PipelineError(
-                f"rank {self.rank}: step {self._step_index}, action {action}: its {what} was never received; "
+                f"rank {self.rank}: {self._where}, action {action}: its {what} was never received; "
                 f"the schedule lacks a RECV before it (lower it with pipetrain.schedules.lowering.lower)"
             ) from None
 
@@ -263,7 +267,7 @@ class RankExecutor:
             tensors = self._outbox.pop(key)
         except KeyError:
             raise PipelineError(
-                f"rank {self.rank}: step {self._step_index}, action {action} sends what no earlier action produced; "
+                f"rank {self.rank}: {self._where}, action {action} sends what no earlier action produced; "
                 f"put it after the {'B/I' if is_grad else 'F'} of micro-batch {mb} on stage {stage}"
             ) from None
         self._transport.send(key, stage, tensors)

@@ -23,16 +23,16 @@ class InMemoryTransport:
 
     def __init__(self) -> None:
         self._box: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
-        self._step = 0
+        self._where = "step 0"
 
-    def begin_step(self, step: int, wires: Sequence[PeerOrders]) -> None:
+    def begin_step(self, step: int, wires: Sequence[PeerOrders], where: str = "") -> None:
         del wires  # messages are matched by name in memory: there is no wire to order
-        self._step = step
+        self._where = where or f"step {step}"
 
     def end_step(self) -> None:
         if self._box:
             keys = ", ".join(str(k) for k in self._box)
-            raise PipelineError(f"step {self._step} ended with messages never received: {keys}")
+            raise PipelineError(f"{self._where} ended with messages never received: {keys}")
 
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None:
         del src_stage

@@ -116,14 +116,17 @@ def header_values(
 
 
 def parse_header(
-    values: list[int], step: int, src: int, key: MessageKey
+    values: list[int], step: int, src: int, key: MessageKey, where: str = ""
 ) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """The tensor specs of a received header, checked against the message expected there
+    (``step``: the wire's step number; ``where``: the step as errors name it)."""
     got = tuple(values[1:6])
     want = (step, src, key.dst_stage, key.microbatch, int(key.is_grad))
     if values[0] != MAGIC or got != want:
+        when = f"{where} (step {step} on the wire)" if where else f"step {step}"
         raise StageMismatchError(
             f"stage {key.dst_stage} expected {'gradient' if key.is_grad else 'activations'} of "
-            f"micro-batch {key.microbatch} from stage {src} in step {step}, but got a message "
+            f"micro-batch {key.microbatch} from stage {src} in {when}, but got a message "
             f"with (step, src, dst, micro-batch, is_grad) = {got}: the ranks run different "
             f"schedules; build every rank's pipeline with the same schedule"
         )

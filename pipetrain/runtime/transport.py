@@ -141,6 +141,8 @@ class DistTransport:
         self._timeout_s = timeout_s
         self._lookahead = lookahead
         self._step = 0
+        self._where = "step 0"
+        self._label = ""
         self._peers: dict[int, Peer] = {}
         # id(program's wire orders) -> (those orders, kept alive so the id stays theirs; entries)
         self._wires: dict[int, tuple[PeerOrders, PeerEntries]] = {}
@@ -152,11 +154,17 @@ class DistTransport:
         self._connected: set[int] = set()
 
     # ----------------------------------------------------------------- step bounds
-    def begin_step(self, step: int, wires: Sequence[PeerOrders]) -> None:
-        """Start a step; ``wires`` holds this rank's wire orders by peer (one program)."""
+    def begin_step(self, step: int, wires: Sequence[PeerOrders], where: str = "") -> None:
+        """Start a step; ``wires`` holds this rank's wire orders by peer (one program).
+
+        ``step`` numbers the messages on the wire (every pass, the same on all ranks);
+        ``where`` names the step in errors as the caller counts it (default ``step N``).
+        """
         if len(wires) != 1:
             raise PipelineError(f"a DistTransport runs one rank's program, got {len(wires)}")
         self._step = step
+        self._label = where
+        self._where = where or f"step {step}"
         # Shapes may change from one step to the next (sequence length): learn them anew.
         self._sent_specs.clear()
         self._recv_specs.clear()
@@ -192,7 +200,7 @@ class DistTransport:
                 finish(work, self._timeout_s, self._polls)
             except RuntimeError as exc:
                 raise PipelineError(
-                    f"rank {self._rank}: step {self._step}, connecting to rank {peer} before "
+                    f"rank {self._rank}: {self._where}, connecting to rank {peer} before "
                     f"the first message: peer rank {peer} {describe_failure(exc, self._timeout_s)}"
                 ) from exc
             self._connected.add(peer)
@@ -210,7 +218,7 @@ class DistTransport:
         left += [str(key) for key in self._pending]
         if left:
             raise PipelineError(
-                f"rank {self._rank}: step {self._step} ended with messages never sent or "
+                f"rank {self._rank}: {self._where} ended with messages never sent or "
                 f"received: {', '.join(left)}"
             )
 
@@ -233,7 +241,7 @@ class DistTransport:
                     if through is None:
                         return
                     raise PipelineError(
-                        f"rank {self._rank}: step {self._step}, the wire order to rank {peer.rank} "
+                        f"rank {self._rank}: {self._where}, the wire order to rank {peer.rank} "
                         f"sends {entry.key} before its SEND ran: the order breaks its own rules"
                     )
                 self._issue(entry, peer.rank, *ready)
@@ -286,7 +294,9 @@ class DistTransport:
         if pending.specs is None:
             assert pending.header is not None  # only unpacked messages read a header alone
             self._wait(pending.header_work, key)
-            pending.specs = parse_header(host_ints(pending.header), self._step, pending.src, key)
+            pending.specs = parse_header(
+                host_ints(pending.header), self._step, pending.src, key, self._label
+            )
             self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), pending.specs)
         return pending.specs
 
@@ -324,7 +334,7 @@ class DistTransport:
         if specs != first:
             raise StageMismatchError(
                 f"stage {src_stage} sends {specs} to stage {key.dst_stage} for micro-batch {key.microbatch} "
-                f"but {first} for an earlier micro-batch of step {self._step}: every micro-batch of a step "
+                f"but {first} for an earlier micro-batch of {self._where}: every micro-batch of a step "
                 f"must give the same shapes at a stage boundary"
             )
         peer = self._peer_of(key, self._stage_ranks[key.dst_stage])
@@ -372,7 +382,7 @@ class DistTransport:
         for work in pending.payload_works:
             self._wait(work, key)
         values, tensors = unpack(pending.packed, pending.predicted)
-        specs = parse_header(values, self._step, pending.src, key)
+        specs = parse_header(values, self._step, pending.src, key, self._label)
         if specs != pending.predicted:
             raise self._mismatch(key, pending, specs)
         return tensors
@@ -380,14 +390,14 @@ class DistTransport:
     def _mismatch(self, key: MessageKey, pending: Pending, specs: Specs) -> StageMismatchError:
         return StageMismatchError(
             f"stage {pending.src} announced {specs} for micro-batch {key.microbatch} but stage "
-            f"{key.dst_stage} expected {pending.predicted} like the earlier micro-batches of step {self._step}"
+            f"{key.dst_stage} expected {pending.predicted} like the earlier micro-batches of {self._where}"
         )
 
     def _peer_of(self, key: MessageKey, rank: int) -> Peer:
         peer = self._peers.get(rank)
         if peer is None or key not in peer.index:
             raise PipelineError(
-                f"rank {self._rank}: step {self._step}, {key} with rank {rank} is not in this "
+                f"rank {self._rank}: {self._where}, {key} with rank {rank} is not in this "
                 f"program's wire order: build the transport's step from the same schedule"
             )
         return peer
@@ -414,6 +424,6 @@ class DistTransport:
             else f"receiving {what} for stage {key.dst_stage}"
         )
         return PipelineError(
-            f"rank {self._rank}: step {self._step}, {verb} (micro-batch {key.microbatch}): "
+            f"rank {self._rank}: {self._where}, {verb} (micro-batch {key.microbatch}): "
             f"peer rank {'?' if peer is None else peer} {describe_failure(exc, self._timeout_s)}"
         )

@@ -60,6 +60,16 @@ def test_a_message_that_is_not_the_expected_one_names_both_stages(step, src, key
         parse_header(values, step, src, key)
 
 
+def test_a_wrong_message_is_named_in_the_callers_step_with_the_wire_number_beside():
+    values = header_values(4, 2, MessageKey(3, True, 7), (torch.zeros(1),))
+    with pytest.raises(StageMismatchError) as info:
+        parse_header(values, 5, 2, MessageKey(3, True, 7), "training step 3 (accumulation 2 of 2)")
+    assert "from stage 2 in training step 3 (accumulation 2 of 2) (step 5 on the wire)" in str(
+        info.value
+    )
+    assert "= (4, 2, 3, 7, 1)" in str(info.value)
+
+
 def test_header_limits_are_input_errors():
     key = MessageKey(1, False, 0)
     with pytest.raises(StageMismatchError, match="at most 8"):
