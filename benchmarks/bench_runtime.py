@@ -19,6 +19,12 @@ steps each, so that the machine's drift falls on both alike; the table gives the
 tokens/s of each side and the geometric mean of the per-step ratios with a 95%
 bootstrap interval.
 
+``--heap keep`` (the default) fixes glibc's heap thresholds in both processes, as
+``pipetrain train`` does (``pipetrain.heap``): under glibc's dynamic ones, whichever side
+frees the top of the heap at the end of its step pays its pages again at the next (page
+faults, system time), which depends on what each side happens to keep alive between
+steps, not on its work. ``--heap glibc`` leaves glibc as it is.
+
 Pairs: gpipe / ScheduleGPipe, 1f1b / Schedule1F1B, zb-h1 / ScheduleInterleavedZeroBubble
 (2 stages per rank on torch's side: it is a looped schedule), interleaved-1f1b (v=2) /
 ScheduleInterleaved1F1B (v=2).
