@@ -25,13 +25,19 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.checkpoint.comm import Comm, jsonable
-from pipetrain.checkpoint.directory import list_checkpoints
+from pipetrain.checkpoint.directory import CheckpointList, list_checkpoints
 from pipetrain.checkpoint.errors import CheckpointError
 from pipetrain.checkpoint.load import LoadResult, resume_checkpoint
 from pipetrain.checkpoint.manifest import Layout
 from pipetrain.checkpoint.save import save_checkpoint
 
-__all__ = ["CheckpointPolicy", "RunCheckpoints", "StopSignal", "changed_settings"]
+__all__ = [
+    "CheckpointPolicy",
+    "RunCheckpoints",
+    "StopSignal",
+    "changed_settings",
+    "earlier_checkpoints_error",
+]
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,23 @@ class StopSignal:
 # The settings that decide which batches come next and what the optimizer makes of them.
 # The layout (the pipeline section) and the run's bookkeeping may change on resume freely.
 _TRAJECTORY = {"data": None, "optim": None, "run": ("steps", "seed")}
+
+
+def earlier_checkpoints_error(
+    directory: Path | str, found: CheckpointList | None = None
+) -> CheckpointError | None:
+    """The refusal of a run that does not resume but would save into ``directory``, which
+    holds another run's checkpoints (``found``: its listing, when already made); None if
+    it holds none."""
+    found = list_checkpoints(directory) if found is None else found
+    if not found.complete:
+        return None
+    step, newest = found.complete[-1]
+    return CheckpointError(
+        f"{directory} already holds checkpoints of an earlier run (the newest "
+        f"{newest.name}, step {step}): add --resume to continue it, or pass another "
+        "--checkpoint-dir (or remove those) to start over"
+    )
 
 
 def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
@@ -212,13 +235,9 @@ class RunCheckpoints:
             return
         comm = Comm.of(self._group)
         found = comm.broadcast(list_checkpoints(self.policy.directory) if comm.rank == 0 else None)
-        if found.complete:
-            step, newest = found.complete[-1]
-            raise CheckpointError(
-                f"{self.policy.directory} already holds checkpoints of an earlier run (the newest "
-                f"{newest.name}, step {step}): add --resume to continue it, or pass another "
-                "--checkpoint-dir (or remove those) to start over"
-            )
+        refusal = earlier_checkpoints_error(self.policy.directory, found)
+        if refusal is not None:
+            raise refusal
 
     def after_step(self, step: int) -> bool:
         """After ``step`` optimizer steps: save when due, and on a stop signal (then True)."""

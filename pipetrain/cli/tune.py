@@ -7,7 +7,8 @@ The last step in choosing a micro-batch size: after the memory estimate of
 candidate is a short ``pipetrain train`` run without evaluation, sample or checkpoints
 (a train command line's --checkpoint-dir, --resume and --keep are ignored: candidates
 would resume from, or save among and prune, that run's checkpoints); its tokens/s leaves
-out the first step (allocations).
+out the first step (allocations). Candidates are named ``<name>-m<count>`` (``--name``, or
+``tune-<date-time>``) and write their metrics in their own run folders.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
     if args.cfg_name is None:
         extra["run.name"] = f"tune-{stamp}-m{count}"
     config = config_from_args(args, extra)
+    # Each candidate is a run of its own, with its own metrics: a name given for the tuning
+    # gets the count appended (the runs would otherwise meet in one folder and file).
+    run = config.run
+    if not run.name.endswith(f"-m{count}"):
+        run = dataclasses.replace(run, name=f"{run.name}-m{count}")
+    config = dataclasses.replace(config, run=dataclasses.replace(run, metrics=""))
     plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
     return config
 

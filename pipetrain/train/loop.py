@@ -23,6 +23,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.checkpoint.trainer import earlier_checkpoints_error
 from pipetrain.errors import InputError
 from pipetrain.heap import keep_heap
 from pipetrain.models import build_full_model, model_spec
@@ -70,13 +71,42 @@ def resolve_device(setting: str, local_rank: int, local_world_size: int = 1) -> 
 
 
 def announce(config: TrainConfig, out: IO[str]) -> None:
-    """Print the resolved config and save it with the run (rank 0, once per run)."""
+    """Print the resolved config and save it with the run (rank 0, once per run).
+
+    The first write of a run, so it first refuses a run that would replace an earlier
+    one's checkpoints or metrics (the same --checkpoint-dir, --name or --metrics without
+    --resume): every rank of a run reaches the process group's rendezvous before the first
+    metrics line is written, and the launcher announces before it starts any rank, so one
+    check here suffices.
+    """
+    _refuse_earlier_run(config)
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     text = config_to_toml(config)
     (run_dir / "config.toml").write_text(text, encoding="utf-8")
     out.write(f"# resolved config, saved to {run_dir / 'config.toml'}\n{text}\n")
     out.flush()
+
+
+def _refuse_earlier_run(config: TrainConfig) -> None:
+    if config.run.resume:
+        return  # a resumed run continues its own checkpoints and metrics
+    if config.run.checkpoint_dir:
+        # The trainer checks again on rank 0 (a run started without this announcement);
+        # here it is refused before anything of the run is written.
+        refusal = earlier_checkpoints_error(config.run.checkpoint_dir)
+        if refusal is not None:
+            raise refusal
+    path = config.metrics_path
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return  # none yet (or unreadable: MetricsFile names that problem)
+    if size > 0:
+        raise ConfigError(
+            f"run.metrics {str(path)!r} already holds an earlier run's metrics: pass --resume "
+            f"to continue that run, choose another --name (or --metrics), or move the file away"
+        )
 
 
 def peak_memory_per_rank(role: ProcessRole, device: torch.device) -> tuple[int, ...]:

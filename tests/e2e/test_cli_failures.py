@@ -63,6 +63,27 @@ DIE_ON_STOP_RANK_1 = textwrap.dedent(
 )
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie (ended, not yet reaped by whoever adopted it
+    once its launcher died) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _describe(pid: int) -> str:
+    """A process left running, for the failure message: its state, wait channel, command."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return f"{pid}: ended meanwhile"
+    return f"{pid}: state {state}, waiting in {wchan or '-'}: {cmd}"
+
+
 def _descendants(pid: int) -> list[int]:
     """Processes whose parent chain reaches ``pid`` (from /proc)."""
     parents: dict[int, int] = {}
@@ -261,9 +282,10 @@ def test_ranks_do_not_outlive_a_killed_launcher(work: Path) -> None:
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in workers):
+        while time.monotonic() < deadline and any(_running(pid) for pid in workers):
             time.sleep(0.2)
-        assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+        left = [pid for pid in workers if _running(pid)]
+        assert not left, [_describe(pid) for pid in left]
     finally:
         for pid in workers:  # when the test fails: no orphan of ours either
             with contextlib.suppress(ProcessLookupError):

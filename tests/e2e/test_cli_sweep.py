@@ -166,3 +166,29 @@ def test_tune_leaves_the_checkpoints_of_a_train_command_line_alone(
         == ("", False, 0, 0)
         for c in ran
     )
+
+
+def test_tune_candidates_of_a_named_tuning_are_runs_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With --name (or --metrics) every candidate wrote the same metrics file, each run
+    # replacing the last one's; a run no longer replaces an earlier run's metrics, so the
+    # second candidate would be refused.
+    from pipetrain.cli import tune
+
+    ran: list[TrainConfig] = []
+
+    def record(config: TrainConfig) -> int:
+        ran.append(config)
+        return 1
+
+    monkeypatch.setattr(tune, "run_config", record)
+    argv = ["tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "4", "--seq-len", "16"]
+    argv += ["--set", f"run.out_dir={json.dumps(str(tmp_path))}", "--microbatches", "1,2"]
+    argv += ["--name", "sweep", "--metrics", str(tmp_path / "one.jsonl")]
+    assert main(argv) == 1
+    assert [c.run.name for c in ran] == ["sweep-m1", "sweep-m2"]
+    assert [c.metrics_path for c in ran] == [
+        tmp_path / "sweep-m1" / "metrics.jsonl",
+        tmp_path / "sweep-m2" / "metrics.jsonl",
+    ]

@@ -169,6 +169,28 @@ def test_bad_setting_is_one_line_before_any_process_starts(tmp_path: Path) -> No
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_run_does_not_replace_an_earlier_runs_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = json.dumps(str(tmp_path / "runs"))
+    again = ["train", *TINY, "--steps", "2", "--name", "mine", "--set", f"run.out_dir={out}"]
+    assert main(again) == 0
+    run_dir = tmp_path / "runs" / "mine"
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    config = (run_dir / "config.toml").read_bytes()
+    assert metrics
+    capsys.readouterr()
+    # In this process (one rank), then through the launcher (refused before any rank starts).
+    assert main(again) == 2
+    assert "already holds an earlier run's metrics: pass --resume" in capsys.readouterr().err
+    done = _cli(*again, "--pp", "2", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert f"run.metrics '{run_dir / 'metrics.jsonl'}' already holds" in done.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+    assert (run_dir / "config.toml").read_bytes() == config
+
+
 def test_two_torchrun_nodes_on_loopback(reference: list[dict[str, Any]], tmp_path: Path) -> None:
     """Two torchrun "nodes" of one process each make one 2-stage pipeline."""
     with socket.socket() as sock:
