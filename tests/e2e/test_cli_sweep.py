@@ -141,12 +141,11 @@ def test_plan_takes_the_memory_limit_its_error_suggests(capsys: pytest.CaptureFi
     assert "--memory-limit '1e400' is not a size" in line
 
 
-def test_tune_leaves_the_checkpoints_of_a_train_command_line_alone(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A train command line with its checkpoint flags used to make every candidate resume
-    # from that run's checkpoints (refused: past the candidate's steps) or save and prune
-    # among them.
+def _tuned_configs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str
+) -> list[TrainConfig]:
+    """The candidate configs `pipetrain tune --microbatches 1,2 FLAGS` runs (each candidate
+    recorded instead of run, and reported failed)."""
     from pipetrain.cli import tune
 
     ran: list[TrainConfig] = []
@@ -158,9 +157,19 @@ def test_tune_leaves_the_checkpoints_of_a_train_command_line_alone(
     monkeypatch.setattr(tune, "run_config", record)
     argv = ["tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "4", "--seq-len", "16"]
     argv += ["--set", f"run.out_dir={json.dumps(str(tmp_path))}", "--microbatches", "1,2"]
-    argv += ["--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--keep", "2"]
-    assert main(argv) == 1
+    assert main([*argv, *flags]) == 1
     assert [c.pipeline.microbatches for c in ran] == [1, 2]
+    return ran
+
+
+def test_tune_leaves_the_checkpoints_of_a_train_command_line_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A train command line with its checkpoint flags used to make every candidate resume
+    # from that run's checkpoints (refused: past the candidate's steps) or save and prune
+    # among them.
+    flags = ["--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--keep", "2"]
+    ran = _tuned_configs(tmp_path, monkeypatch, *flags)
     assert all(
         (c.run.checkpoint_dir, c.run.resume, c.run.keep, c.run.checkpoint_every)
         == ("", False, 0, 0)
@@ -174,19 +183,8 @@ def test_tune_candidates_of_a_named_tuning_are_runs_of_their_own(
     # With --name (or --metrics) every candidate wrote the same metrics file, each run
     # replacing the last one's; a run no longer replaces an earlier run's metrics, so the
     # second candidate would be refused.
-    from pipetrain.cli import tune
-
-    ran: list[TrainConfig] = []
-
-    def record(config: TrainConfig) -> int:
-        ran.append(config)
-        return 1
-
-    monkeypatch.setattr(tune, "run_config", record)
-    argv = ["tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "4", "--seq-len", "16"]
-    argv += ["--set", f"run.out_dir={json.dumps(str(tmp_path))}", "--microbatches", "1,2"]
-    argv += ["--name", "sweep", "--metrics", str(tmp_path / "one.jsonl")]
-    assert main(argv) == 1
+    flags = ["--name", "sweep", "--metrics", str(tmp_path / "one.jsonl")]
+    ran = _tuned_configs(tmp_path, monkeypatch, *flags)
     assert [c.run.name for c in ran] == ["sweep-m1", "sweep-m2"]
     assert [c.metrics_path for c in ran] == [
         tmp_path / "sweep-m1" / "metrics.jsonl",
