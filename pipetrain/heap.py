@@ -6,8 +6,8 @@ passes a threshold that it adjusts on its own (``M_TRIM_THRESHOLD``, twice the d
 ``M_MMAP_THRESHOLD``), and serves blocks above the mmap threshold with fresh mappings.
 Which step frees the top of the heap depends on what happens to be allocated last, so a
 process can pay for its pages again at every step: measured on llama-default, GPipe
-m = 4, 2 gloo ranks, the last stage grew the heap by 10-25 MiB with ``brk`` each step and
-shrank it at the end, 950-11,000 minor page faults and 12-26 ms of system time per step,
+m = 4, 2 gloo ranks, the last stage grew the heap by about 10 MiB with ``brk`` each step
+and shrank it at the end, about 950 minor page faults and 13 ms of system time per step,
 while a pipeline that happened to keep 4 MiB of logits alive across steps (torch's
 pipelining, in the same process) took none; the two had the same peak of live tensors
 (275 MiB, torch.profiler's memory events).
