@@ -19,6 +19,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
@@ -47,7 +48,9 @@ def add_parser(subparsers: Any) -> None:
         help="run a few steps per micro-batch count; tokens/s and peak memory, best marked",
         description="Run a few training steps for each micro-batch count and print tokens/s "
         "and peak memory per candidate, marking the fastest. Takes every flag of "
-        "'pipetrain train'; candidates save no checkpoints and never resume.",
+        "'pipetrain train'; candidates save no checkpoints and never resume, and each "
+        "writes its metrics in its own run folder, <out_dir>/<name>-m<count> (--metrics "
+        "does not apply).",
     )
     p.add_argument(
         "--microbatches",
@@ -129,6 +132,21 @@ def _refused(refusals: dict[int, str]) -> InputError:
     return UsageError(f"no --microbatches count can run ({each})")
 
 
+def _refuse_earlier_tuning(configs: Iterable[TrainConfig]) -> None:
+    """A tuning whose candidates' run folders an earlier tuning of the same --name left
+    is refused before any candidate runs (one would be refused at its start, after the
+    others had run, and with a train run's advice: --resume does not apply here)."""
+    from pipetrain.train.loop import earlier_run_error
+
+    for config in configs:
+        if earlier_run_error(config) is not None:
+            raise UsageError(
+                f"{config.run_dir} already holds a candidate run of an earlier tuning (its "
+                f"{config.metrics_path.name}): choose another --name for this tuning "
+                f"(candidates are named <name>-m<count>), or move that folder away"
+            )
+
+
 def _summary_line(path: Any) -> dict[str, Any] | None:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -177,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
             refusals[count] = str(exc)
     if not configs:
         raise _refused(refusals)
+    _refuse_earlier_tuning(configs.values())
     candidates: list[Candidate] = []
     for count in counts:
         if count not in configs:

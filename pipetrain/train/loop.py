@@ -18,11 +18,14 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
+from pipetrain.checkpoint.directory import list_checkpoints
+from pipetrain.checkpoint.errors import CheckpointError
 from pipetrain.checkpoint.trainer import earlier_checkpoints_error
 from pipetrain.errors import InputError
 from pipetrain.heap import keep_heap
@@ -41,7 +44,7 @@ from pipetrain.train.sample import gather_state_dict, generate
 from pipetrain.train.session import ProcessRole, Session, open_session
 from pipetrain.train.stage_options import StageOptionError
 
-__all__ = ["ProcessRole", "announce", "resolve_device", "train"]
+__all__ = ["ProcessRole", "announce", "earlier_run_error", "resolve_device", "train"]
 
 # Steps left out of the timing averages: the first runs allocations (and compilation).
 _WARMUP_STEPS = 1
@@ -75,11 +78,13 @@ def announce(config: TrainConfig, out: IO[str]) -> None:
 
     The first write of a run, so it first refuses a run that would replace an earlier
     one's checkpoints or metrics (the same --checkpoint-dir, --name or --metrics without
-    --resume): every rank of a run reaches the process group's rendezvous before the first
-    metrics line is written, and the launcher announces before it starts any rank, so one
-    check here suffices.
+    --resume, or a --resume with no checkpoint to continue): every rank of a run reaches
+    the process group's rendezvous before the first metrics line is written, and the
+    launcher announces before it starts any rank, so one check here suffices.
     """
-    _refuse_earlier_run(config)
+    refusal = earlier_run_error(config)
+    if refusal is not None:
+        raise refusal
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     text = config_to_toml(config)
@@ -88,25 +93,52 @@ def announce(config: TrainConfig, out: IO[str]) -> None:
     out.flush()
 
 
-def _refuse_earlier_run(config: TrainConfig) -> None:
+def earlier_run_error(config: TrainConfig) -> InputError | None:
+    """Why this run would replace (or mix itself into) an earlier run's metrics or
+    checkpoints; None when it would not."""
+    path = config.metrics_path
+    if path.is_dir():
+        # Its size is the folder's, which would read as "an earlier run's metrics".
+        return ConfigError(
+            f"run.metrics {str(path)!r} is a directory: pass --metrics with a file path, "
+            f"or choose another --name"
+        )
+    written = _holds_records(path)
+    directory = config.run.checkpoint_dir
     if config.run.resume:
-        return  # a resumed run continues its own checkpoints and metrics
-    if config.run.checkpoint_dir:
+        # A resume with nothing to resume from trains from step 0, and its records would
+        # be appended to another run's (a mistyped --checkpoint-dir, or a run that saved
+        # none): two trajectories in one file.
+        if written and not list_checkpoints(directory).complete:
+            return CheckpointError(
+                f"--resume: {directory} holds no checkpoint to continue from, but run.metrics "
+                f"{str(path)!r} holds a run's metrics that a run from step 0 would be appended "
+                f"to: pass the --checkpoint-dir that run saved into, or drop --resume and "
+                f"choose another --name (or --metrics, or move the file away)"
+            )
+        return None
+    if directory:
         # The trainer checks again on rank 0 (a run started without this announcement);
         # here it is refused before anything of the run is written.
-        refusal = earlier_checkpoints_error(config.run.checkpoint_dir)
+        refusal = earlier_checkpoints_error(directory)
         if refusal is not None:
-            raise refusal
-    path = config.metrics_path
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return  # none yet (or unreadable: MetricsFile names that problem)
-    if size > 0:
-        raise ConfigError(
+            return refusal
+    if written:
+        return ConfigError(
             f"run.metrics {str(path)!r} already holds an earlier run's metrics: pass --resume "
-            f"to continue that run, choose another --name (or --metrics), or move the file away"
+            f"with that run's --checkpoint-dir to continue it, choose another --name (or "
+            f"--metrics), or move the file away"
         )
+    return None
+
+
+def _holds_records(path: Path) -> bool:
+    """Whether a metrics file has any content (a run refused before its first record
+    leaves an empty one, which loses nothing)."""
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False  # none yet (or unreadable: MetricsFile names that problem)
 
 
 def peak_memory_per_rank(role: ProcessRole, device: torch.device) -> tuple[int, ...]:

@@ -190,3 +190,24 @@ def test_tune_candidates_of_a_named_tuning_are_runs_of_their_own(
         tmp_path / "sweep-m1" / "metrics.jsonl",
         tmp_path / "sweep-m2" / "metrics.jsonl",
     ]
+
+
+def test_tune_named_as_an_earlier_tuning_is_refused_before_any_candidate_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The candidate whose run folder an earlier tuning left was refused only at its start,
+    # after the others had run, with a train run's advice (--resume, ignored by tune).
+    earlier = tmp_path / "sweep-m2" / "metrics.jsonl"
+    earlier.parent.mkdir()
+    earlier.write_text('{"step": 1, "loss": 5.0}\n', encoding="utf-8")
+    from pipetrain.cli import tune
+
+    ran: list[TrainConfig] = []
+    monkeypatch.setattr(tune, "run_config", lambda config: ran.append(config) or 0)
+    argv = ["tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "4", "--seq-len", "16"]
+    argv += ["--set", f"run.out_dir={json.dumps(str(tmp_path))}", "--microbatches", "1,2"]
+    err = _one_line_error([*argv, "--name", "sweep"], capsys)
+    assert ran == []
+    assert f"{earlier.parent} already holds a candidate run of an earlier tuning" in err
+    assert "choose another --name" in err and "--resume" not in err
+    assert earlier.read_text(encoding="utf-8") == '{"step": 1, "loss": 5.0}\n'
