@@ -129,6 +129,14 @@ def earlier_run_error(config: TrainConfig) -> InputError | None:
             f"with that run's --checkpoint-dir to continue it, choose another --name (or "
             f"--metrics), or move the file away"
         )
+    own = config.run_dir / "metrics.jsonl"
+    if own != path and _holds_records(own):
+        # Metrics sent elsewhere (--metrics) still leave config.toml in the run folder,
+        # where it would replace the earlier run's, next to that run's metrics.
+        return ConfigError(
+            f"{config.run_dir} holds an earlier run (its {own.name}), whose config.toml this "
+            f"run would replace: choose another --name, or move that folder away"
+        )
     return None
 
 

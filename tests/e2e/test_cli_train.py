@@ -195,6 +195,10 @@ def test_a_run_does_not_replace_an_earlier_runs_metrics(
     # A folder where the metrics file goes was "an earlier run's metrics".
     assert main([*again, "--metrics", str(run_dir)]) == 2
     assert f"run.metrics '{run_dir}' is a directory" in capsys.readouterr().err
+    # Metrics sent elsewhere still replaced the earlier run's config.toml next to its metrics.
+    assert main([*again, "--metrics", str(tmp_path / "elsewhere.jsonl")]) == 2
+    assert "whose config.toml this run would replace" in capsys.readouterr().err
+    assert not (tmp_path / "elsewhere.jsonl").exists()
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
     assert (run_dir / "config.toml").read_bytes() == config
     assert not (tmp_path / "none").exists()
