@@ -7,8 +7,9 @@ The last step in choosing a micro-batch size: after the memory estimate of
 candidate is a short ``pipetrain train`` run without evaluation, sample or checkpoints
 (a train command line's --checkpoint-dir, --resume and --keep are ignored: candidates
 would resume from, or save among and prune, that run's checkpoints); its tokens/s leaves
-out the first step (allocations). Candidates are named ``<name>-m<count>`` (``--name``, or
-``tune-<date-time>``) and write their metrics in their own run folders.
+out the first step (allocations). Candidates are named ``<name>-m<count>`` (the run name of
+--name, --set run.name or --config; else ``tune-<date-time>``) and write their metrics
+in their own run folders.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from pipetrain.cli.errors import UsageError
 from pipetrain.cli.train import add_config_flags, config_from_args, run_config
 from pipetrain.errors import InputError
-from pipetrain.train.config import TrainConfig
+from pipetrain.train.config import TrainConfig, parse_override
 
 __all__ = ["Candidate", "add_parser", "format_table", "parse_counts", "run"]
 
@@ -93,9 +94,9 @@ def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
     }
     if args.cfg_steps is None:
         extra["run.steps"] = 4
-    if args.cfg_name is None:
-        extra["run.name"] = f"tune-{stamp}-m{count}"
     config = config_from_args(args, extra)
+    if not _names_the_run(args):
+        config = config_from_args(args, {**extra, "run.name": f"tune-{stamp}-m{count}"})
     # Each candidate is a run of its own, with its own metrics: a name given for the tuning
     # gets the count appended (the runs would otherwise meet in one folder and file).
     run = config.run
@@ -104,6 +105,24 @@ def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
     config = dataclasses.replace(config, run=dataclasses.replace(run, metrics=""))
     plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
     return config
+
+
+def _names_the_run(args: argparse.Namespace) -> bool:
+    """Whether the command line names the run: --name, --set run.name=..., or a name in
+    the --config file (run only after that file was read as a valid config)."""
+    if args.cfg_name is not None:
+        return True
+    if any(parse_override(text)[0] == "run.name" for text in args.cfg_set):
+        return True
+    if args.config is None:
+        return False
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    with open(args.config, "rb") as f:
+        table = tomllib.load(f).get("run", {})
+    return isinstance(table, dict) and "name" in table
 
 
 def _measure(count: int, config: TrainConfig) -> Candidate:

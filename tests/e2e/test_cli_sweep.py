@@ -211,3 +211,20 @@ def test_tune_named_as_an_earlier_tuning_is_refused_before_any_candidate_runs(
     assert f"{earlier.parent} already holds a candidate run of an earlier tuning" in err
     assert "choose another --name" in err and "--resume" not in err
     assert earlier.read_text(encoding="utf-8") == '{"step": 1, "loss": 5.0}\n'
+
+
+def test_tune_takes_the_run_name_from_set_or_the_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only --name counted: a name given by --set run.name=... or the --config file was
+    # replaced by tune-<date-time>, and the candidates' metrics went where the user did not
+    # look.
+    ran = _tuned_configs(tmp_path, monkeypatch, "--set", "run.name=mine")
+    assert [c.run.name for c in ran] == ["mine-m1", "mine-m2"]
+    config = tmp_path / "tune.toml"
+    config.write_text('[run]\nname = "fromfile"\n', encoding="utf-8")
+    ran = _tuned_configs(tmp_path, monkeypatch, "--config", str(config))
+    assert [c.run.name for c in ran] == ["fromfile-m1", "fromfile-m2"]
+    unnamed = [c.run.name for c in _tuned_configs(tmp_path, monkeypatch)]
+    assert re.fullmatch(r"tune-\d{8}-\d{6}-m1", unnamed[0]), unnamed
+    assert unnamed[1] == unnamed[0][:-1] + "2"
