@@ -232,6 +232,15 @@ def _train(
 def _run_session(session: Session, started: float) -> RunSummary | None:
     run = session.config.run
     start = session.checkpoints.resume()
+    if start and start == run.steps:
+        # A finished run resumed as it was: its metrics end with its own summary, which an
+        # evaluation and a summary of 0 steps (and nan tokens/s) would have followed.
+        session.output.say(
+            f"the run is already at step {start} of {run.steps}: nothing to train "
+            f"(pass a larger --steps to continue it)"
+        )
+        session.checkpoints.close()
+        return None
     first_eval = session.evaluate(start)
     records: list[StepRecord] = []
     done = start
