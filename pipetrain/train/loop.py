@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.checkpoint.directory import list_checkpoints
-from pipetrain.checkpoint.errors import CheckpointError
 from pipetrain.checkpoint.trainer import earlier_checkpoints_error
 from pipetrain.errors import InputError
 from pipetrain.heap import keep_heap
@@ -78,13 +77,15 @@ def announce(config: TrainConfig, out: IO[str]) -> None:
 
     The first write of a run, so it first refuses a run that would replace an earlier
     one's checkpoints or metrics (the same --checkpoint-dir, --name or --metrics without
-    --resume, or a --resume with no checkpoint to continue): every rank of a run reaches
-    the process group's rendezvous before the first metrics line is written, and the
-    launcher announces before it starts any rank, so one check here suffices.
+    --resume), and moves aside the metrics of a run resumed with no checkpoint to resume
+    from: every rank of a run reaches the process group's rendezvous before the first
+    metrics line is written, and the launcher announces before it starts any rank, so one
+    check here suffices.
     """
     refusal = earlier_run_error(config)
     if refusal is not None:
         raise refusal
+    _set_aside_restarted_metrics(config, out)
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     text = config_to_toml(config)
@@ -106,17 +107,7 @@ def earlier_run_error(config: TrainConfig) -> InputError | None:
     written = _holds_records(path)
     directory = config.run.checkpoint_dir
     if config.run.resume:
-        # A resume with nothing to resume from trains from step 0, and its records would
-        # be appended to another run's (a mistyped --checkpoint-dir, or a run that saved
-        # none): two trajectories in one file.
-        if written and not list_checkpoints(directory).complete:
-            return CheckpointError(
-                f"--resume: {directory} holds no checkpoint to continue from, but run.metrics "
-                f"{str(path)!r} holds a run's metrics that a run from step 0 would be appended "
-                f"to: pass the --checkpoint-dir that run saved into, or drop --resume and "
-                f"choose another --name (or --metrics, or move the file away)"
-            )
-        return None
+        return None  # it continues its own run (``_set_aside_restarted_metrics``)
     if directory:
         # The trainer checks again on rank 0 (a run started without this announcement);
         # here it is refused before anything of the run is written.
@@ -138,6 +129,29 @@ def earlier_run_error(config: TrainConfig) -> InputError | None:
             f"run would replace: choose another --name, or move that folder away"
         )
     return None
+
+
+def _set_aside_restarted_metrics(config: TrainConfig, out: IO[str]) -> None:
+    """A --resume that finds no checkpoint trains from step 0, as documented: a job that
+    its scheduler restarts with --resume before the first save must start again rather
+    than stop. Appended to the earlier attempt's records, its steps would make two
+    trajectories in one file, so those records are moved to a file of their own."""
+    path = config.metrics_path
+    if not (config.run.resume and _holds_records(path)):
+        return
+    if list_checkpoints(config.run.checkpoint_dir).complete:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = path.with_name(f"{path.stem}.before-{stamp}{path.suffix}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.stem}.before-{stamp}-{n}{path.suffix}")
+    path.rename(aside)
+    out.write(
+        f"note: --resume found no checkpoint in {config.run.checkpoint_dir}, so this run "
+        f"starts from step 0; the metrics already in {path} were moved to {aside}\n"
+    )
 
 
 def _holds_records(path: Path) -> bool:

@@ -187,11 +187,6 @@ def test_a_run_does_not_replace_an_earlier_runs_metrics(
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().count("\n") == 0, done.stderr
     assert f"run.metrics '{run_dir / 'metrics.jsonl'}' already holds" in done.stderr
-    # A --resume with nothing to resume from (that run saved no checkpoints) trained from
-    # step 0 and appended a second trajectory to the earlier run's metrics.
-    assert main([*again, "--resume", "--checkpoint-dir", str(tmp_path / "none")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "holds no checkpoint to continue from" in err, err
     # A folder where the metrics file goes was "an earlier run's metrics".
     assert main([*again, "--metrics", str(run_dir)]) == 2
     assert f"run.metrics '{run_dir}' is a directory" in capsys.readouterr().err
@@ -201,7 +196,14 @@ def test_a_run_does_not_replace_an_earlier_runs_metrics(
     assert not (tmp_path / "elsewhere.jsonl").exists()
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
     assert (run_dir / "config.toml").read_bytes() == config
-    assert not (tmp_path / "none").exists()
+    # A --resume with nothing to resume from (restarted before the first save) trains from
+    # step 0, as documented; it appended a second trajectory to the earlier records,
+    # which now move to a file of their own.
+    assert main([*again, "--resume", "--checkpoint-dir", str(tmp_path / "none")]) == 0
+    assert "so this run starts from step 0; the metrics already in" in capsys.readouterr().out
+    (aside,) = run_dir.glob("metrics.before-*.jsonl")
+    assert aside.read_bytes() == metrics
+    assert [r["step"] for r in _steps(run_dir / "metrics.jsonl")] == [1, 2]
 
 
 def test_two_torchrun_nodes_on_loopback(reference: list[dict[str, Any]], tmp_path: Path) -> None:
