@@ -139,6 +139,15 @@ def train_async(
                 f"steps{derived}: pass --stream-steps {math.gcd(start, stream)}, or the "
                 "--checkpoint-every and --eval-every of the saved run"
             )
+        if start and start == r.steps:
+            # A finished run resumed as it was (as in the synchronous loop): an evaluation
+            # and a summary of 0 steps would follow its own summary in the metrics.
+            say(
+                f"the run is already at step {start} of {r.steps}: nothing to train "
+                f"(pass a larger --steps to continue it)"
+            )
+            checkpoints.close()
+            return None
         first_eval = evaluate(start)
         last_eval = first_eval
         tokens_seen, train_time, bubbles = 0, 0.0, []

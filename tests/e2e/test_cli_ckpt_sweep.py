@@ -165,3 +165,9 @@ def test_async_resume_between_streams_of_another_length_names_a_stream_that_fits
     code, out, err = cli(capsys, *argv, "--resume", "--stream-steps", "2")
     assert code == 0, err
     assert f"resumed from {ckpt / 'step_000002'} at step 2" in out
+    # Resumed again as it is, the finished asynchronous run has nothing to train (it
+    # evaluated again and reported "trained 4 steps, 0 tokens ... nan tokens/s").
+    code, out, err = cli(capsys, *argv, "--resume", "--stream-steps", "2")
+    assert code == 0, err
+    assert "the run is already at step 4 of 4: nothing to train" in out
+    assert "nan tokens/s" not in out
