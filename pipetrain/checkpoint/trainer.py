@@ -209,7 +209,7 @@ class RunCheckpoints:
             # those "after" fewer steps than they had.
             raise CheckpointError(
                 f"{result.path} is at step {result.step}, past this run's {self._total} steps: "
-                f"pass --steps {result.step} or more to continue it, or another --checkpoint-dir"
+                f"pass --steps {result.step + 1} or more to continue it, or another --checkpoint-dir"
             )
         self._last_saved = result.step
         saved = result.manifest.layout

@@ -115,7 +115,7 @@ def test_train_refuses_a_used_directory_without_resume_and_resume_keeps_the_metr
     assert code == 2
     assert err.splitlines()[-1] == (
         f"pipetrain train: error: {ckpt / 'step_000002'} is at step 2, past this run's 1 "
-        "steps: pass --steps 2 or more to continue it, or another --checkpoint-dir"
+        "steps: pass --steps 3 or more to continue it, or another --checkpoint-dir"
     )
 
     # Resumed under the same name, the run continues its metrics file.

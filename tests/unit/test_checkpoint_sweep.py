@@ -140,7 +140,7 @@ def test_a_checkpoint_past_the_run_steps_is_refused_in_one_line(tmp_path: Path) 
         short.resume()
     short.close()
     assert str(raised.value) == (
-        f"{tmp_path / 'step_000005'} is at step 5, past this run's 3 steps: pass --steps 5 "
+        f"{tmp_path / 'step_000005'} is at step 5, past this run's 3 steps: pass --steps 6 "
         "or more to continue it, or another --checkpoint-dir"
     )
     done = run(5)
