@@ -194,8 +194,16 @@ class AsyncTrainer:
         self._loss_sums.clear()
         self._pending.clear()
         started = time.perf_counter()
+        # Errors name the training steps of the stream as the run counts them (a resumed
+        # run's too), not the pipeline's count of streams, which restarts at 1.
+        last = first_step + self.stream_steps
+        label = (
+            f"training step {last}"
+            if self.stream_steps == 1
+            else f"the stream of training steps {first_step + 1}-{last}"
+        )
         with self.versions.stream():
-            result = self.pipeline.step(inputs, targets)
+            result = self.pipeline.step(inputs, targets, label=label)
         wall = time.perf_counter() - started
         sums = torch.zeros(mbs, dtype=torch.float64, device=device)
         for k, value in self._loss_sums.items():

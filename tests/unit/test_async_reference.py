@@ -192,3 +192,28 @@ def test_eval_counts_every_batch_once() -> None:
         )
     got = trainer.eval_loss([(x, y) for x, y in batches])
     assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_a_stream_names_its_training_steps_in_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline counts its own passes (1 again after a resume); errors name the run's steps."""
+    trainer = AsyncTrainer(
+        _spec(),
+        schedule="pipedream",
+        pp=2,
+        microbatches=WINDOW,
+        stream_steps=STREAM_STEPS,
+        make_optimizer=_optimizer("sgd"),
+        device="cpu",
+    )
+    labels: list[str | None] = []
+    step = trainer.pipeline.step
+
+    def recording(*args, label=None, **kwargs):  # type: ignore[no-untyped-def]
+        labels.append(label)
+        return step(*args, label=label, **kwargs)
+
+    monkeypatch.setattr(trainer.pipeline, "step", recording)
+    chunk = _batches(STREAM_STEPS)
+    first = 3 * STREAM_STEPS  # a resumed run's fourth stream
+    trainer.train_stream(first, torch.cat([b[0] for b in chunk]), torch.cat([b[1] for b in chunk]))
+    assert labels == [f"the stream of training steps {first + 1}-{first + STREAM_STEPS}"]
