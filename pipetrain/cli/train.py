@@ -98,8 +98,11 @@ def add_config_flags(p: argparse.ArgumentParser, *, skip: frozenset[str] = froze
     )
 
 
-def config_from_args(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, then --config, then --set, then the flags, then ``extra``."""
+def config_from_args(
+    args: argparse.Namespace, extra: dict[str, Any] | None = None, default_name: str = ""
+) -> TrainConfig:
+    """Defaults, then --config, then --set, then the flags, then ``extra``; the run is
+    named ``default_name`` when none of them names it (``load_config``)."""
     overrides: dict[str, Any] = dict(parse_override(text) for text in args.cfg_set)
     for flag, (key, _, _) in FLAGS.items():
         value = getattr(args, _dest(flag), None)
@@ -109,7 +112,7 @@ def config_from_args(args: argparse.Namespace, extra: dict[str, Any] | None = No
         if getattr(args, _dest(flag)):
             overrides[key] = True
     overrides.update(extra or {})
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, default_name=default_name)
 
 
 def add_parser(subparsers: Any) -> None:

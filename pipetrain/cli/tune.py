@@ -26,7 +26,7 @@ from typing import Any
 from pipetrain.cli.errors import UsageError
 from pipetrain.cli.train import add_config_flags, config_from_args, run_config
 from pipetrain.errors import InputError
-from pipetrain.train.config import TrainConfig, parse_override
+from pipetrain.train.config import TrainConfig
 
 __all__ = ["Candidate", "add_parser", "format_table", "parse_counts", "run"]
 
@@ -94,35 +94,13 @@ def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
     }
     if args.cfg_steps is None:
         extra["run.steps"] = 4
-    config = config_from_args(args, extra)
-    if not _names_the_run(args):
-        config = config_from_args(args, {**extra, "run.name": f"tune-{stamp}-m{count}"})
-    # Each candidate is a run of its own, with its own metrics: a name given for the tuning
-    # gets the count appended (the runs would otherwise meet in one folder and file).
-    run = config.run
-    if not run.name.endswith(f"-m{count}"):
-        run = dataclasses.replace(run, name=f"{run.name}-m{count}")
-    config = dataclasses.replace(config, run=dataclasses.replace(run, metrics=""))
+    config = config_from_args(args, extra, default_name=f"tune-{stamp}")
+    # Each candidate is a run of its own, with its own metrics: the tuning's name gets the
+    # count appended (the runs would otherwise meet in one folder and file).
+    run = dataclasses.replace(config.run, name=f"{config.run.name}-m{count}", metrics="")
+    config = dataclasses.replace(config, run=run)
     plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
     return config
-
-
-def _names_the_run(args: argparse.Namespace) -> bool:
-    """Whether the command line names the run: --name, --set run.name=..., or a name in
-    the --config file (run only after that file was read as a valid config)."""
-    if args.cfg_name is not None:
-        return True
-    if any(parse_override(text)[0] == "run.name" for text in args.cfg_set):
-        return True
-    if args.config is None:
-        return False
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
-    with open(args.config, "rb") as f:
-        table = tomllib.load(f).get("run", {})
-    return isinstance(table, dict) and "name" in table
 
 
 def _measure(count: int, config: TrainConfig) -> Candidate:

@@ -226,10 +226,12 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     *,
     check_paths: bool = True,
+    default_name: str = "",
 ) -> TrainConfig:
     """Defaults, then the TOML file at ``path``, then ``overrides`` ("section.field" keys).
 
-    Fills in a default run name and validates the result. ``check_paths`` also checks
+    Fills in a run name where none is given (``default_name``, else model-schedule-ppP-
+    date-time) and validates the result. ``check_paths`` also checks
     that the data and tokenizer paths exist (off for configs resolved elsewhere).
     """
     values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
@@ -245,6 +247,8 @@ def load_config(
         }
     )
     config = _expand_home(config)
+    if not config.run.name and default_name:
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
     if not config.run.name:
         parts = (config.model.name, config.pipeline.schedule, f"pp{config.pipeline.pp}")
         # A bad model or schedule name is reported by its own check, not as a bad run name.
