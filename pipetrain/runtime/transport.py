@@ -141,8 +141,7 @@ class DistTransport:
         self._timeout_s = timeout_s
         self._lookahead = lookahead
         self._step = 0
-        self._where = "step 0"
-        self._label = ""
+        self._label = ""  # the step as the caller names it in errors ("" = ``step N``)
         self._peers: dict[int, Peer] = {}
         # id(program's wire orders) -> (those orders, kept alive so the id stays theirs; entries)
         self._wires: dict[int, tuple[PeerOrders, PeerEntries]] = {}
@@ -164,7 +163,6 @@ class DistTransport:
             raise PipelineError(f"a DistTransport runs one rank's program, got {len(wires)}")
         self._step = step
         self._label = where
-        self._where = where or f"step {step}"
         # Shapes may change from one step to the next (sequence length): learn them anew.
         self._sent_specs.clear()
         self._recv_specs.clear()
@@ -178,6 +176,10 @@ class DistTransport:
         if self._one_stream:
             self._connect(sorted(set(self._peers) - self._connected))
         self.progress()
+
+    @property
+    def _where(self) -> str:
+        return self._label or f"step {self._step}"
 
     def _connect(self, peers: list[int]) -> None:
         """Meet each new peer once, in one global order of pairs, before any message.
