@@ -45,6 +45,7 @@ __all__ = [
     "config_to_toml",
     "load_config",
     "parse_override",
+    "settings_disagree",
     "validate",
 ]
 
@@ -434,6 +435,52 @@ def config_to_toml(config: TrainConfig) -> str:
         lines.append(f"[{section}]")
         lines.extend(f"{name} = {_toml_value(value)}" for name, value in table.items())
     return "\n".join(lines) + "\n"
+
+
+# Fields that may differ between the processes of one run: what only rank 0 writes (the
+# run folder, metrics, pictures) and per-machine settings. Every other field shapes the
+# work that the ranks share, so a difference would hang them, or worse, train on targets
+# that do not belong to the inputs (another seed) or update stages differently.
+_PER_PROCESS_FIELDS = frozenset(
+    {
+        "run.name",
+        "run.out_dir",
+        "run.metrics",
+        "run.tensorboard",
+        "run.timeline",
+        "pipeline.threads",
+        "pipeline.timeout_s",
+    }
+)
+
+
+def settings_disagree(by_rank: Sequence[Mapping[str, Mapping[str, Any]]]) -> str | None:
+    """Why the processes of a run (``config_to_dict`` of each, by rank) cannot train
+    together; None when their shared settings agree. Under torchrun every process resolves
+    its own flags, so one node started with other flags is caught here, in one line,
+    rather than as a hang or a silently wrong run."""
+    differing: list[tuple[str, int, Any, Any]] = []
+    first = by_rank[0]
+    for section, table in first.items():
+        for name, value in table.items():
+            key = f"{section}.{name}"
+            if key in _PER_PROCESS_FIELDS:
+                continue
+            for rank, other in enumerate(by_rank[1:], start=1):
+                theirs = other.get(section, {}).get(name)
+                if theirs != value:
+                    differing.append((key, rank, value, theirs))
+                    break
+    if not differing:
+        return None
+    key, rank, value, theirs = differing[0]
+    more = [d[0] for d in differing[1:]]
+    also = f" (also {', '.join(more)})" if more else ""
+    return (
+        f"the processes of this run were started with different settings: {key} is "
+        f"{value!r} on rank 0 but {theirs!r} on rank {rank}{also}: start every process "
+        f"with the same --config file and flags"
+    )
 
 
 def _toml_value(value: Any) -> str:

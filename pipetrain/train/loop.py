@@ -33,7 +33,13 @@ from pipetrain.runtime import Pipeline
 from pipetrain.runtime.build import gpu_shortfall
 from pipetrain.schedules import Kind
 from pipetrain.schedules.execution import Costs, Timeline
-from pipetrain.train.config import ConfigError, TrainConfig, config_to_toml
+from pipetrain.train.config import (
+    ConfigError,
+    TrainConfig,
+    config_to_dict,
+    config_to_toml,
+    settings_disagree,
+)
 from pipetrain.train.data import Corpus, load_tokenizer
 from pipetrain.train.metrics import RunSummary, measured_bubble, peak_memory_bytes
 from pipetrain.train.optim import StepOutcome
@@ -206,20 +212,31 @@ def train(
 
     group: Any = None
     mesh: Mesh | None = None
-    if role.distributed:
-        if not dist.is_initialized():
-            dist.init_process_group(
-                "nccl" if device.type == "cuda" else "gloo",
-                timeout=datetime.timedelta(seconds=p.timeout_s),
-            )
-        mesh = build_mesh(device.type, p.pp, p.dp)
-        # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
-        group = mesh.pp_group if p.pp > 1 else None
+    if role.distributed and not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=p.timeout_s),
+        )
     try:
+        if role.distributed:
+            # Before the groups are made: ranks that disagree on pp or dp would hang there.
+            _check_same_settings(config)
+            mesh = build_mesh(device.type, p.pp, p.dp)
+            # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
+            group = mesh.pp_group if p.pp > 1 else None
         return _train(config, role, plan, device, group, out, started, mesh)
     finally:
         if role.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_same_settings(config: TrainConfig) -> None:
+    """Refuse, on every rank alike, a run whose processes resolved different settings."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, config_to_dict(config))
+    problem = settings_disagree(everyone)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _train(

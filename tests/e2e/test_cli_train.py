@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,8 +207,9 @@ def test_a_run_does_not_replace_an_earlier_runs_metrics(
     assert [r["step"] for r in _steps(run_dir / "metrics.jsonl")] == [1, 2]
 
 
-def test_two_torchrun_nodes_on_loopback(reference: list[dict[str, Any]], tmp_path: Path) -> None:
-    """Two torchrun "nodes" of one process each make one 2-stage pipeline."""
+def _torchrun_nodes(tmp_path: Path, flags: list[list[str]]) -> list[tuple[int, str, str]]:
+    """Two torchrun "nodes" of one process each on this machine, node i started with
+    ``flags[i]``; (exit status, stdout, stderr) of each."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -218,7 +220,7 @@ def test_two_torchrun_nodes_on_loopback(reference: list[dict[str, Any]], tmp_pat
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "-m", "pipetrain.cli", "train", *TINY, "--pp", "2", "--name", "nodes",
+            "-m", "pipetrain.cli", "train", *flags[node],
         ]  # fmt: skip
         pipe = subprocess.PIPE
         nodes.append(
@@ -234,13 +236,42 @@ def test_two_torchrun_nodes_on_loopback(reference: list[dict[str, Any]], tmp_pat
         for proc in nodes:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    for proc, (_, err) in zip(nodes, outputs, strict=True):
-        assert proc.returncode == 0, err[-3000:]
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(nodes, outputs, strict=True)]
+
+
+def test_two_torchrun_nodes_on_loopback(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    """Two torchrun "nodes" of one process each make one 2-stage pipeline."""
+    flags = [*TINY, "--pp", "2", "--name", "nodes"]
+    ran = _torchrun_nodes(tmp_path, [flags, flags])
+    for code, _, err in ran:
+        assert code == 0, err[-3000:]
+    outputs = [(out, err) for _, out, err in ran]
     # Rank 0 (node 0) reports; node 1 stays quiet.
     assert "step 5/5" in outputs[0][0] and "step " not in outputs[1][0]
     records = read_records(tmp_path / "runs" / "nodes" / "metrics.jsonl")
     _assert_same_steps([r for r in records if "loss" in r], reference, "two nodes")
     assert len(records[-1]["peak_memory"]) == 2
+
+
+def test_torchrun_nodes_started_with_different_settings_stop_with_one_line(
+    tmp_path: Path,
+) -> None:
+    """Node 1 started with another seed would feed the last stage targets that do not
+    belong to the first stage's inputs: both processes refuse before the first step."""
+    flags = [*TINY, "--pp", "2"]  # default run names: each node stamps its own second
+    started = time.monotonic()
+    ran = _torchrun_nodes(tmp_path, [flags, [*flags, "--set", "run.seed=3"]])
+    assert time.monotonic() - started < 120
+    problem = "run.seed is 0 on rank 0 but 3 on rank 1"
+    for code, _, err in ran:
+        assert code != 0
+        (line,) = [line for line in err.splitlines() if problem in line]
+        assert line.startswith("pipetrain train: error: the processes of this run were started"), (
+            line
+        )
+        assert line.endswith("start every process with the same --config file and flags"), line
+        assert "Traceback" not in err.split(problem)[0][-2000:]
+    assert not list(tmp_path.glob("runs/*/metrics.jsonl"))
 
 
 def test_non_finite_gradients_stop_every_rank_with_one_line(tmp_path: Path) -> None:

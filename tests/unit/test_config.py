@@ -10,9 +10,11 @@ from pipetrain.errors import InputError
 from pipetrain.train.config import (
     ConfigError,
     TrainConfig,
+    config_to_dict,
     config_to_toml,
     load_config,
     parse_override,
+    settings_disagree,
 )
 
 
@@ -167,3 +169,32 @@ def test_shipped_configs_load() -> None:
     assert load_config(folder / "default.toml", {"run.name": "x"}) == load_config(
         overrides={"run.name": "x"}
     )
+
+
+def test_processes_that_resolved_different_settings_are_named() -> None:
+    """Under torchrun each process resolves its own flags: a node started with another
+    seed would train on targets that are not its inputs' (silently)."""
+    base = {"run.name": "a", "pipeline.pp": 2}
+    ranks = [config_to_dict(load_config(overrides=base)) for _ in range(3)]
+    assert settings_disagree(ranks) is None
+    seeded = config_to_dict(load_config(overrides={**base, "run.seed": 7, "optim.lr": 0.1}))
+    problem = settings_disagree([*ranks[:2], seeded])
+    assert problem is not None and "\n" not in problem
+    assert "optim.lr is 0.003 on rank 0 but 0.1 on rank 2 (also run.seed)" in problem, problem
+    assert "start every process with the same --config file and flags" in problem
+
+
+def test_settings_of_one_process_may_differ_where_only_rank_0_writes() -> None:
+    # The default run name has the second it was resolved in, which ranks may straddle;
+    # only rank 0 writes into the run folder. Threads and timeouts are per machine.
+    one = load_config(overrides={"run.name": "a", "pipeline.threads": 1})
+    other = load_config(
+        overrides={
+            "run.name": "b",
+            "run.metrics": "m.jsonl",
+            "run.out_dir": "elsewhere",
+            "pipeline.threads": 2,
+            "pipeline.timeout_s": 60.0,
+        }
+    )
+    assert settings_disagree([config_to_dict(one), config_to_dict(other)]) is None
