@@ -129,7 +129,18 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    from pipetrain.train.launch import role_from_env
+
+    role = role_from_env()
+    try:
+        config = config_from_args(args)
+    except Exception as exc:
+        if role is not None:
+            # Under torchrun the other nodes would wait for this process until the timeout.
+            from pipetrain.train.rendezvous import report_failure
+
+            report_failure(role, exc)
+        raise
     return run_config(config)
 
 

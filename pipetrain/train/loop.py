@@ -11,7 +11,6 @@ step and its finish.
 
 from __future__ import annotations
 
-import datetime
 import math
 import statistics
 import sys
@@ -45,6 +44,7 @@ from pipetrain.train.metrics import RunSummary, measured_bubble, peak_memory_byt
 from pipetrain.train.optim import StepOutcome
 from pipetrain.train.parallel import Mesh, build_mesh, replica_mean, state_bytes
 from pipetrain.train.plan import RunPlan, plan_run, threads_per_process
+from pipetrain.train.rendezvous import join_process_group, report_failure
 from pipetrain.train.sample import gather_state_dict, generate
 from pipetrain.train.session import ProcessRole, Session, open_session
 from pipetrain.train.stage_options import StageOptionError
@@ -191,6 +191,34 @@ def train(
     """
     out = sys.stdout if out is None else out
     started = time.perf_counter()
+    try:
+        plan, device = _set_up(config, role, out, announced)
+    except Exception as exc:
+        # Under torchrun the other nodes would wait for this process until the timeout.
+        report_failure(role, exc)
+        raise
+    p = config.pipeline
+    group: Any = None
+    mesh: Mesh | None = None
+    if role.distributed and not dist.is_initialized():
+        join_process_group(role, "nccl" if device.type == "cuda" else "gloo", p.timeout_s)
+    try:
+        if role.distributed:
+            # Before the groups are made: ranks that disagree on pp or dp would hang there.
+            _check_same_settings(config)
+            mesh = build_mesh(device.type, p.pp, p.dp)
+            # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
+            group = mesh.pp_group if p.pp > 1 else None
+        return _train(config, role, plan, device, group, out, started, mesh)
+    finally:
+        if role.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _set_up(
+    config: TrainConfig, role: ProcessRole, out: IO[str], announced: bool
+) -> tuple[RunPlan, torch.device]:
+    """This process's checks and settings before it meets the others: the plan and device."""
     p = config.pipeline
     if role.distributed and role.world_size != p.pp * p.dp:
         raise ConfigError(
@@ -209,25 +237,7 @@ def train(
         keep_heap()
     if role.reporter and not announced:
         announce(config, out)
-
-    group: Any = None
-    mesh: Mesh | None = None
-    if role.distributed and not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=p.timeout_s),
-        )
-    try:
-        if role.distributed:
-            # Before the groups are made: ranks that disagree on pp or dp would hang there.
-            _check_same_settings(config)
-            mesh = build_mesh(device.type, p.pp, p.dp)
-            # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
-            group = mesh.pp_group if p.pp > 1 else None
-        return _train(config, role, plan, device, group, out, started, mesh)
-    finally:
-        if role.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+    return plan, device
 
 
 def _check_same_settings(config: TrainConfig) -> None:

@@ -274,6 +274,40 @@ def test_torchrun_nodes_started_with_different_settings_stop_with_one_line(
     assert not list(tmp_path.glob("runs/*/metrics.jsonl"))
 
 
+def test_a_node_that_cannot_start_stops_the_others_at_once(tmp_path: Path) -> None:
+    """Node 1's data file is missing: node 0 would wait for it in the rendezvous until
+    the timeout (300 s); it stops within seconds, with node 1's reason."""
+    flags = [*TINY, "--pp", "2", "--name", "gone"]
+    started = time.monotonic()
+    ran = _torchrun_nodes(tmp_path, [flags, [*flags, "--data", str(tmp_path / "missing.txt")]])
+    assert time.monotonic() - started < 90
+    assert all(code != 0 for code, _, _ in ran)
+    missing = f"data.path {str(tmp_path / 'missing.txt')!r} does not exist"
+    (line,) = [line for line in ran[0][2].splitlines() if line.startswith("pipetrain train:")]
+    assert line.startswith("pipetrain train: error: rank 1 (on "), line
+    assert f"could not start: {missing}" in line, line
+    assert f"pipetrain train: error: {missing}" in ran[1][2]
+
+
+def test_a_first_node_that_cannot_start_stops_the_others_too(tmp_path: Path) -> None:
+    """Node 0's launcher hosts the run's store and ends with its failed process. Node 1
+    reads node 0's reason if it gets there first, else says that the launcher ended,
+    instead of retrying the store until the timeout."""
+    flags = [*TINY, "--pp", "2", "--name", "gone"]
+    started = time.monotonic()
+    ran = _torchrun_nodes(tmp_path, [[*flags, "--data", str(tmp_path / "missing.txt")], flags])
+    assert time.monotonic() - started < 90
+    assert all(code != 0 for code, _, _ in ran)
+    (line,) = [line for line in ran[1][2].splitlines() if line.startswith("pipetrain train:")]
+    missing = f"data.path {str(tmp_path / 'missing.txt')!r} does not exist"
+    reason = (
+        f"pipetrain train: error: rank 0 (on {socket.gethostname()}) could not start: {missing}"
+    )
+    ended = "pipetrain train: rank 1: the run's launcher at 127.0.0.1:"
+    assert line.startswith((reason, ended)), line
+    assert line.startswith(reason) or "the first node's launcher has ended" in line, line
+
+
 def test_non_finite_gradients_stop_every_rank_with_one_line(tmp_path: Path) -> None:
     """A learning rate of 1e8 blows the gradients up: both ranks skip, then stop alike."""
     done = _cli(

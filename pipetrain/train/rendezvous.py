@@ -1,0 +1,142 @@
+"""The start of a multi-process run: each process says whether its set-up worked before
+any of them waits for the others in the process group's rendezvous.
+
+Under torchrun every node resolves its own flags and reads its own files, so one node can
+fail where the others succeed (a data file missing there, a run folder that refuses the
+run, another --pp). That process exits at once, but the others would wait for it inside
+``init_process_group`` until the timeout: 300 s by default, hours where clusters raise it.
+So every process first posts its outcome in the launcher's key-value store (the store the
+process group then uses): "ready", or its error in one line. A process that reads
+another's error stops with it, naming the rank and host, within a fraction of a second.
+
+Best effort by design: a process that dies without posting (killed, a crash in C) leaves
+the others waiting as before, up to the timeout, and then they say which ranks never
+arrived. A failure to post never hides the error that is being posted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
+
+from pipetrain.errors import InputError
+from pipetrain.runtime.errors import PipelineError
+from pipetrain.train.config_checks import ConfigError
+from pipetrain.train.session import ProcessRole
+
+__all__ = ["join_process_group", "report_failure"]
+
+# How long a failing process tries to reach the store: it is exiting anyway.
+_REPORT_TIMEOUT_S = 10.0
+_POLL_S = 0.02
+
+
+def _prefix() -> str:
+    # An elastic restart starts every process again: a failure of an earlier attempt
+    # must not stop this one.
+    return f"pipetrain/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+# How long to try to reach a launcher's store: it exists before any process is started, so
+# one that does not answer has ended (its node's process failed and took it down).
+_AGENT_STORE_CONNECT_S = 10.0
+
+
+def _store(role: ProcessRole, timeout_s: float) -> Any:
+    """The run's key-value store, with ``timeout_s`` for its operations."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    connect_s = min(timeout_s, _AGENT_STORE_CONNECT_S) if agent_store else timeout_s
+    try:
+        store, _, _ = next(rendezvous("env://", timeout=datetime.timedelta(seconds=connect_s)))
+    except Exception as exc:
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise PipelineError(
+            f"rank {role.rank}: the run's launcher at {address} did not answer within "
+            f"{connect_s:g} s (the first node's launcher has ended, probably because a "
+            f"process there failed: its log names why)"
+        ) from exc
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
+def report_failure(role: ProcessRole, exc: BaseException) -> None:
+    """Tell the other processes of the run that this one could not start (``exc``)."""
+    if not role.distributed or dist.is_initialized():
+        return
+    lines = str(exc).strip().splitlines()
+    outcome = {
+        "host": socket.gethostname(),
+        "problem": lines[0] if lines else type(exc).__name__,
+        "input": isinstance(exc, InputError),
+    }
+    try:
+        store = _store(role, _REPORT_TIMEOUT_S)
+        store.set(f"{_prefix()}{role.rank}", json.dumps(outcome))
+        store.add(f"{_prefix()}failed", 1)
+    except Exception:
+        pass
+
+
+def join_process_group(role: ProcessRole, backend: str, timeout_s: float) -> None:
+    """Post "ready", wait until every process has posted, then make the default process
+    group on the same store. Raises ``ConfigError`` (exit status 2) when another process
+    reports bad input, ``PipelineError`` for any other failure of its set-up or when some
+    process has posted nothing within ``timeout_s``."""
+    store = _store(role, timeout_s)
+    try:
+        _await_everyone(store, role, timeout_s)
+    except (RuntimeError, ValueError) as exc:
+        if isinstance(exc, (PipelineError, InputError)):  # ours, not the store's
+            raise
+        raise PipelineError(
+            f"rank {role.rank}: lost the run's launcher while waiting for the other ranks to "
+            f"start (the first node's launcher ended, probably because a process there "
+            f"failed: its log names why)"
+        ) from exc
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=role.rank,
+        world_size=role.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _failure(store: Any, keys: list[str]) -> Exception:
+    """The first failure posted, as this process's error."""
+    for rank, key in enumerate(keys):
+        if not store.check([key]):
+            continue
+        outcome = json.loads(store.get(key))
+        if outcome.get("ready"):
+            continue
+        text = f"rank {rank} (on {outcome['host']}) could not start: {outcome['problem']}"
+        return ConfigError(text) if outcome["input"] else PipelineError(text)
+    return PipelineError("another rank could not start (its log names the error)")
+
+
+def _await_everyone(store: Any, role: ProcessRole, timeout_s: float) -> None:
+    prefix = _prefix()
+    store.set(f"{prefix}{role.rank}", json.dumps({"ready": True}))
+    keys = [f"{prefix}{rank}" for rank in range(role.world_size)]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if int(store.add(f"{prefix}failed", 0)) > 0:
+            raise _failure(store, keys)
+        if store.check(keys):
+            return
+        if time.monotonic() > deadline:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            raise PipelineError(
+                f"rank {role.rank}: ranks {', '.join(map(str, missing))} did not start within "
+                f"{timeout_s:g} s (stopped, hung or never launched; raise pipeline.timeout_s "
+                f"if their set-up is just slow)"
+            )
+        time.sleep(_POLL_S)
