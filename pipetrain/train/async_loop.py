@@ -148,6 +148,7 @@ def train_async(
             )
             checkpoints.close()
             return None
+        output.resume_from(start)
         first_eval = evaluate(start)
         last_eval = first_eval
         tokens_seen, train_time, bubbles = 0, 0.0, []

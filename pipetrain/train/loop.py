@@ -40,7 +40,7 @@ from pipetrain.train.config import (
     settings_disagree,
 )
 from pipetrain.train.data import Corpus, load_tokenizer
-from pipetrain.train.metrics import RunSummary, measured_bubble, peak_memory_bytes
+from pipetrain.train.metrics import RunSummary, free_name, measured_bubble, peak_memory_bytes
 from pipetrain.train.optim import StepOutcome
 from pipetrain.train.parallel import Mesh, build_mesh, replica_mean, state_bytes
 from pipetrain.train.plan import RunPlan, plan_run, threads_per_process
@@ -147,12 +147,7 @@ def _set_aside_restarted_metrics(config: TrainConfig, out: IO[str]) -> None:
         return
     if list_checkpoints(config.run.checkpoint_dir).complete:
         return
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = path.with_name(f"{path.stem}.before-{stamp}{path.suffix}")
-    n = 1
-    while aside.exists():
-        n += 1
-        aside = path.with_name(f"{path.stem}.before-{stamp}-{n}{path.suffix}")
+    aside = free_name(path, "before")
     path.rename(aside)
     out.write(
         f"note: --resume found no checkpoint in {config.run.checkpoint_dir}, so this run "
@@ -282,6 +277,7 @@ def _run_session(session: Session, started: float) -> RunSummary | None:
         )
         session.checkpoints.close()
         return None
+    session.output.resume_from(start)
     first_eval = session.evaluate(start)
     records: list[StepRecord] = []
     done = start

@@ -11,6 +11,7 @@ import json
 import math
 import resource
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ __all__ = [
     "RunSummary",
     "TensorBoard",
     "format_duration",
+    "free_name",
     "measured_bubble",
     "peak_memory_bytes",
 ]
@@ -80,6 +82,30 @@ class MetricsFile:
         self._mode = "a" if append else "w"
         self._file: IO[str] | None = None
 
+    def resume_from(self, step: int) -> str | None:
+        """Before a resumed run's first record: move what the earlier attempt wrote after
+        ``step`` (the checkpoint resumed from; it crashed or was stopped later) to a file
+        of its own, so that this file holds one trajectory; a note saying so, or None.
+
+        Records are written in step order, so the first one past ``step`` (or one cut
+        short by a crash) starts what this run writes again. The moved records are written
+        before this file is replaced, atomically: a crash here loses nothing."""
+        if self._mode != "a" or not self.path.exists():
+            return None
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        cut = next((i for i, line in enumerate(lines) if _past(line, step)), len(lines))
+        if cut == len(lines):
+            return None
+        aside = free_name(self.path, "superseded")
+        aside.write_text("".join(lines[cut:]), encoding="utf-8")
+        kept = self.path.with_name(self.path.name + ".tmp")
+        kept.write_text("".join(lines[:cut]), encoding="utf-8")
+        kept.replace(self.path)
+        return (
+            f"note: resuming from step {step}; the {len(lines) - cut} metrics records that the "
+            f"earlier attempt wrote after it were moved to {aside}"
+        )
+
     def write(self, record: Mapping[str, Any]) -> None:
         # NaN and inf are written as null: strict JSON readers reject the bare tokens.
         clean = {
@@ -94,6 +120,28 @@ class MetricsFile:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def _past(line: str, step: int) -> bool:
+    """Whether a metrics line comes after ``step`` (a line cut short by a crash does)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return True
+    return (
+        isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
+    )
+
+
+def free_name(path: Path, label: str) -> Path:
+    """``<stem>.<label>-<date-time>[-n]<suffix>`` beside ``path``, not taken yet."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate = path.with_name(f"{path.stem}.{label}-{stamp}{path.suffix}")
+    n = 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}.{label}-{stamp}-{n}{path.suffix}")
+    return candidate
 
 
 class TensorBoard:
@@ -191,6 +239,14 @@ class RunOutput:
             self._metrics.write(record)
         if self._board is not None:
             self._board.write(record)
+
+    def resume_from(self, step: int) -> None:
+        """A resumed run starts at ``step``: the metrics keep one trajectory
+        (``MetricsFile.resume_from``), with a note where records were moved."""
+        if self._metrics is not None and step:
+            note = self._metrics.resume_from(step)
+            if note is not None:
+                self.say(note)
 
     def record(self, record: Mapping[str, Any]) -> None:
         """A record for the metrics file only (summaries that are not per-step scalars)."""

@@ -124,6 +124,7 @@ def test_train_refuses_a_used_directory_without_resume_and_resume_keeps_the_metr
     lines = (work / "runs" / "same" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert not list((work / "runs" / "same").glob("metrics.superseded-*"))  # none past step 2
     # Resumed again as it is, the finished run has nothing to train: it appended an
     # evaluation and a summary of 0 steps (nan tokens/s) to the metrics.
     code, out, err = cli(capsys, *argv, "--resume", "--steps", "3")

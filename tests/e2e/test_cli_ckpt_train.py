@@ -137,3 +137,30 @@ def test_resume_of_another_model_is_refused_in_one_line(
         "this run has family='gpt2'; use the checkpoint's model settings or another "
         "checkpoint directory"
     ]
+
+
+def test_resume_after_a_crash_keeps_one_trajectory_in_the_metrics(
+    work: Path, full: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The earlier attempt wrote steps 3 and 4 after its last checkpoint (step 2), then
+    died: the resumed run writes them again, and the earlier ones move aside."""
+    ckpt = work / "ckpt_crashed"
+    ckpt.mkdir()
+    shutil.copytree(full / "step_000002", ckpt / "step_000002")
+    run_dir = work / "runs" / "crashed"
+    run_dir.mkdir(parents=True)
+    earlier = (work / "runs" / "full" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    # A crash in the middle of a line leaves it cut short.
+    (run_dir / "metrics.jsonl").write_text("".join(earlier) + '{"step": 5, "lo')
+    argv = train_command(work, "crashed", "--pp", "1", "--checkpoint-dir", str(ckpt), "--resume")
+    assert main(argv[argv.index("train") :]) == 0
+    out = capsys.readouterr().out
+    (aside,) = run_dir.glob("metrics.superseded-*.jsonl")
+    records = [json.loads(line) for line in earlier]
+    first_past = next(i for i, r in enumerate(records) if r.get("step", 0) > 2)
+    moved = len(earlier) - first_past + 1
+    assert f"note: resuming from step 2; the {moved} metrics records that the earlier " in out
+    assert aside.read_text() == "".join(earlier[first_past:]) + '{"step": 5, "lo'
+    now = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert now[:first_past] == records[:first_past]
+    assert [r["step"] for r in now if "loss" in r] == [1, 2, 3, 4]
