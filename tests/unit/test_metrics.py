@@ -199,3 +199,22 @@ def test_closing_the_output_twice_is_harmless(tmp_path: Path) -> None:
     output.close()
     output.close()
     assert (tmp_path / "m.jsonl").read_text().count("\n") == 1
+
+
+def test_a_resumed_file_keeps_one_trajectory(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = ['{"step": 0, "eval_loss": 5.0}\n', '{"step": 1, "loss": 4.0}\n']
+    later = ['{"step": 2, "loss": 3.0}\n', '{"summary": true}\n', '{"step": 3, "lo']
+    path.write_text("".join(lines + later))
+    metrics = MetricsFile(path, append=True)
+    note = metrics.resume_from(1)
+    assert note is not None and "the 3 metrics records that the earlier attempt wrote" in note
+    (aside,) = tmp_path.glob("metrics.superseded-*.jsonl")
+    assert aside.read_text() == "".join(later) and path.read_text() == "".join(lines)
+    metrics.write({"step": 2, "loss": 2.5})
+    metrics.close()
+    assert path.read_text().splitlines()[-1] == '{"step": 2, "loss": 2.5}'
+    # Nothing past the step: nothing moves; a file written afresh is not touched at all.
+    assert MetricsFile(path, append=True).resume_from(2) is None
+    assert MetricsFile(path).resume_from(0) is None
+    assert len(list(tmp_path.glob("metrics.superseded-*"))) == 1
