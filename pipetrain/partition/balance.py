@@ -6,7 +6,8 @@ programme over contiguous splits minimises the heaviest stage, then, among the s
 reach that optimum, the sum of squared stage weights (so the other stages are even too).
 
 Memory: a rank holds, for each of its stages, the parameters with their gradients and
-optimizer state (``state_factor`` times the parameter bytes: 4 for fp32 AdamW) and the
+optimizer state (``state_factor`` times the parameter bytes: 4 for fp32 AdamW), any older
+weight versions the schedule stashes (``weight_versions[stage]``, PipeDream's), and the
 activations of that stage's live micro-batches (``live[stage]``, the schedule's peak
 per stage). A rank with several stages is charged the sum of their peaks, an upper bound
 on its true peak. With one stage per rank the limit is a per-stage condition inside the
@@ -88,11 +89,21 @@ class MemoryModel:
     live: tuple[int, ...]
     # Parameter bytes times this = parameters + gradients + optimizer state (fp32 AdamW: 4).
     state_factor: float = 4.0
+    # Weight versions held per stage (index = stage; empty: one each). PipeDream stashes
+    # older versions for the micro-batches still in flight, each a full copy of the weights.
+    weight_versions: tuple[int, ...] = ()
+
+    def param_factor(self, stage: int) -> float:
+        """Parameter bytes times this = what the stage's weights cost with their state."""
+        versions = self.weight_versions[stage] if self.weight_versions else 1
+        return self.state_factor + versions - 1
 
     def stage_bytes(self, costs: Sequence[LayerCost], stage: int, start: int, end: int) -> float:
         params = sum(c.param_bytes for c in costs[start:end])
         activations = sum(c.activation_bytes_per_sample for c in costs[start:end])
-        return self.state_factor * params + activations * self.microbatch_size * self.live[stage]
+        return self.param_factor(stage) * params + (
+            activations * self.microbatch_size * self.live[stage]
+        )
 
 
 @dataclass(frozen=True)
@@ -296,6 +307,11 @@ def _balanced(
     if memory is not None and len(memory.live) != n_stages:
         raise PartitionError(
             f"memory model has {len(memory.live)} live counts for {n_stages} stages"
+        )
+    if memory is not None and memory.weight_versions and len(memory.weight_versions) != n_stages:
+        raise PartitionError(
+            f"memory model has {len(memory.weight_versions)} weight version counts for "
+            f"{n_stages} stages"
         )
     prefix = [0.0]
     for w in weights:

@@ -22,7 +22,12 @@ from pipetrain.partition.balance import (
     PartitionError,
     format_bytes,
 )
-from pipetrain.partition.stages import model_stage_live, split_for, stage_ranks_of
+from pipetrain.partition.stages import (
+    model_stage_live,
+    model_stage_versions,
+    split_for,
+    stage_ranks_of,
+)
 from pipetrain.schedules.execution import Costs
 from pipetrain.schedules.schedule import Schedule, ScheduleError
 from pipetrain.sim.simulator import SimResult, simulate
@@ -250,7 +255,9 @@ def make_plan(
     mb = batch_size // microbatches
     stage_ranks = stage_ranks_of(schedule.placement)
     live = model_stage_live(schedule)
-    memory = None if memory_limit is None else MemoryModel(memory_limit, mb, live, state_factor)
+    memory = None
+    if memory_limit is not None:
+        memory = MemoryModel(memory_limit, mb, live, state_factor, model_stage_versions(schedule))
     partition = split_for(method, costs, stage_ranks, split, memory)
     sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1)
     static = _static_bytes(partition, state_factor, sim)

@@ -47,7 +47,7 @@ class StageBytes:
         m = self.memory
         params = self.params[end] - self.params[start]
         acts = self.acts[end] - self.acts[start]
-        return m.state_factor * params + acts * m.microbatch_size * m.live[stage]
+        return m.param_factor(stage) * params + acts * m.microbatch_size * m.live[stage]
 
 
 def min_bottleneck(

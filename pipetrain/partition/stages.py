@@ -26,9 +26,12 @@ from pipetrain.partition.estimate import estimate_costs
 from pipetrain.schedules.actions import Kind
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.schedule import Schedule
+from pipetrain.sim.metrics import stage_weight_versions
+from pipetrain.sim.simulator import simulate
 
 __all__ = [
     "model_stage_live",
+    "model_stage_versions",
     "split_for",
     "split_layers",
     "stage_live_peaks",
@@ -61,6 +64,21 @@ def model_stage_live(schedule: Schedule) -> tuple[int, ...]:
     placement = schedule.placement
     return tuple(
         max(per_virtual[v] for v in placement.replicas_of(j))
+        for j in range(placement.num_model_stages)
+    )
+
+
+def model_stage_versions(schedule: Schedule) -> tuple[int, ...]:
+    """Per model stage, the most weight versions its busiest replica holds at once.
+
+    One for synchronous schedules; PipeDream keeps a version per micro-batch in flight. The
+    count follows the order of the actions (a STEP ends a version, a backward releases the
+    one its forward used), so unit costs give it for any costs.
+    """
+    per_virtual = stage_weight_versions(simulate(schedule).timeline)
+    placement = schedule.placement
+    return tuple(
+        max(per_virtual.get(v, 1) for v in placement.replicas_of(j))
         for j in range(placement.num_model_stages)
     )
 
