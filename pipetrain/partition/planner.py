@@ -255,6 +255,9 @@ def make_plan(
     mb = batch_size // microbatches
     stage_ranks = stage_ranks_of(schedule.placement)
     live = model_stage_live(schedule)
+    if whole_batch:
+        # Each action carries every micro-batch: a stage holds all of their activations.
+        live = tuple(n * microbatches for n in live)
     memory = None
     if memory_limit is not None:
         memory = MemoryModel(memory_limit, mb, live, state_factor, model_stage_versions(schedule))

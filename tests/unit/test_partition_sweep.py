@@ -32,3 +32,29 @@ def test_params_balance_counts_stashed_weight_versions_under_a_limit(
         memory_limit=limit_mib * MiB,
     )
     assert max(plan.rank_bytes) <= limit_mib * MiB
+
+
+def test_naive_stages_hold_the_whole_batch_in_the_stage_table_and_the_balancer() -> None:
+    # Naive model parallel runs the whole batch in one action: the stage table said one live
+    # micro-batch (a quarter of the rank table's peak), and the memory-limited balancer
+    # counted that quarter, so its split came back refused as over the limit.
+    spec = get_spec("naive")
+
+    def plan(**kwargs: object):  # type: ignore[no-untyped-def]
+        return make_plan(
+            COSTS,
+            schedule_for=lambda m: spec.build(3, m, None),
+            batch_size=32,
+            microbatches=4,
+            whole_batch=spec.whole_batch,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    free = plan()
+    assert [s.live for s in free.stages] == [4, 4, 4]
+    assert [s.peak_activation_bytes for s in free.stages] == pytest.approx(
+        list(free.rank_peak_activation_bytes)
+    )
+    limit = max(free.rank_bytes)
+    balanced = plan(method="params", memory_limit=limit)
+    assert max(balanced.rank_bytes) <= limit
