@@ -38,6 +38,7 @@ This module holds the pipeline and its step; ``build_pipeline`` (in
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ from pipetrain.runtime.executor import ComputeHook, GradsHook, RankExecutor, Ste
 from pipetrain.runtime.stage import IGNORE_INDEX, LossFn, StageRunner
 from pipetrain.runtime.timeline import merge_timelines, rank_events
 from pipetrain.runtime.transport import DistTransport, InMemoryTransport
-from pipetrain.schedules import Schedule
+from pipetrain.schedules import Kind, Schedule
 from pipetrain.schedules.execution import Timeline
 
 __all__ = ["Pipeline", "StepResult", "build_pipeline", "default_device", "even_split"]
@@ -107,6 +108,11 @@ class Pipeline:
         # the messages' headers check; errors name the pass as the user counts it.
         self._step = 0
         self._passes = {True: 0, False: 0}  # training steps, evaluation passes so far
+        # Set while a pass runs its actions; a training pass that fails after a backward
+        # leaves some micro-batches' gradients in .grad, and the next step (whose sums would
+        # silently include them) is refused until they are zeroed (``_partial``).
+        self._started = False
+        self._partial: str | None = None
         self._stage_modules = stage_modules
         placement = schedule.placement
         runners = {
@@ -301,6 +307,11 @@ class Pipeline:
                     f"this rank holds a {'first' if name == 'inputs' else 'last'} stage: pass {name}"
                 )
             return []
+        if not isinstance(batch, torch.Tensor):
+            raise PipelineInputError(
+                f"{name} is a {type(batch).__name__}: pass a tensor (torch.tensor(...)) whose first "
+                f"dimension is the batch"
+            )
         if batch.dim() < 1 or batch.shape[0] % m:
             raise PipelineInputError(
                 f"{name} has batch size {batch.shape[0] if batch.dim() else 0}, not a multiple of "
@@ -317,15 +328,20 @@ class Pipeline:
         denominator: float | None = None,
         label: str | None = None,
     ) -> StepResult:
+        if training and self._partial is not None:
+            self._refuse_partial_grads()
         step = self._step  # numbers the messages: every pass, the same on every rank
         self._step += 1
         self._passes[training] += 1
         where = label or self._label(training)
+        self._started = False
         try:
             return self._run_pass(executors, step, where, inputs, targets, training, denominator)
         except PipelineError as exc:
+            self._note_partial(executors, training, where)
             raise PipelineError(str(exc) + self._rank_map) from exc
         except RuntimeError as exc:
+            self._note_partial(executors, training, where)
             # A transfer that torch refused at once (gloo raises when a send or receive is
             # posted on a connection its peer already closed).
             failure = lost_peer_error(
@@ -337,6 +353,28 @@ class Pipeline:
             if failure is None:
                 raise
             raise PipelineError(str(failure) + self._rank_map) from exc
+        except BaseException:
+            self._note_partial(executors, training, where)
+            raise
+        finally:
+            self._started = False
+
+    def _note_partial(self, executors: list[RankExecutor], training: bool, where: str) -> None:
+        """Remember a training pass that failed after some backward added to .grad."""
+        if not (training and self._started):
+            return
+        grads = (Kind.B, Kind.I, Kind.W)
+        # The failing action (at ``position``) may have added part of its gradients too.
+        if any(a.kind in grads for ex in executors for a in ex.actions[: ex.position + 1]):
+            self._partial = where
+
+    def _refuse_partial_grads(self) -> None:
+        if any(p.grad is not None and bool(p.grad.any()) for p in self.parameters()):
+            raise PipelineInputError(
+                f"{self._partial} failed part-way and left some micro-batches' gradients in "
+                f".grad: call zero_grad() (the pipeline's or the optimizer's) before the next step"
+            )
+        self._partial = None
 
     def _label(self, training: bool) -> str:
         """The current pass as the user counts it (1-based), for error messages."""
@@ -365,11 +403,28 @@ class Pipeline:
                 raise PipelineInputError(
                     "every target is -100 (ignored): the batch has no token to learn from"
                 )
-        if denominator is not None and not denominator > 0:
-            raise PipelineInputError(f"denominator is {denominator}: pass a positive count")
+        if (
+            isinstance(inputs, torch.Tensor)
+            and isinstance(targets, torch.Tensor)
+            and inputs.dim() > 0
+            and targets.dim() > 0
+            and inputs.shape[0] != targets.shape[0]
+        ):
+            # Checked before any rank starts: only a last stage would find out, mid-step.
+            raise PipelineInputError(
+                f"inputs hold {inputs.shape[0]} sequences but targets {targets.shape[0]}: pass "
+                f"one row of targets per row of inputs"
+            )
+        if denominator is not None and not (
+            isinstance(denominator, (int, float)) and 0 < denominator < math.inf
+        ):
+            raise PipelineInputError(
+                f"denominator is {denominator!r}: pass a positive, finite count of tokens"
+            )
         divide_by = float(max(tokens, 1)) if denominator is None else float(denominator)
         for ex in executors:
             ex.begin(step, input_mbs, target_mbs, divide_by, training, where)
+        self._started = True
         if self._group is None:
             self._transport.begin_step(step, [], where)  # in memory, messages match by name
             return self._run_local(executors, where, tokens, training)

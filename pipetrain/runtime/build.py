@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from pipetrain.models import PipelineSpec, build_stage
 from pipetrain.runtime.errors import PipelineInputError
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # api imports this module for the helpers and to re-export bu
 __all__ = [
     "as_spec",
     "build_pipeline",
+    "checked_loss",
     "default_device",
     "even_split",
     "forward_only",
@@ -109,12 +111,71 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 def as_spec(model: PipelineSpec | Sequence[Any]) -> PipelineSpec:
     if isinstance(model, PipelineSpec):
-        return model
-    if isinstance(model, (list, tuple)):
-        return PipelineSpec.from_layers(model)
-    raise PipelineInputError(
-        f"model is a {type(model).__name__}: pass a PipelineSpec (pipetrain.models.model_spec) or a list of layer factories"
-    )
+        spec = model
+    elif isinstance(model, (list, tuple)):
+        spec = PipelineSpec.from_layers(model)
+    else:
+        raise PipelineInputError(
+            f"model is a {type(model).__name__}: pass a PipelineSpec (pipetrain.models.model_spec) or a list of layer factories"
+        )
+    for i, layer in enumerate(spec.layers):
+        # A module is callable too, and "building" it would run its forward without input.
+        if isinstance(layer.build, nn.Module):
+            kind = type(layer.build).__name__
+            raise PipelineInputError(
+                f"layer {i} ({layer.name!r}) is a built {kind}, not a factory: pass the class or "
+                f"a function that builds it (e.g. lambda: {kind}(...)), so that each stage builds "
+                f"only its own layers with seeded weights"
+            )
+    return spec
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return f"of type {type(value).__name__}"
+
+
+def checked_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` whose failures and unusable results become one-line PipelineInputErrors.
+
+    Targets of the wrong shape, dtype or range fail inside torch's loss with a message that
+    names neither the pipeline's tensors nor the fix; a loss that is not one number, or
+    has no gradient, fails later in autograd, far from its cause.
+    """
+
+    def run(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not isinstance(logits, torch.Tensor):
+            raise PipelineInputError(
+                f"the last layer returned a {type(logits).__name__}: return the logits as a "
+                f"tensor (or a tuple whose first element they are)"
+            )
+        try:
+            loss = loss_fn(logits, targets)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError, IndexError, TypeError, AttributeError) as exc:
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else type(exc).__name__
+            raise PipelineInputError(
+                f"the loss failed on the last stage's output {_describe(logits)} and targets "
+                f"{_describe(targets)} ({first}): pass targets that fit the output (for the "
+                f"default cross-entropy: int64 class indices below the vocabulary size, shaped "
+                f"like the output without its last dimension, -100 where nothing counts)"
+            ) from exc
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise PipelineInputError(
+                f"loss_fn returned a value {_describe(loss)}: return the loss summed over the "
+                f"micro-batch as a 0-d tensor (reduction='sum')"
+            )
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise PipelineInputError(
+                "loss_fn returned a loss without a gradient (detached, or computed outside "
+                "autograd): compute it from the logits with torch operations"
+            )
+        return loss
+
+    return run
 
 
 def build_pipeline(
@@ -210,7 +271,7 @@ def build_pipeline(
         modules,
         group,
         dev,
-        loss_fn or token_cross_entropy,
+        checked_loss(loss_fn or token_cross_entropy),
         timeout_s,
         step_hook,
         compute_hook,

@@ -1,0 +1,150 @@
+"""The Python API as a user's own loop meets it: wrong calls, a step that fails part-way,
+and user layers with mixed boundaries, all in the single-process debug mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.models import PipelineSpec, build_full_model
+from pipetrain.runtime import PipelineInputError, build_pipeline
+
+VOCAB = 11
+
+
+class _Embed(nn.Module):
+    """Token ids in; the hidden state and an int64 position tensor out (no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, 6)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tok(ids), torch.arange(ids.shape[1]).expand_as(ids)  # (B, T, C), (B, T)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = (pos.unsqueeze(-1).float() + 1).log1p()  # (B, T, 1)
+        return h + torch.tanh(self.lin(h)) * scale, pos
+
+
+class _Halve(nn.Module):
+    """A layer without parameters."""
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return h * 0.5, pos
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(6, VOCAB)
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.out(h)  # (B, T, V)
+
+
+class _DictHead(_Head):
+    def forward(self, h: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"logits": self.out(h)}
+
+
+LAYERS = [_Embed, _Block, _Halve, _Block, _Head]
+
+
+def batch(seed: int = 0, b: int = 8, t: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, t + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def pipeline(**kwargs):
+    options = {"schedule": "1f1b", "ranks": 2, "microbatches": 4, "device": "cpu", "seed": 0}
+    options.update(kwargs)
+    return build_pipeline(options.pop("layers", LAYERS), **options)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "zb-v"])
+def test_user_layers_with_int_boundary_and_no_parameters_equal_one_process(schedule):
+    x, y = batch()
+    full = build_full_model(PipelineSpec.from_layers(LAYERS), seed=0, device="cpu")
+    logits = full(x)
+    ref = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+    ref.backward()
+    pipe = pipeline(schedule=schedule)
+    assert pipe.step(x, y).loss == pytest.approx(ref.item(), rel=1e-5)
+    grads = {n: p.grad for n, p in full.named_parameters()}
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-7)
+
+
+def test_a_step_that_fails_part_way_is_refused_until_zeroed_then_runs_clean():
+    x, y = batch()
+    bad = x.clone()
+    bad[-1, 0] = VOCAB  # out of the embedding: the first stage fails on the last micro-batch
+    pipe = pipeline()
+    with pytest.raises(IndexError):
+        pipe.step(bad, y)
+    # Micro-batches 0 and 1 went backward before the failure: their gradients are in .grad.
+    with pytest.raises(PipelineInputError, match=r"training step 1 failed part-way.*zero_grad"):
+        pipe.step(x, y)
+    for p in pipe.parameters():
+        if p.grad is not None:
+            p.grad.zero_()  # an optimizer's zero_grad(set_to_none=False) will do
+    # The failed step's unreceived activations must not stand in for this step's.
+    result = pipe.step(x, y)
+    fresh = pipeline()
+    assert result.loss == fresh.step(x, y).loss
+    for (name, p), q in zip(pipe.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_misused_targets_and_losses_are_one_line_input_errors():
+    x, y = batch()
+    pipe = pipeline()
+
+    def ce_none(logits, targets):
+        return nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="none"
+        )
+
+    cases = [
+        (lambda: pipe.step(x, y.float()), r"targets \(2, 5\) float32 .*int64"),
+        (lambda: pipe.step(x, y[:, :-1]), r"output \(2, 5, 11\) float32 and targets \(2, 4\)"),
+        (lambda: pipe.step(x, y + VOCAB), r"out of bounds"),
+        (lambda: pipe.eval_loss(x, y.int()), r"targets \(2, 5\) int32"),
+        (lambda: pipe.step(x, y[:4]), r"inputs hold 8 sequences but targets 4"),
+        (lambda: pipe.step(x.tolist(), y), r"inputs is a list: pass a tensor"),
+        (lambda: pipe.step(x, y, denominator=float("inf")), r"positive, finite"),
+        (lambda: pipe.step(x, y, denominator="40"), r"positive, finite"),
+        (lambda: pipeline(loss_fn=ce_none).step(x, y), r"value \(10,\) float32.*0-d tensor"),
+        (lambda: pipeline(loss_fn=lambda o, t: 1.0).step(x, y), r"value of type float"),
+        (
+            lambda: pipeline(loss_fn=lambda o, t: ce_none(o, t).sum().detach()).step(x, y),
+            r"without a gradient",
+        ),
+        (
+            lambda: pipeline(layers=[*LAYERS[:-1], _DictHead]).step(x, y),
+            r"last layer returned a dict: return the logits as a tensor",
+        ),
+    ]
+    for call, message in cases:
+        with pytest.raises(PipelineInputError, match=message) as info:
+            call()
+        assert "\n" not in str(info.value)
+    # Every failure came before a backward: the pipeline goes on as if they never happened.
+    assert pipe.step(x, y).loss == pipeline().step(x, y).loss
+
+
+def test_built_modules_instead_of_factories_are_named():
+    with pytest.raises(PipelineInputError, match=r"layer 0 \('layers.0'\) is a built Linear"):
+        pipeline(layers=[nn.Linear(6, 6), nn.Linear(6, 6)], schedule="gpipe", ranks=1)
+    with pytest.raises(PipelineInputError, match=r"not a factory"):
+        pipeline(layers=PipelineSpec.from_layers([_Embed, _Head()]), schedule="gpipe", ranks=1)
