@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.models import PipelineSpec, build_full_model
+from pipetrain.models import LayerSpec, PipelineSpec, build_full_model, get_model_config, model_spec
 from pipetrain.runtime import PipelineInputError, build_pipeline
 
 VOCAB = 11
@@ -148,3 +148,19 @@ def test_built_modules_instead_of_factories_are_named():
         pipeline(layers=[nn.Linear(6, 6), nn.Linear(6, 6)], schedule="gpipe", ranks=1)
     with pytest.raises(PipelineInputError, match=r"not a factory"):
         pipeline(layers=PipelineSpec.from_layers([_Embed, _Head()]), schedule="gpipe", ranks=1)
+
+
+def test_token_ids_the_embedding_cannot_look_up_are_named():
+    tiny = model_spec(get_model_config("llama-tiny", n_layers=1))
+    user = [LayerSpec("embed", "embedding", _Embed), *LAYERS[1:]]
+    x, y = batch()
+    for model, vocab in ((tiny, 256), (user, VOCAB)):
+        pipe = pipeline(layers=model, schedule="gpipe")
+        for ids, message in (
+            (x + vocab, rf"token id {vocab + x.max()}, outside the embedding's 0..{vocab - 1}"),
+            (x - VOCAB, rf"token id {(x - VOCAB).min()}, outside"),
+            (x.float(), r"inputs are float32, but the first layer looks up token ids"),
+        ):
+            with pytest.raises(PipelineInputError, match=message):
+                pipe.step(ids, y)
+        assert pipe.step(x, y).tokens == y.numel()
