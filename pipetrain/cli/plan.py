@@ -213,6 +213,16 @@ def _costs(
         raise UsageError(
             f"--device {args.device} but this machine has no CUDA device: use --device cpu"
         )
+    if device.type == "meta":
+        # Meta tensors have shapes but no data: every "measured" time would be noise.
+        raise UsageError("--device meta runs no kernels, so it cannot time layers: use cpu or cuda")
+    try:
+        torch.zeros(1, device=device)
+    except Exception as exc:  # torch raises RuntimeError, AssertionError or ImportError here
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        raise UsageError(
+            f"--device {args.device} cannot be used on this machine ({first_line}): use cpu or cuda"
+        ) from None
     ids = torch.randint(
         0, config.vocab_size, (mb, seq_len), generator=torch.Generator().manual_seed(args.seed)
     )

@@ -135,7 +135,7 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def get_model_config(name: str, **overrides: Any) -> ModelConfig:
+def get_model_config(name: str, /, **overrides: Any) -> ModelConfig:
     """The preset ``name`` with some fields replaced (``get_model_config("llama-tiny", n_layers=6)``)."""
     try:
         base = PRESETS[name]

@@ -1,0 +1,42 @@
+"""``pipetrain plan`` with odd inputs found by a bug hunt: one line and exit 2, or a plan."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipetrain.cli", "plan", "--model", "gpt2-tiny", "--pp", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _one_line(done: subprocess.CompletedProcess[str], message: str) -> None:
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks a machine without MPS")
+def test_profile_devices_that_cannot_time_layers_are_refused() -> None:
+    # --device meta "measured" every layer on tensors without data and printed a plan of
+    # noise; a device torch was not built for (mps on Linux) ended in a traceback.
+    _one_line(_plan("--balance", "profile", "--device", "meta"), "--device meta runs no kernels")
+    _one_line(_plan("--balance", "profile", "--device", "mps"), "--device mps cannot be used")
+
+
+def test_a_model_name_override_renames_the_plan() -> None:
+    # --set name=... is a listed field of the preset; it crashed with a TypeError.
+    done = _plan("--set", "name=my-gpt")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("my-gpt: 1f1b on 2 ranks")
