@@ -170,8 +170,9 @@ def checked_loss(loss_fn: LossFn) -> LossFn:
             )
         if torch.is_grad_enabled() and not loss.requires_grad:
             raise PipelineInputError(
-                "loss_fn returned a loss without a gradient (detached, or computed outside "
-                "autograd): compute it from the logits with torch operations"
+                "loss_fn returned a loss without a gradient (detached, computed outside "
+                "autograd, or of a model with nothing to train): compute it from the logits "
+                "with torch operations"
             )
         return loss
 

@@ -216,7 +216,7 @@ class StageRunner:
                 if self.is_last:
                     self._add_loss(self._loss(outputs, target, denominator))
                     return ()
-                return outputs
+                return self._boundary(outputs)
         # Inputs from another stage become leaves, so that their gradient is the one to send.
         leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
         outputs = _as_tuple(self.module(*leaves))
@@ -225,9 +225,20 @@ class StageRunner:
             self._add_loss(loss.detach())
             self.saved[microbatch] = _Saved(leaves, (loss,))
             return ()
+        self._boundary(outputs)
         # The next stage returns a gradient for every floating-point output (zeros for those
         # that carry none), so all of them are kept to match the gradients by position.
         self.saved[microbatch] = _Saved(leaves, tuple(o for o in outputs if o.is_floating_point()))
+        return outputs
+
+    def _boundary(self, outputs: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+        """The outputs that cross to the next stage, which must all be tensors."""
+        for value in outputs:
+            if not isinstance(value, torch.Tensor):
+                raise StageMismatchError(
+                    f"stage {self.stage} returned a {type(value).__name__} for the next stage: "
+                    f"only tensors cross a stage boundary; return a tensor or a tuple of tensors"
+                )
         return outputs
 
     def _loss(

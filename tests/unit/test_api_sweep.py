@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipetrain.models import LayerSpec, PipelineSpec, build_full_model, get_model_config, model_spec
-from pipetrain.runtime import PipelineInputError, build_pipeline
+from pipetrain.runtime import PipelineInputError, StageMismatchError, build_pipeline
 
 VOCAB = 11
 
@@ -164,3 +164,18 @@ def test_token_ids_the_embedding_cannot_look_up_are_named():
             with pytest.raises(PipelineInputError, match=message):
                 pipe.step(ids, y)
         assert pipe.step(x, y).tokens == y.numel()
+
+
+class _MaybeMask(_Block):
+    """Returns None in place of a tensor, as a layer with an optional output might."""
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return self.lin(h), None
+
+
+def test_a_boundary_that_is_not_all_tensors_is_named():
+    x, y = batch()
+    pipe = pipeline(layers=[_Embed, _MaybeMask, _Head], schedule="gpipe", ranks=3)
+    for call in (lambda: pipe.step(x, y), lambda: pipe.eval_loss(x, y)):
+        with pytest.raises(StageMismatchError, match=r"stage 1 returned a NoneType for the next"):
+            call()
