@@ -7,6 +7,7 @@ Kept apart so that the API module (``pipetrain.runtime.api``, which re-exports
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,47 @@ def forward_only(schedule: Schedule) -> Schedule:
     keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
     rows = tuple(tuple(a for a in row if a.kind in keep) for row in schedule.actions)
     return Schedule(schedule.name + "/forward", schedule.placement, schedule.microbatches, rows)
+
+
+def _check_counts(**counts: Any) -> None:
+    for name, value in counts.items():
+        # bool is an int to Python, and a float count fails deep inside a schedule builder.
+        if value is None:
+            continue
+        try:
+            operator.index(value)
+        except TypeError:
+            raise PipelineInputError(f"{name}={value!r}: pass an int") from None
+        if isinstance(value, bool):
+            raise PipelineInputError(f"{name}={value!r}: pass an int")
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise PipelineInputError(
+            f"device={device!r} is not a device torch knows: pass 'cpu', 'cuda:0' or "
+            f"default_device()"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PipelineInputError(
+            f"device={device!r} but this machine has no CUDA device (or this torch has no CUDA): "
+            f"pass default_device(), which falls back to the CPU"
+        )
+    return dev
+
+
+def _as_split(split: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    try:
+        return tuple(tuple(int(i) for i in layers) for layers in split)
+    except (TypeError, ValueError):
+        raise PipelineInputError(
+            f"split={split!r}: pass one list of layer indices per model stage, e.g. "
+            f"[[0, 1, 2], [3, 4, 5]]"
+        ) from None
 
 
 def as_spec(model: PipelineSpec | Sequence[Any]) -> PipelineSpec:
@@ -212,11 +254,16 @@ def build_pipeline(
     from pipetrain.runtime.api import Pipeline
 
     spec = as_spec(model)
+    _check_counts(microbatches=microbatches, ranks=ranks, chunks=chunks, seed=seed)
     if microbatches < 1:
         raise PipelineInputError(f"microbatches={microbatches}: use at least 1")
-    if timeout_s <= 0:
-        raise PipelineInputError(f"timeout_s={timeout_s}: use a positive number of seconds")
-    dev = torch.device(device) if device is not None else default_device()
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise PipelineInputError(f"timeout_s={timeout_s!r}: use a positive number of seconds")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise PipelineInputError(
+            f"dtype={dtype}: parameters need a floating-point dtype (torch.float32, torch.bfloat16)"
+        )
+    dev = _resolve_device(device)
     if group is None:
         if ranks is None:
             if not isinstance(schedule, Schedule):
@@ -240,12 +287,15 @@ def build_pipeline(
                 f"device {dev} with a {backend} group: create the group with backend 'nccl'"
             )
         num_ranks, local_ranks = dist.get_world_size(group), (dist.get_rank(group),)
+        if ranks is not None and ranks != num_ranks:
+            raise PipelineInputError(
+                f"ranks={ranks} but the group has {num_ranks} ranks: drop ranks (the group's "
+                f"size is the number of pipeline ranks) or launch {ranks} processes"
+            )
     built = resolve_schedule(schedule, num_ranks, microbatches, chunks)
     placement = built.placement
     stage_split = (
-        even_split(len(spec), placement.num_model_stages)
-        if split is None
-        else tuple(tuple(int(i) for i in layers) for layers in split)
+        even_split(len(spec), placement.num_model_stages) if split is None else _as_split(split)
     )
     if len(stage_split) != placement.num_model_stages:
         raise PipelineInputError(

@@ -179,3 +179,27 @@ def test_a_boundary_that_is_not_all_tensors_is_named():
     for call in (lambda: pipe.step(x, y), lambda: pipe.eval_loss(x, y)):
         with pytest.raises(StageMismatchError, match=r"stage 1 returned a NoneType for the next"):
             call()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"microbatches": 4.0}, r"microbatches=4.0: pass an int"),
+        ({"microbatches": "4"}, r"microbatches='4': pass an int"),
+        ({"seed": "a"}, r"seed='a': pass an int"),
+        ({"ranks": True}, r"ranks=True: pass an int"),
+        ({"device": "gpu"}, r"device='gpu' is not a device torch knows"),
+        ({"dtype": torch.int64}, r"dtype=torch.int64: parameters need a floating-point dtype"),
+        ({"split": "3,2"}, r"split='3,2': pass one list of layer indices per model stage"),
+        ({"timeout_s": "5"}, r"timeout_s='5': use a positive number"),
+    ],
+)
+def test_build_arguments_of_the_wrong_kind_are_named(options, message):
+    with pytest.raises(PipelineInputError, match=message):
+        pipeline(**options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_named():
+    with pytest.raises(PipelineInputError, match=r"device='cuda' but this machine has no CUDA"):
+        pipeline(device="cuda")
