@@ -9,10 +9,11 @@ Memory: a rank holds, for each of its stages, the parameters with their gradient
 optimizer state (``state_factor`` times the parameter bytes: 4 for fp32 AdamW), any older
 weight versions the schedule stashes (``weight_versions[stage]``, PipeDream's), and the
 activations of that stage's live micro-batches (``live[stage]``, the schedule's peak
-per stage). A rank with several stages is charged the sum of their peaks, an upper bound
-on its true peak. With one stage per rank the limit is a per-stage condition inside the
-dynamic programme; with several stages per rank the limits couple the stages and a
-branch-and-bound search over the cuts takes over.
+per stage). A rank with several stages is charged its true peak when ``rank_live`` gives
+the live counts of its stages at each step of its program (the planner derives them from
+the schedule), else the sum of their peaks, an upper bound. With one stage per rank the
+limit is a per-stage condition inside the dynamic programme; with several stages per rank
+the limits couple the stages and a branch-and-bound search over the cuts takes over.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from dataclasses import dataclass
 
 from pipetrain.errors import InputError
 from pipetrain.partition.search import (
+    RankBytes,
     SearchTooLarge,
     StageBytes,
     coupled_search,
     min_bottleneck,
     min_squares,
-    ranks_fit,
 )
 
 __all__ = [
@@ -92,6 +93,10 @@ class MemoryModel:
     # Weight versions held per stage (index = stage; empty: one each). PipeDream stashes
     # older versions for the micro-batches still in flight, each a full copy of the weights.
     weight_versions: tuple[int, ...] = ()
+    # Per rank, the counts of live micro-batches per model stage (index = stage) at each
+    # point where its activations may peak; empty: a rank is charged the sum of its
+    # stages' ``live`` peaks. A rank holding several stages seldom peaks on all at once.
+    rank_live: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def param_factor(self, stage: int) -> float:
         """Parameter bytes times this = what the stage's weights cost with their state."""
@@ -308,6 +313,17 @@ def _balanced(
         raise PartitionError(
             f"memory model has {len(memory.live)} live counts for {n_stages} stages"
         )
+    if (
+        memory is not None
+        and memory.rank_live
+        and (
+            len(memory.rank_live) < max(max(r) for r in ranks) + 1
+            or any(len(v) != n_stages for points in memory.rank_live for v in points)
+        )
+    ):
+        raise PartitionError(
+            f"memory model's rank_live does not give {n_stages} counts for every rank"
+        )
     if memory is not None and memory.weight_versions and len(memory.weight_versions) != n_stages:
         raise PartitionError(
             f"memory model has {len(memory.weight_versions)} weight version counts for "
@@ -331,14 +347,15 @@ def _balanced(
     bounds = None
     if bottleneck is not None:
         bounds = min_squares(n_layers, n_stages, seg, fits, bottleneck)
+    rank_bytes = None if stage_bytes is None else RankBytes(stage_bytes, ranks)
     if (
         memory is not None
-        and stage_bytes is not None
+        and rank_bytes is not None
         and not ranks_single
-        and (bounds is None or not ranks_fit(stage_bytes, bounds, ranks, memory.limit_bytes))
+        and (bounds is None or not rank_bytes.fit(bounds, memory.limit_bytes))
     ):
         try:
-            bounds = coupled_search(n_layers, n_stages, seg, ranks, stage_bytes, memory.limit_bytes)
+            bounds = coupled_search(n_layers, n_stages, seg, rank_bytes, memory.limit_bytes)
         except SearchTooLarge:
             raise PartitionError(
                 f"the memory limit couples the {n_stages} stages of this placement and the exact "

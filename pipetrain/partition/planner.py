@@ -25,6 +25,7 @@ from pipetrain.partition.balance import (
 from pipetrain.partition.stages import (
     model_stage_live,
     model_stage_versions,
+    rank_live_points,
     split_for,
     stage_ranks_of,
 )
@@ -255,12 +256,16 @@ def make_plan(
     mb = batch_size // microbatches
     stage_ranks = stage_ranks_of(schedule.placement)
     live = model_stage_live(schedule)
+    points = rank_live_points(schedule)
     if whole_batch:
         # Each action carries every micro-batch: a stage holds all of their activations.
         live = tuple(n * microbatches for n in live)
+        points = tuple(tuple(tuple(n * microbatches for n in p) for p in r) for r in points)
     memory = None
     if memory_limit is not None:
-        memory = MemoryModel(memory_limit, mb, live, state_factor, model_stage_versions(schedule))
+        memory = MemoryModel(
+            memory_limit, mb, live, state_factor, model_stage_versions(schedule), points
+        )
     partition = split_for(method, costs, stage_ranks, split, memory)
     sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1)
     static = _static_bytes(partition, state_factor, sim)

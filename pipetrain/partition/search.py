@@ -15,12 +15,12 @@ if TYPE_CHECKING:  # balance imports this module at run time
     from pipetrain.partition.balance import LayerCost, MemoryModel
 
 __all__ = [
+    "RankBytes",
     "SearchTooLarge",
     "StageBytes",
     "coupled_search",
     "min_bottleneck",
     "min_squares",
-    "ranks_fit",
 ]
 
 
@@ -44,10 +44,18 @@ class StageBytes:
             self.acts.append(self.acts[-1] + c.activation_bytes_per_sample)
 
     def __call__(self, stage: int, start: int, end: int) -> float:
-        m = self.memory
-        params = self.params[end] - self.params[start]
-        acts = self.acts[end] - self.acts[start]
-        return m.param_factor(stage) * params + acts * m.microbatch_size * m.live[stage]
+        return (
+            self.static(stage, start, end)
+            + self.activations(start, end) * (self.memory.live[stage])
+        )
+
+    def static(self, stage: int, start: int, end: int) -> float:
+        """Weights (every version held), gradients and optimizer state of the layers."""
+        return self.memory.param_factor(stage) * (self.params[end] - self.params[start])
+
+    def activations(self, start: int, end: int) -> float:
+        """What one micro-batch leaves on the layers for the backward."""
+        return (self.acts[end] - self.acts[start]) * self.memory.microbatch_size
 
 
 def min_bottleneck(
@@ -103,33 +111,91 @@ def min_squares(
     return bounds[::-1]
 
 
-def ranks_fit(
-    stage_bytes: StageBytes,
-    bounds: Sequence[tuple[int, int]],
-    ranks: Sequence[Sequence[int]],
-    limit: float,
-) -> bool:
-    totals = [0.0] * (max(max(r) for r in ranks) + 1)
-    for s, (i, j) in enumerate(bounds):
-        for rank in ranks[s]:
-            totals[rank] += stage_bytes(s, i, j)
-    return all(b <= limit for b in totals)
+class RankBytes:
+    """What each rank holds for a split: the weights, gradients and optimizer state of its
+    stages, and its activations at their peak over the points of its program.
+
+    A point is one moment's live micro-batches per stage (``MemoryModel.rank_live``);
+    without them a rank has one point, every stage it holds at its own peak.
+    """
+
+    def __init__(self, stage_bytes: StageBytes, ranks: Sequence[Sequence[int]]) -> None:
+        self.stage_bytes = stage_bytes
+        # Each stage's ranks, once each (a rank may hold two replicas of one stage).
+        self.ranks = tuple(tuple(sorted(set(r))) for r in ranks)
+        self.num_ranks = max(max(r) for r in ranks) + 1
+        memory = stage_bytes.memory
+        if memory.rank_live:
+            self.points = tuple(tuple(memory.rank_live[r]) for r in range(self.num_ranks))
+        else:
+            own = [[0] * len(ranks) for _ in range(self.num_ranks)]
+            for stage, holders in enumerate(ranks):
+                for rank in holders:
+                    own[rank][stage] += memory.live[stage]
+            self.points = tuple((tuple(counts),) for counts in own)
+
+    def fit(self, bounds: Sequence[tuple[int, int]], limit: float) -> bool:
+        """Whether every rank stays within ``limit`` under the split ``bounds``."""
+        static = [0.0] * self.num_ranks
+        acts = [[0.0] * len(p) for p in self.points]
+        for s, (i, j) in enumerate(bounds):
+            self.add(static, acts, s, i, j, 1.0)
+        return all(static[r] + max(acts[r], default=0.0) <= limit for r in range(self.num_ranks))
+
+    def add(
+        self,
+        static: list[float],
+        acts: list[list[float]],
+        stage: int,
+        start: int,
+        end: int,
+        sign: float,
+    ) -> None:
+        """Put layers start..end-1 on ``stage`` (``sign`` 1) or take them off again (-1)."""
+        fixed = self.stage_bytes.static(stage, start, end)
+        per_microbatch = self.stage_bytes.activations(start, end)
+        for rank in self.ranks[stage]:
+            static[rank] += sign * fixed
+            for k, counts in enumerate(self.points[rank]):
+                acts[rank][k] += sign * counts[stage] * per_microbatch
+
+    def would_fit(
+        self,
+        static: Sequence[float],
+        acts: Sequence[Sequence[float]],
+        stage: int,
+        start: int,
+        end: int,
+        limit: float,
+    ) -> bool:
+        fixed = self.stage_bytes.static(stage, start, end)
+        per_microbatch = self.stage_bytes.activations(start, end)
+        for rank in self.ranks[stage]:
+            peak = max(
+                (
+                    a + counts[stage] * per_microbatch
+                    for a, counts in zip(acts[rank], self.points[rank], strict=True)
+                ),
+                default=0.0,
+            )
+            if static[rank] + fixed + peak > limit:
+                return False
+        return True
 
 
 def coupled_search(
     n_layers: int,
     n_stages: int,
     seg: Callable[[int, int], float],
-    ranks: Sequence[Sequence[int]],
-    stage_bytes: StageBytes,
+    rank_bytes: RankBytes,
     limit: float,
 ) -> list[tuple[int, int]] | None:
     """Branch and bound over the cuts when one rank holds several stages under a limit."""
-    n_ranks = max(max(r) for r in ranks) + 1
     best_value = float("inf")
     best_bounds: list[tuple[int, int]] | None = None
     visited = 0
-    used = [0.0] * n_ranks
+    static = [0.0] * rank_bytes.num_ranks
+    acts = [[0.0] * len(p) for p in rank_bytes.points]
     path: list[tuple[int, int]] = []
 
     def visit(s: int, i: int, heaviest: float) -> None:
@@ -146,19 +212,16 @@ def coupled_search(
             w = seg(i, j)
             if max(heaviest, w) >= best_value:
                 break  # longer segments only weigh more
-            extra = stage_bytes(s, i, j)
-            if any(used[rank] + extra > limit for rank in ranks[s]):
+            if not rank_bytes.would_fit(static, acts, s, i, j, limit):
                 break  # and hold more
             left = n_stages - s - 1
             if left and seg(j, n_layers) / left >= best_value:
                 continue  # the stages after this one cannot all stay under the best
-            for rank in ranks[s]:
-                used[rank] += extra
+            rank_bytes.add(static, acts, s, i, j, 1.0)
             path.append((i, j))
             visit(s + 1, j, max(heaviest, w))
             path.pop()
-            for rank in ranks[s]:
-                used[rank] -= extra
+            rank_bytes.add(static, acts, s, i, j, -1.0)
 
     visit(0, 0, 0.0)
     return best_bounds

@@ -32,6 +32,7 @@ from pipetrain.sim.simulator import simulate
 __all__ = [
     "model_stage_live",
     "model_stage_versions",
+    "rank_live_points",
     "split_for",
     "split_layers",
     "stage_live_peaks",
@@ -66,6 +67,38 @@ def model_stage_live(schedule: Schedule) -> tuple[int, ...]:
         max(per_virtual[v] for v in placement.replicas_of(j))
         for j in range(placement.num_model_stages)
     )
+
+
+def rank_live_points(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per rank, its live micro-batches per model stage after each of its forwards.
+
+    A rank's activations can only peak right after a forward, and one point with at least
+    as many of every stage as another makes the other redundant: those are dropped. The
+    counts follow the rank's order of actions, as in ``stage_live_peaks``.
+    """
+    placement = schedule.placement
+    out = []
+    for rank_actions in schedule.actions:
+        live = [0] * placement.num_model_stages
+        seen: set[tuple[int, ...]] = set()
+        for action in rank_actions:
+            if action.kind is Kind.F:
+                live[placement.model_stage(action.stage)] += 1
+                seen.add(tuple(live))
+            elif action.kind in (Kind.B, Kind.W):
+                live[placement.model_stage(action.stage)] -= 1
+        out.append(
+            tuple(
+                sorted(
+                    p
+                    for p in seen
+                    if not any(
+                        q != p and all(a >= b for a, b in zip(q, p, strict=True)) for q in seen
+                    )
+                )
+            )
+        )
+    return tuple(out)
 
 
 def model_stage_versions(schedule: Schedule) -> tuple[int, ...]:

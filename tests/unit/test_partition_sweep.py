@@ -58,3 +58,47 @@ def test_naive_stages_hold_the_whole_batch_in_the_stage_table_and_the_balancer()
     limit = max(free.rank_bytes)
     balanced = plan(method="params", memory_limit=limit)
     assert max(balanced.rank_bytes) <= limit
+
+
+def _stage_plan(schedule: str, pp: int, chunks: int | None, **kwargs: object):  # type: ignore[no-untyped-def]
+    spec = get_spec(schedule)
+    return make_plan(
+        COSTS,
+        schedule_for=lambda m: spec.build(pp, m, chunks),
+        batch_size=32,
+        microbatches=8,
+        whole_batch=spec.whole_batch,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "chunks"),
+    [("zb-v", 2, None), ("interleaved-1f1b", 2, 2), ("dualpipe-v", 2, None), ("chimera", 4, None)],
+)
+def test_a_limit_that_uniform_meets_gives_a_split_at_least_as_even(
+    schedule: str, pp: int, chunks: int | None
+) -> None:
+    # A rank holding several stages was charged the sum of their peaks, which they never
+    # reach together: under the limit that 3 blocks per stage meets, zb-v's params balance
+    # put 7 layers on one stage (twice the parameters of the uniform split).
+    uniform = _stage_plan(schedule, pp, chunks)
+    limit = max(uniform.rank_bytes)
+    balanced = _stage_plan(schedule, pp, chunks, method="params", memory_limit=limit)
+    assert max(balanced.rank_bytes) <= limit
+    assert max(balanced.partition.param_bytes) <= max(uniform.partition.param_bytes)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "chunks"),
+    [("zb-v", 2, None), ("looped-bfs", 2, 3), ("dualpipe-v", 2, None), ("pipedream", 3, None)],
+)
+def test_the_balancer_charges_a_rank_what_the_plan_reports(
+    schedule: str, pp: int, chunks: int | None
+) -> None:
+    # The free split fits a limit of exactly its own peak, so the limited balancer must find
+    # a split as even: it counts a rank's memory as the plan's table does, no more, no less.
+    free = _stage_plan(schedule, pp, chunks, method="params")
+    limited = _stage_plan(schedule, pp, chunks, method="params", memory_limit=max(free.rank_bytes))
+    assert max(limited.partition.param_bytes) == max(free.partition.param_bytes)
+    assert max(limited.rank_bytes) <= max(free.rank_bytes)
