@@ -204,8 +204,14 @@ class WeightVersions:
     # ------------------------------------------------------------------ the hooks
     def compute_hook(self, action: Action) -> None:
         st = self._stages.get(action.stage)
-        if st is None or action.microbatch is None or not self._training:
-            return  # evaluation: the parameters hold the newest versions
+        if st is None or action.microbatch is None:
+            return
+        if not self._training:
+            if action.kind is Kind.F:
+                return  # evaluation: the parameters hold the newest versions
+            # Without the stream's packing the backward meets parameters that a STEP has
+            # updated in place (autograd fails after some stages have stepped already).
+            raise _outside_stream(action)
         k = action.microbatch
         if action.kind is Kind.F:
             version = self._version_for(st, k)
@@ -218,6 +224,8 @@ class WeightVersions:
             st.free(self._needed(st.next_undone))
 
     def step_hook(self, stage: int, microbatch: int) -> None:
+        if not self._training:
+            raise _outside_stream(Action(stage, Kind.STEP, microbatch))
         st = self._stages[stage]
         scale = 1.0 if self._grad_scale is None else self._grad_scale(stage, microbatch)
         # A fresh copy of the newest version takes the in-place update; stashed versions
@@ -268,6 +276,13 @@ class WeightVersions:
     def live(self) -> dict[int, int]:
         """Stage -> versions alive now."""
         return {s: len(st.versions) for s, st in self._stages.items()}
+
+
+def _outside_stream(action: Action) -> PipelineInputError:
+    return PipelineInputError(
+        f"{action} of a training step ran outside WeightVersions.stream(): run every step "
+        f"of an asynchronous schedule inside 'with versions.stream():'"
+    )
 
 
 def _steps_before_forwards(schedule: Schedule, *, stage: int) -> dict[int, int]:

@@ -10,6 +10,8 @@ from torch import nn
 
 from pipetrain.models import LayerSpec, PipelineSpec, build_full_model, get_model_config, model_spec
 from pipetrain.runtime import PipelineInputError, StageMismatchError, build_pipeline
+from pipetrain.runtime.weights import WeightVersions
+from pipetrain.schedules import Kind
 
 VOCAB = 11
 
@@ -203,3 +205,31 @@ def test_build_arguments_of_the_wrong_kind_are_named(options, message):
 def test_a_cuda_device_without_cuda_is_named():
     with pytest.raises(PipelineInputError, match=r"device='cuda' but this machine has no CUDA"):
         pipeline(device="cuda")
+
+
+def test_an_asynchronous_step_outside_its_stream_is_refused_before_any_update():
+    holder: dict[str, WeightVersions] = {}
+    pipe = build_pipeline(
+        model_spec(get_model_config("llama-tiny", n_layers=2)),
+        schedule="pipedream",
+        ranks=2,
+        microbatches=4,
+        device="cpu",
+        step_hook=lambda stage, k: holder["v"].step_hook(stage, k),
+        compute_hook=lambda action: holder["v"].compute_hook(action),
+    )
+    modules = dict(zip(pipe.stages, pipe.modules, strict=True))
+    optimizers = {s: torch.optim.SGD(m.parameters(), lr=0.1) for s, m in modules.items()}
+    holder["v"] = versions = WeightVersions(pipe.schedule, modules, optimizers, rule="latest")
+    before = [p.detach().clone() for p in pipe.parameters()]
+    x, y = batch(b=pipe.schedule.microbatches)
+    # Without the stream, autograd failed on weights that earlier STEPs had updated in place.
+    with pytest.raises(PipelineInputError, match=r"1B0 of a training step ran outside"):
+        pipe.step(x, y)
+    assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before, strict=True))
+    with versions.stream():
+        pipe.step(x, y)
+    steps = [a for row in pipe.schedule.actions for a in row if a.kind is Kind.STEP]
+    assert {s.stage: s.created for s in versions.stats()} == {
+        stage: sum(1 for a in steps if a.stage == stage) for stage in pipe.stages
+    }
