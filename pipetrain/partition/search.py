@@ -190,7 +190,32 @@ def coupled_search(
     rank_bytes: RankBytes,
     limit: float,
 ) -> list[tuple[int, int]] | None:
-    """Branch and bound over the cuts when one rank holds several stages under a limit."""
+    """Branch and bound over the cuts when one rank holds several stages under a limit.
+
+    Like the dynamic programme: the least heaviest stage first, then, among the splits whose
+    stages stay within it, the least sum of squares. Raises ``SearchTooLarge`` when the
+    first search runs out of budget; when the second does, the first's split stands.
+    """
+    fewest = _branch_and_bound(n_layers, n_stages, seg, rank_bytes, limit, None)
+    if fewest is None:
+        return None
+    cap = max(seg(i, j) for i, j in fewest) * (1 + 1e-12) + 1e-300
+    try:
+        return _branch_and_bound(n_layers, n_stages, seg, rank_bytes, limit, cap) or fewest
+    except SearchTooLarge:
+        return fewest
+
+
+def _branch_and_bound(
+    n_layers: int,
+    n_stages: int,
+    seg: Callable[[int, int], float],
+    rank_bytes: RankBytes,
+    limit: float,
+    cap: float | None,
+) -> list[tuple[int, int]] | None:
+    """Without ``cap``: minimise the heaviest stage. With it: minimise the sum of squared
+    stage weights over the splits whose stages all weigh at most ``cap``."""
     best_value = float("inf")
     best_bounds: list[tuple[int, int]] | None = None
     visited = 0
@@ -198,28 +223,33 @@ def coupled_search(
     acts = [[0.0] * len(p) for p in rank_bytes.points]
     path: list[tuple[int, int]] = []
 
-    def visit(s: int, i: int, heaviest: float) -> None:
+    def visit(s: int, i: int, value: float) -> None:
         nonlocal best_value, best_bounds, visited
         visited += 1
         if visited > _SEARCH_BUDGET:
             raise SearchTooLarge(f"more than {_SEARCH_BUDGET} nodes")
         if s == n_stages:
-            if i == n_layers and heaviest < best_value:
-                best_value, best_bounds = heaviest, list(path)
+            if i == n_layers and value < best_value:
+                best_value, best_bounds = value, list(path)
             return
         last = n_layers - (n_stages - s - 1)
         for j in range(i + 1, last + 1) if s < n_stages - 1 else (n_layers,):
             w = seg(i, j)
-            if max(heaviest, w) >= best_value:
+            new = max(value, w) if cap is None else value + w * w
+            if new >= best_value or (cap is not None and w > cap):
                 break  # longer segments only weigh more
             if not rank_bytes.would_fit(static, acts, s, i, j, limit):
                 break  # and hold more
             left = n_stages - s - 1
-            if left and seg(j, n_layers) / left >= best_value:
-                continue  # the stages after this one cannot all stay under the best
+            if left:
+                # The later stages share the rest: at best evenly.
+                rest = seg(j, n_layers) / left
+                bound = rest if cap is None else new + left * rest * rest
+                if bound >= best_value or (cap is not None and rest > cap):
+                    continue
             rank_bytes.add(static, acts, s, i, j, 1.0)
             path.append((i, j))
-            visit(s + 1, j, max(heaviest, w))
+            visit(s + 1, j, new)
             path.pop()
             rank_bytes.add(static, acts, s, i, j, -1.0)
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from pipetrain.errors import InputError
 from pipetrain.models.config import get_model_config
+from pipetrain.partition.balance import LayerCost, MemoryModel, split_by_params
 from pipetrain.partition.estimate import estimate_costs
 from pipetrain.partition.planner import make_plan
 from pipetrain.schedules.registry import get_spec
@@ -102,3 +108,49 @@ def test_the_balancer_charges_a_rank_what_the_plan_reports(
     limited = _stage_plan(schedule, pp, chunks, method="params", memory_limit=max(free.rank_bytes))
     assert max(limited.partition.param_bytes) == max(free.partition.param_bytes)
     assert max(limited.rank_bytes) <= max(free.rank_bytes)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=4, max_size=8),
+    st.sampled_from([(0, 0, 0), (0, 1, 0, 1), (0, 1, 1, 0), (0, 0, 1, 1), ((0, 1), (1, 0))]),
+    st.integers(5, 60),
+)
+@example([(0, 4), (3, 2), (2, 2), (1, 3), (5, 0)], (0, 0, 0), 38)
+def test_several_stages_per_rank_get_the_split_the_dynamic_programme_would(
+    layers: list[tuple[int, int]], ranks: tuple[int | tuple[int, ...], ...], limit: int
+) -> None:
+    # Where ranks hold several stages under a limit, the search minimised only the heaviest
+    # stage and kept the first split found that reached it, not the most even: in the
+    # example, params 0 | 3+2 | 1+5 (squares 61) where 0+3 | 2 | 1+5 gives 49.
+    costs = [
+        LayerCost(f"l{i}", "block", 0.0, 0.0, 0.0, 0.0, p, p, a) for i, (p, a) in enumerate(layers)
+    ]
+    n, s = len(costs), len(ranks)
+    held = [(r,) if isinstance(r, int) else r for r in ranks]
+    memory = MemoryModel(float(limit), 1, tuple(range(s, 0, -1)), 1.0)
+
+    def fits(bounds: list[tuple[int, int]]) -> bool:
+        used = [0.0] * (max(max(h) for h in held) + 1)
+        for stage, (i, j) in enumerate(bounds):
+            for rank in held[stage]:
+                used[rank] += memory.stage_bytes(costs, stage, i, j)
+        return all(u <= limit for u in used)
+
+    def key(bounds: list[tuple[int, int]]) -> tuple[int, int]:
+        weights = [sum(c.param_bytes for c in costs[i:j]) for i, j in bounds]
+        return max(weights), sum(w * w for w in weights)
+
+    splits = [
+        list(itertools.pairwise((0, *cuts, n)))
+        for cuts in itertools.combinations(range(1, n), s - 1)
+    ]
+    feasible = [b for b in splits if fits(b)]
+    if not feasible:
+        with pytest.raises(InputError, match="memory limit"):
+            split_by_params(costs, ranks, memory)
+        return
+    part = split_by_params(costs, ranks, memory)
+    bounds = [(stage[0], stage[-1] + 1) for stage in part.stages]
+    assert fits(bounds)
+    assert key(bounds) == min(key(b) for b in feasible)
