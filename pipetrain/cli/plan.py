@@ -23,7 +23,7 @@ from pipetrain.cli.errors import UsageError
 from pipetrain.models.config import ModelConfig, get_model_config, parse_overrides
 from pipetrain.partition.balance import LayerCost, parse_split
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
-from pipetrain.partition.overhead import split_fixed_cost
+from pipetrain.partition.overhead import remove_fixed_cost, split_fixed_cost
 from pipetrain.partition.planner import Overheads, Plan, make_plan
 from pipetrain.schedules.registry import SCHEDULE_NAMES, get_spec
 
@@ -237,7 +237,10 @@ def _costs(
     threads = f", {args.threads} thread(s)" if device.type == "cpu" else ""
     source = f"measured on {device}{threads} at micro-batch {mb} x {seq_len}"
     if mb == 1:
-        return costs, source + f"; fixed part assumed {args.overhead_ms} ms", args.overhead_ms / 1e3
+        # One size cannot separate the fixed part: take --overhead-ms out of the measurement.
+        fixed = args.overhead_ms / 1e3
+        source += f"; fixed part assumed {args.overhead_ms} ms per layer and action"
+        return remove_fixed_cost(costs, 1, fixed), source, fixed
     # A second profile at one sample separates the per-call part from the per-sample part.
     fit = split_fixed_cost(measure(ids[:1]), 1, costs, mb)
     source += f" and 1; fixed part {fit.per_layer * 1e3:.3f} ms per layer and action"

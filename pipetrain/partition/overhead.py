@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from pipetrain.partition.balance import LayerCost
 
-__all__ = ["FixedSplit", "split_fixed_cost"]
+__all__ = ["FixedSplit", "remove_fixed_cost", "split_fixed_cost"]
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,24 @@ def split_fixed_cost(
         slope = (t2 - t1) / (large_size - small_size)
         intercepts.append(t1 - small_size * slope)
     fixed = max(0.0, statistics.median(intercepts))
+    return FixedSplit(remove_fixed_cost(large, large_size, fixed), fixed)
 
-    def without_fixed(measured: float) -> float:
-        """A per-sample figure of ``large`` minus the fixed part it spread over the batch."""
-        return max(0.0, (measured * large_size - fixed) / large_size)
+
+def remove_fixed_cost(
+    measured: Sequence[LayerCost], size: int, fixed: float
+) -> tuple[LayerCost, ...]:
+    """Per-sample costs measured at micro-batch ``size`` less ``fixed`` seconds per call.
+
+    The planner charges the fixed part per layer and action on its own (``Overheads``):
+    left in the measured figures it would count twice, and ``size`` times over at larger
+    micro-batches. Each figure stays >= 0, and B = I + W.
+    """
+
+    def without_fixed(per_sample: float) -> float:
+        return max(0.0, (per_sample * size - fixed) / size)
 
     costs = []
-    for g in large:
+    for g in measured:
         if g.backward_input > 0:
             b_in, b_w = without_fixed(g.backward_input), without_fixed(g.backward_weight)
         else:  # no input gradient (the embedding): the whole backward is the weight part
@@ -63,4 +74,4 @@ def split_fixed_cost(
                 backward_weight=b_w,
             )
         )
-    return FixedSplit(tuple(costs), fixed)
+    return tuple(costs)

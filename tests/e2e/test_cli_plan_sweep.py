@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -40,3 +41,19 @@ def test_a_model_name_override_renames_the_plan() -> None:
     done = _plan("--set", "name=my-gpt")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("my-gpt: 1f1b on 2 ranks")
+
+
+def test_a_profile_at_one_sample_takes_the_assumed_fixed_part_out_of_the_measurement() -> None:
+    # At micro-batch 1 the fixed part per layer and action cannot be fitted; it was assumed
+    # (--overhead-ms) and added to times that already contained it. With 1 s assumed, every
+    # measured figure (well under 1 s) is all fixed part: a stage's forward is 1 s per layer.
+    done = _plan(
+        "--balance", "profile", "--batch-size", "2", "--microbatches", "2", "--repeats", "1",
+        "--overhead-ms", "1000", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert "fixed part assumed 1000.0 ms" in out["time_source"]
+    for stage in out["stages"]:
+        assert stage["forward"] == pytest.approx(len(stage["layers"]))
+        assert stage["backward"] == pytest.approx(2 * len(stage["layers"]))
