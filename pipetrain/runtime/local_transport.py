@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from pipetrain.runtime.errors import PipelineError
-from pipetrain.runtime.messages import MessageKey
+from pipetrain.runtime.messages import MessageKey, header_values
 from pipetrain.schedules.wire import PeerOrders
 
 __all__ = ["InMemoryTransport"]
@@ -38,7 +38,9 @@ class InMemoryTransport:
             raise PipelineError(f"{self._where} ended with messages never received: {keys}")
 
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        del src_stage
+        # What the wire's header cannot carry fails here as it would between processes,
+        # so that a model the debug mode runs also runs on several ranks.
+        header_values(0, src_stage, key, tensors)
         self._box[key] = tuple(t.detach() for t in tensors)
 
     def progress(self) -> None:

@@ -233,3 +233,25 @@ def test_an_asynchronous_step_outside_its_stream_is_refused_before_any_update():
     assert {s.stage: s.created for s in versions.stats()} == {
         stage: sum(1 for a in steps if a.stage == stage) for stage in pipe.stages
     }
+
+
+class _Many(nn.Module):
+    """Nine tensors to the next stage: one more than a message's header describes."""
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(ids.float().unsqueeze(-1) * i for i in range(9))
+
+
+class _Sum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(1, VOCAB)
+
+    def forward(self, *parts: torch.Tensor) -> torch.Tensor:
+        return self.out(sum(parts))
+
+
+def test_the_debug_mode_refuses_a_boundary_that_processes_cannot_send():
+    pipe = pipeline(layers=[_Many, _Sum], schedule="gpipe")
+    with pytest.raises(StageMismatchError, match=r"stage 0 sends 9 tensors to stage 1: at most 8"):
+        pipe.step(*batch())
