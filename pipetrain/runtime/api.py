@@ -315,9 +315,18 @@ class Pipeline:
                 f"dimension is the batch"
             )
         if batch.dim() < 1 or batch.shape[0] % m:
+            params = dict(self.schedule.params)
+            # An asynchronous schedule built for microbatches=m runs a stream of several
+            # optimizer steps of m each: the count here is not the one the caller passed.
+            stream = (
+                f" (schedule {self.schedule.name!r} streams {params['steps']} steps of "
+                f"{params['window']} micro-batches per call: stack the steps' batches)"
+                if self.schedule.asynchronous and {"steps", "window"} <= params.keys()
+                else ""
+            )
             raise PipelineInputError(
                 f"{name} has batch size {batch.shape[0] if batch.dim() else 0}, not a multiple of "
-                f"microbatches={m}: make the batch size a multiple of {m}"
+                f"microbatches={m}{stream}: make the batch size a multiple of {m}"
             )
         return list(batch.to(self.device).chunk(m, dim=0))
 

@@ -222,7 +222,10 @@ def test_an_asynchronous_step_outside_its_stream_is_refused_before_any_update():
     optimizers = {s: torch.optim.SGD(m.parameters(), lr=0.1) for s, m in modules.items()}
     holder["v"] = versions = WeightVersions(pipe.schedule, modules, optimizers, rule="latest")
     before = [p.detach().clone() for p in pipe.parameters()]
-    x, y = batch(b=pipe.schedule.microbatches)
+    # A step of pipedream built for 4 micro-batches streams 2 optimizer steps of 4.
+    with pytest.raises(PipelineInputError, match=r"multiple of microbatches=8 \(schedule "):
+        pipe.step(*batch(b=4))
+    x, y = batch(b=8)
     # Without the stream, autograd failed on weights that earlier STEPs had updated in place.
     with pytest.raises(PipelineInputError, match=r"1B0 of a training step ran outside"):
         pipe.step(x, y)
