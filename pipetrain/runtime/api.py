@@ -428,13 +428,7 @@ class Pipeline:
                 f"inputs hold {inputs.shape[0]} sequences but targets {targets.shape[0]}: pass "
                 f"one row of targets per row of inputs"
             )
-        if denominator is not None and not (
-            isinstance(denominator, (int, float)) and 0 < denominator < math.inf
-        ):
-            raise PipelineInputError(
-                f"denominator is {denominator!r}: pass a positive, finite count of tokens"
-            )
-        divide_by = float(max(tokens, 1)) if denominator is None else float(denominator)
+        divide_by = float(max(tokens, 1)) if denominator is None else _count(denominator)
         for ex in executors:
             ex.begin(step, input_mbs, target_mbs, divide_by, training, where)
         self._started = True
@@ -535,3 +529,16 @@ def _check_token_ids(inputs: torch.Tensor, vocab: int) -> None:
             f"inputs hold token id {bad}, outside the embedding's 0..{vocab - 1}: use a model "
             f"whose vocab_size covers the tokenizer's ids, or map the ids into range"
         )
+
+
+def _count(denominator: Any) -> float:
+    """``denominator`` as a positive, finite float (a number or a one-element tensor)."""
+    try:
+        value = math.nan if isinstance(denominator, str) else float(denominator)
+    except (TypeError, ValueError, RuntimeError):
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise PipelineInputError(
+            f"denominator is {denominator!r}: pass a positive, finite count of tokens"
+        )
+    return value

@@ -143,6 +143,11 @@ def test_misused_targets_and_losses_are_one_line_input_errors():
         assert "\n" not in str(info.value)
     # Every failure came before a backward: the pipeline goes on as if they never happened.
     assert pipe.step(x, y).loss == pipeline().step(x, y).loss
+    # A count of tokens may come as a tensor.
+    pipe.zero_grad()
+    assert pipe.step(x, y, denominator=torch.tensor(20)).loss == pytest.approx(
+        pipeline().step(x, y).loss * 2, rel=1e-6
+    )
 
 
 def test_built_modules_instead_of_factories_are_named():
