@@ -38,7 +38,6 @@ This module holds the pipeline and its step; ``build_pipeline`` (in
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,8 +48,15 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.models import PipelineSpec, StageModule
-from pipetrain.models.embedding import Embedding
-from pipetrain.runtime.build import build_pipeline, default_device, even_split, forward_only
+from pipetrain.runtime.build import (
+    build_pipeline,
+    check_token_ids,
+    default_device,
+    even_split,
+    forward_only,
+    positive_count,
+    token_table_rows,
+)
 from pipetrain.runtime.collectives import (
     DistReducer,
     LocalReducer,
@@ -212,7 +218,7 @@ class Pipeline:
         self._train = executors(schedule, grads_hook)
         self._eval = executors(forward_schedule)
         self._has_first = any(placement.is_first(s) for s in stage_modules)
-        self._vocab = _token_table_rows(spec, stage_modules)
+        self._vocab = token_table_rows(spec, stage_modules)
         self._has_last = any(placement.is_last(s) for s in stage_modules)
 
     # ----------------------------------------------------------------- parameters
@@ -407,7 +413,7 @@ class Pipeline:
         """One pass: ``step`` numbers its messages on the wire, ``where`` names it in errors."""
         input_mbs = self._split("inputs", inputs, self._has_first)
         if self._vocab is not None and inputs is not None:
-            _check_token_ids(inputs, self._vocab)
+            check_token_ids(inputs, self._vocab)
         target_mbs = self._split("targets", targets, self._has_last)
         tokens = 0
         if targets is not None:
@@ -428,7 +434,7 @@ class Pipeline:
                 f"inputs hold {inputs.shape[0]} sequences but targets {targets.shape[0]}: pass "
                 f"one row of targets per row of inputs"
             )
-        divide_by = float(max(tokens, 1)) if denominator is None else _count(denominator)
+        divide_by = float(max(tokens, 1)) if denominator is None else positive_count(denominator)
         for ex in executors:
             ex.begin(step, input_mbs, target_mbs, divide_by, training, where)
         self._started = True
@@ -494,51 +500,3 @@ class Pipeline:
         ]
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
-
-
-def _token_table_rows(spec: PipelineSpec, modules: dict[int, StageModule]) -> int | None:
-    """The rows of the token table that a first stage here looks ids up in, if any.
-
-    Only an ``embedding`` layer (the built-in models' first) is known to take token ids.
-    """
-    first = spec.layers[0]
-    if first.kind != "embedding":
-        return None
-    for module in modules.values():
-        if module.is_first:
-            for sub in module.get_submodule(first.name).modules():
-                if isinstance(sub, (nn.Embedding, Embedding)):
-                    return int(sub.weight.shape[0])
-    return None
-
-
-def _check_token_ids(inputs: torch.Tensor, vocab: int) -> None:
-    """Token ids that the embedding cannot look up fail inside torch with "index out of
-    range in self" (on CUDA, a device-side assert that ends the process)."""
-    if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
-        raise PipelineInputError(
-            f"inputs are {str(inputs.dtype).removeprefix('torch.')}, but the first layer looks "
-            f"up token ids: pass integer ids (torch.long)"
-        )
-    if inputs.numel() == 0:
-        return
-    low, high = (int(v) for v in torch.aminmax(inputs))
-    if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        raise PipelineInputError(
-            f"inputs hold token id {bad}, outside the embedding's 0..{vocab - 1}: use a model "
-            f"whose vocab_size covers the tokenizer's ids, or map the ids into range"
-        )
-
-
-def _count(denominator: Any) -> float:
-    """``denominator`` as a positive, finite float (a number or a one-element tensor)."""
-    try:
-        value = math.nan if isinstance(denominator, str) else float(denominator)
-    except (TypeError, ValueError, RuntimeError):
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise PipelineInputError(
-            f"denominator is {denominator!r}: pass a positive, finite count of tokens"
-        )
-    return value

@@ -1,5 +1,6 @@
 """Building a pipeline: ``build_pipeline``, its argument checks, and what it is built from
-(the device, the split into stages, the schedule).
+(the device, the split into stages, the schedule); and the checks of a step's arguments
+that need what the pipeline was built from (the token table, the denominator).
 
 Kept apart so that the API module (``pipetrain.runtime.api``, which re-exports
 ``build_pipeline``) holds only the pipeline itself.
@@ -7,6 +8,7 @@ Kept apart so that the API module (``pipetrain.runtime.api``, which re-exports
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from collections.abc import Callable, Sequence
@@ -16,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.models import PipelineSpec, build_stage
+from pipetrain.models import PipelineSpec, StageModule, build_stage
+from pipetrain.models.embedding import Embedding
 from pipetrain.runtime.errors import PipelineInputError
 from pipetrain.runtime.executor import ComputeHook, GradsHook
 from pipetrain.runtime.stage import LossFn, token_cross_entropy
@@ -31,12 +34,15 @@ if TYPE_CHECKING:  # api imports this module for the helpers and to re-export bu
 __all__ = [
     "as_spec",
     "build_pipeline",
+    "check_token_ids",
     "checked_loss",
     "default_device",
     "even_split",
     "forward_only",
     "gpu_shortfall",
+    "positive_count",
     "resolve_schedule",
+    "token_table_rows",
 ]
 
 
@@ -328,3 +334,51 @@ def build_pipeline(
         compute_hook,
         grads_hook,
     )
+
+
+def token_table_rows(spec: PipelineSpec, modules: dict[int, StageModule]) -> int | None:
+    """The rows of the token table that a first stage here looks ids up in, if any.
+
+    Only an ``embedding`` layer (the built-in models' first) is known to take token ids.
+    """
+    first = spec.layers[0]
+    if first.kind != "embedding":
+        return None
+    for module in modules.values():
+        if module.is_first:
+            for sub in module.get_submodule(first.name).modules():
+                if isinstance(sub, (nn.Embedding, Embedding)):
+                    return int(sub.weight.shape[0])
+    return None
+
+
+def check_token_ids(inputs: torch.Tensor, vocab: int) -> None:
+    """Token ids that the embedding cannot look up fail inside torch with "index out of
+    range in self" (on CUDA, a device-side assert that ends the process)."""
+    if inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
+        raise PipelineInputError(
+            f"inputs are {str(inputs.dtype).removeprefix('torch.')}, but the first layer looks "
+            f"up token ids: pass integer ids (torch.long)"
+        )
+    if inputs.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(inputs))
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise PipelineInputError(
+            f"inputs hold token id {bad}, outside the embedding's 0..{vocab - 1}: use a model "
+            f"whose vocab_size covers the tokenizer's ids, or map the ids into range"
+        )
+
+
+def positive_count(denominator: Any) -> float:
+    """``denominator`` as a positive, finite float (a number or a one-element tensor)."""
+    try:
+        value = math.nan if isinstance(denominator, str) else float(denominator)
+    except (TypeError, ValueError, RuntimeError):
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise PipelineInputError(
+            f"denominator is {denominator!r}: pass a positive, finite count of tokens"
+        )
+    return value
