@@ -16,7 +16,7 @@ from torch import nn
 
 from pipetrain.errors import InputError
 from pipetrain.models.init import layer_generator, layer_seed
-from pipetrain.models.spec import LayerSpec, PipelineSpec, SpecError
+from pipetrain.models.spec import LayerSpec, PipelineSpec, SpecError, TiedWeight
 
 __all__ = ["StageError", "StageModule", "build_full_model", "build_stage"]
 
@@ -152,15 +152,29 @@ def build_stage(
         copy = _parameter(copy_layer, tie.copy_param, spec.layers[tie.copy_layer].name)
         if tie.owner in by_index:
             owner = _parameter(by_index[tie.owner], tie.owner_param, spec.layers[tie.owner].name)
+            _check_tied_shapes(spec, tie, owner, copy)
             parent, _, leaf = tie.copy_param.rpartition(".")
             setattr(copy_layer.get_submodule(parent), leaf, owner)
         else:
             # The owner lives on another stage: start from the owner's exact initial value.
             owner_layer = _materialise_layer(spec.layers[tie.owner], seed=seed, index=tie.owner)
             source = _parameter(owner_layer, tie.owner_param, spec.layers[tie.owner].name)
+            _check_tied_shapes(spec, tie, source, copy)
             with torch.no_grad():
                 copy.copy_(source)
     return StageModule(spec, indices, layers)
+
+
+def _check_tied_shapes(
+    spec: PipelineSpec, tie: TiedWeight, owner: nn.Parameter, copy: nn.Parameter
+) -> None:
+    # One tensor serves both layers (or the copy starts as the owner's): the shapes must agree.
+    if owner.shape != copy.shape:
+        raise SpecError(
+            f"tied weight {tie.key!r}: {spec.layers[tie.owner].name}.{tie.owner_param} is "
+            f"{tuple(owner.shape)} but {spec.layers[tie.copy_layer].name}.{tie.copy_param} is "
+            f"{tuple(copy.shape)}: tie parameters of one shape"
+        )
 
 
 def build_full_model(

@@ -8,7 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.models import LayerSpec, PipelineSpec, build_full_model, get_model_config, model_spec
+from pipetrain.models import (
+    LayerSpec,
+    PipelineSpec,
+    SpecError,
+    TiedWeight,
+    build_full_model,
+    get_model_config,
+    model_spec,
+)
 from pipetrain.runtime import PipelineInputError, StageMismatchError, build_pipeline
 from pipetrain.runtime.weights import WeightVersions
 from pipetrain.schedules import Kind
@@ -263,3 +271,22 @@ def test_the_debug_mode_refuses_a_boundary_that_processes_cannot_send():
     pipe = pipeline(layers=[_Many, _Sum], schedule="gpipe")
     with pytest.raises(StageMismatchError, match=r"stage 0 sends 9 tensors to stage 1: at most 8"):
         pipe.step(*batch())
+
+
+class _TransposedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(VOCAB, 6, bias=False)  # (6, V): the embedding's transpose
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return h @ self.out.weight
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_tied_parameters_of_different_shapes_are_named(ranks):
+    spec = PipelineSpec.from_layers(
+        [*LAYERS[:-1], _TransposedHead],
+        tied=[TiedWeight("layers.0.tok.weight", 0, "tok.weight", 4, "out.weight")],
+    )
+    with pytest.raises(SpecError, match=r"layers.0.tok.weight is \(11, 6\) but layers.4.out"):
+        pipeline(layers=spec, ranks=ranks)
