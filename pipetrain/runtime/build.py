@@ -283,6 +283,11 @@ def build_pipeline(
             raise PipelineInputError(
                 "group is given but torch.distributed is not initialised: call init_process_group first"
             )
+        if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+            raise PipelineInputError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the group "
+                f"passed as group=: build the pipeline only on that group's ranks"
+            )
         backend = dist.get_backend(group)
         if backend == "nccl" and dev.type != "cuda":
             raise PipelineInputError(

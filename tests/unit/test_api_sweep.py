@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipetrain.models import (
@@ -290,3 +291,15 @@ def test_tied_parameters_of_different_shapes_are_named(ranks):
     )
     with pytest.raises(SpecError, match=r"layers.0.tok.weight is \(11, 6\) but layers.4.out"):
         pipeline(layers=spec, ranks=ranks)
+
+
+def test_a_group_that_does_not_fit_this_process_is_named():
+    # A one-process gloo world in this process: enough to build against a real group.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(PipelineInputError, match=r"global rank 0\) is not a member"):
+            pipeline(ranks=None, group=dist.GroupMember.NON_GROUP_MEMBER)
+        with pytest.raises(PipelineInputError, match=r"ranks=2 but the group has 1 ranks"):
+            pipeline(group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
