@@ -386,7 +386,7 @@ class Pipeline:
             self._partial = where
 
     def _refuse_partial_grads(self) -> None:
-        if any(p.grad is not None and bool(p.grad.any()) for p in self.parameters()):
+        if any(_nonzero(p.grad) for p in self.parameters()):
             raise PipelineInputError(
                 f"{self._partial} failed part-way and left some micro-batches' gradients in "
                 f".grad: call zero_grad() (the pipeline's or the optimizer's) before the next step"
@@ -500,3 +500,11 @@ class Pipeline:
         ]
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
+
+
+def _nonzero(grad: torch.Tensor | None) -> bool:
+    if grad is None:
+        return False
+    # A sharded (FSDP2) gradient is a DTensor: its local shard answers without a collective.
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    return bool(local.any())
