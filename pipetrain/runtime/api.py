@@ -288,6 +288,9 @@ class Pipeline:
         replicas, so that replicas with fewer tokens weigh less in the mean of replicas.
         ``label``: how errors name this step (default "training step N", N counting this
         pipeline's steps from 1; a loop that resumed or accumulates knows better).
+
+        A step that raises after some micro-batches went backward leaves their gradients
+        in ``.grad``; the next step is refused until they are zeroed (``zero_grad()``).
         """
         return self._run(
             self._train, inputs, targets, training=True, denominator=denominator, label=label
