@@ -423,7 +423,10 @@ class Pipeline:
             tokens = int((targets != IGNORE_INDEX).sum())
             if tokens == 0 and self._has_last and denominator is None:
                 raise PipelineInputError(
-                    "every target is -100 (ignored): the batch has no token to learn from"
+                    f"targets of shape {tuple(targets.shape)} are empty: pass at least one "
+                    f"sequence of at least one token"
+                    if targets.numel() == 0
+                    else "every target is -100 (ignored): the batch has no token to learn from"
                 )
         if (
             isinstance(inputs, torch.Tensor)

@@ -132,6 +132,7 @@ def test_misused_targets_and_losses_are_one_line_input_errors():
         (lambda: pipe.step(x, y + VOCAB), r"out of bounds"),
         (lambda: pipe.eval_loss(x, y.int()), r"targets \(2, 5\) int32"),
         (lambda: pipe.step(x, y[:4]), r"inputs hold 8 sequences but targets 4"),
+        (lambda: pipe.step(x[:, :0], y[:, :0]), r"targets of shape \(8, 0\) are empty"),
         (lambda: pipe.step(x.tolist(), y), r"inputs is a list: pass a tensor"),
         (lambda: pipe.step(x, y, denominator=float("inf")), r"positive, finite"),
         (lambda: pipe.step(x, y, denominator="40"), r"positive, finite"),
