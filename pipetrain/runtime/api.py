@@ -50,6 +50,7 @@ from torch import nn
 from pipetrain.models import PipelineSpec, StageModule
 from pipetrain.runtime.build import (
     build_pipeline,
+    check_class_targets,
     check_token_ids,
     default_device,
     even_split,
@@ -103,6 +104,8 @@ class Pipeline:
         step_hook: StepHook | None,
         compute_hook: ComputeHook | None = None,
         grads_hook: GradsHook | None = None,
+        *,
+        class_targets: bool = False,
     ) -> None:
         self.schedule = schedule
         self.spec = spec
@@ -220,6 +223,7 @@ class Pipeline:
         self._has_first = any(placement.is_first(s) for s in stage_modules)
         self._vocab = token_table_rows(spec, stage_modules)
         self._has_last = any(placement.is_last(s) for s in stage_modules)
+        self._class_targets = class_targets  # the default loss: targets are class indices
 
     # ----------------------------------------------------------------- parameters
     @property
@@ -418,6 +422,8 @@ class Pipeline:
         if self._vocab is not None and inputs is not None:
             check_token_ids(inputs, self._vocab)
         target_mbs = self._split("targets", targets, self._has_last)
+        if self._class_targets and targets is not None:
+            check_class_targets(targets)
         tokens = 0
         if targets is not None:
             tokens = int((targets != IGNORE_INDEX).sum())

@@ -32,8 +32,10 @@ if TYPE_CHECKING:  # api imports this module for the helpers and to re-export bu
     from pipetrain.runtime.api import Pipeline
 
 __all__ = [
+    "CLASS_DTYPES",
     "as_spec",
     "build_pipeline",
+    "check_class_targets",
     "check_token_ids",
     "checked_loss",
     "default_device",
@@ -338,6 +340,7 @@ def build_pipeline(
         step_hook,
         compute_hook,
         grads_hook,
+        class_targets=loss_fn is None,
     )
 
 
@@ -373,6 +376,21 @@ def check_token_ids(inputs: torch.Tensor, vocab: int) -> None:
         raise PipelineInputError(
             f"inputs hold token id {bad}, outside the embedding's 0..{vocab - 1}: use a model "
             f"whose vocab_size covers the tokenizer's ids, or map the ids into range"
+        )
+
+
+# The target dtypes that cross-entropy takes as class indices.
+CLASS_DTYPES = (torch.int64, torch.uint8)
+
+
+def check_class_targets(targets: torch.Tensor) -> None:
+    """Targets of the default loss are class indices: checked on every rank that has them
+    before the step starts, where only the last stage's loss would find out, mid-step, and
+    leave the other ranks waiting for it until their timeout."""
+    if targets.dtype not in CLASS_DTYPES:
+        raise PipelineInputError(
+            f"targets are {str(targets.dtype).removeprefix('torch.')}, but the default loss "
+            f"(cross-entropy) takes class indices: pass targets as torch.long"
         )
 
 
