@@ -21,7 +21,7 @@ from typing import Any
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.models.config import ModelConfig, get_model_config, parse_overrides
-from pipetrain.partition.balance import LayerCost, parse_split
+from pipetrain.partition.balance import LayerCost, format_bytes, parse_split
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
 from pipetrain.partition.overhead import remove_fixed_cost, split_fixed_cost
 from pipetrain.partition.planner import Overheads, Plan, make_plan
@@ -196,7 +196,12 @@ def _costs(
     import torch  # only a measured plan needs torch
 
     from pipetrain.models.spec import model_spec
-    from pipetrain.partition.profile import default_device, profile_layers
+    from pipetrain.partition.profile import (
+        available_bytes,
+        default_device,
+        profile_bytes,
+        profile_layers,
+    )
 
     if args.batch_size % args.microbatches:
         raise UsageError(
@@ -223,6 +228,16 @@ def _costs(
         raise UsageError(
             f"--device {args.device} cannot be used on this machine ({first_line}): use cpu or cuda"
         ) from None
+    # A real size can need more than the machine has: refuse it before the kernel kills us.
+    need, layer = profile_bytes(estimate_costs(config, seq_len), mb)
+    free = available_bytes(device)
+    if free is not None and need > free:
+        raise UsageError(
+            f"--balance profile needs about {format_bytes(need)} to measure layer {layer} at "
+            f"micro-batch {mb} x {seq_len}, more than the {format_bytes(free)} free on {device}: "
+            "use a smaller --seq-len or micro-batch (--batch-size / --microbatches), or estimated "
+            "costs (--balance params)"
+        )
     ids = torch.randint(
         0, config.vocab_size, (mb, seq_len), generator=torch.Generator().manual_seed(args.seed)
     )

@@ -16,8 +16,9 @@ Everything is divided by the micro-batch size: costs are per sample.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +28,47 @@ from pipetrain.models.spec import PipelineSpec
 from pipetrain.models.stage import build_stage
 from pipetrain.partition.balance import LayerCost
 
-__all__ = ["default_device", "profile_layers"]
+__all__ = ["available_bytes", "default_device", "profile_bytes", "profile_layers"]
 
 
 def default_device() -> torch.device:
     """cuda when there is one, else cpu: chosen at run time, never assumed."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def available_bytes(device: torch.device) -> float | None:
+    """Memory free for a profile on ``device`` now (None where it cannot be told)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024  # given in KiB
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def profile_bytes(costs: Sequence[LayerCost], microbatch_size: int) -> tuple[float, str]:
+    """About the most memory profiling one layer takes, and that layer's name.
+
+    Per layer, from estimated costs: its parameters and their gradients, and three times
+    one micro-batch's saved activations (the retained graph, the forward that counts what
+    it saves, and the gradients of the backward; for the head, the logits, their
+    log-softmax and its gradient).
+    """
+    need = [
+        (2.0 * c.param_bytes + 3.0 * c.activation_bytes_per_sample * microbatch_size, c.name)
+        for c in costs
+    ]
+    return max(need)
 
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:

@@ -36,6 +36,19 @@ def test_profile_devices_that_cannot_time_layers_are_refused() -> None:
     _one_line(_plan("--balance", "profile", "--device", "mps"), "--device mps cannot be used")
 
 
+def test_a_profile_larger_than_the_machine_is_refused_before_it_starts() -> None:
+    # A real size (llama3-8b at 8192 tokens) went on to materialise and time its layers
+    # until the kernel killed the process for memory. This one needs terabytes anywhere.
+    done = subprocess.run(
+        [sys.executable, "-m", "pipetrain.cli", "plan", "--model", "llama3-8b", "--pp", "2",
+         "--balance", "profile", "--set", "vocab_size=100000000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    _one_line(done, "to measure layer head at micro-batch 4 x 8192, more than the")
+
+
 def test_a_model_name_override_renames_the_plan() -> None:
     # --set name=... is a listed field of the preset; it crashed with a TypeError.
     done = _plan("--set", "name=my-gpt")
