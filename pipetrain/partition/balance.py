@@ -41,6 +41,7 @@ __all__ = [
     "holders",
     "make_partition",
     "parse_split",
+    "shared_within",
     "split_by_cost",
     "split_by_params",
     "split_explicit",
@@ -74,10 +75,24 @@ class LayerCost:
     params: int
     param_bytes: int
     activation_bytes_per_sample: float  # what the backward needs kept, per sample
+    # A tied copy (the LM head's output weight): the layer that owns the weight, and the
+    # parameters of it counted above. A stage holding both holds one tensor.
+    tied_to: int | None = None
+    tied_params: int = 0
+    tied_param_bytes: int = 0
 
     @property
     def time(self) -> float:
         return self.forward + self.backward
+
+
+def shared_within(costs: Sequence[LayerCost], start: int, end: int, attr: str) -> int:
+    """What layers start..end-1 count twice: tied copies whose owner is among them too."""
+    return sum(
+        getattr(c, attr)
+        for c in costs[start:end]
+        if c.tied_to is not None and start <= c.tied_to < end
+    )
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,7 @@ class MemoryModel:
 
     def stage_bytes(self, costs: Sequence[LayerCost], stage: int, start: int, end: int) -> float:
         params = sum(c.param_bytes for c in costs[start:end])
+        params -= shared_within(costs, start, end, "tied_param_bytes")
         activations = sum(c.activation_bytes_per_sample for c in costs[start:end])
         return self.param_factor(stage) * params + (
             activations * self.microbatch_size * self.live[stage]
@@ -192,8 +208,14 @@ def make_partition(
         backward=per_stage("backward"),
         backward_input=per_stage("backward_input"),
         backward_weight=per_stage("backward_weight"),
-        params=tuple(int(total("params", s, e)) for s, e in bounds),
-        param_bytes=tuple(int(total("param_bytes", s, e)) for s, e in bounds),
+        params=tuple(
+            int(total("params", s, e)) - shared_within(costs, s, e, "tied_params")
+            for s, e in bounds
+        ),
+        param_bytes=tuple(
+            int(total("param_bytes", s, e)) - shared_within(costs, s, e, "tied_param_bytes")
+            for s, e in bounds
+        ),
         activation_bytes_per_sample=per_stage("activation_bytes_per_sample"),
     )
 

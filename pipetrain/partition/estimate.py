@@ -8,6 +8,8 @@ Torch-free.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost
 
@@ -106,4 +108,8 @@ def estimate_costs(
         )
     head = 2.0 * t * d * v
     layers.append(cost("head", "head", head, head, head, head_p, _head_activation_bytes(config, t)))
+    if config.tie_embeddings:  # the head's output weight is the token embedding (v x d)
+        layers[-1] = replace(
+            layers[-1], tied_to=0, tied_params=v * d, tied_param_bytes=v * d * _FP32
+        )
     return layers

@@ -195,6 +195,10 @@ def _profile(
         x_in = x.detach().requires_grad_(x.is_floating_point())
 
         forward, full, b_input, act = _measure(layer, x_in, is_head, seed, dev, repeats)
+        # A tied copy built alone holds its own tensor; a stage that also holds the owner
+        # does not (``LayerCost.tied_to``).
+        tie = next((t for t in spec.tied if t.copy_layer == index), None)
+        tied = None if tie is None else layer.get_parameter(f"{layer_spec.name}.{tie.copy_param}")
         costs.append(
             LayerCost(
                 name=layer_spec.name,
@@ -206,6 +210,9 @@ def _profile(
                 params=sum(p.numel() for p in params),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 activation_bytes_per_sample=act / samples,
+                tied_to=None if tie is None else tie.owner,
+                tied_params=0 if tied is None else tied.numel(),
+                tied_param_bytes=0 if tied is None else tied.numel() * tied.element_size(),
             )
         )
         with torch.no_grad():

@@ -37,6 +37,10 @@ class StageBytes:
 
     def __init__(self, costs: Sequence[LayerCost], memory: MemoryModel) -> None:
         self.memory = memory
+        # (owner, copy, bytes) of each tied weight: one tensor where a stage holds both.
+        self.ties = [
+            (c.tied_to, i, c.tied_param_bytes) for i, c in enumerate(costs) if c.tied_to is not None
+        ]
         self.params = [0.0]
         self.acts = [0.0]
         for c in costs:
@@ -51,7 +55,13 @@ class StageBytes:
 
     def static(self, stage: int, start: int, end: int) -> float:
         """Weights (every version held), gradients and optimizer state of the layers."""
-        return self.memory.param_factor(stage) * (self.params[end] - self.params[start])
+        params = self.params[end] - self.params[start]
+        params -= sum(
+            b
+            for owner, copy, b in self.ties
+            if start <= min(owner, copy) and max(owner, copy) < end
+        )
+        return self.memory.param_factor(stage) * params
 
     def activations(self, start: int, end: int) -> float:
         """What one micro-batch leaves on the layers for the backward."""

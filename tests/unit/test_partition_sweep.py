@@ -154,3 +154,27 @@ def test_several_stages_per_rank_get_the_split_the_dynamic_programme_would(
     bounds = [(stage[0], stage[-1] + 1) for stage in part.stages]
     assert fits(bounds)
     assert key(bounds) == min(key(b) for b in feasible)
+
+
+def test_a_stage_holding_both_ends_of_a_tied_embedding_counts_it_once() -> None:
+    # One stage with the embedding and the tied head holds one tensor, but the plan counted
+    # the head's copy too: gpt2-124m on one rank showed 163.04M parameters and 2.4 GiB.
+    costs = estimate_costs(get_model_config("gpt2-124m"), 128)
+    spec = get_spec("1f1b")
+
+    def plan(pp: int, **kwargs: object):  # type: ignore[no-untyped-def]
+        return make_plan(
+            costs,
+            schedule_for=lambda m: spec.build(pp, m, None),
+            batch_size=2,
+            microbatches=2,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    alone = plan(1)
+    assert alone.partition.params == (124_439_808,)  # GPT-2 small, as published
+    assert alone.rank_static_bytes[0] == 4 * 4 * 124_439_808  # fp32 weights, grads, AdamW
+    assert plan(1, memory_limit=max(alone.rank_bytes), method="params").partition.num_stages == 1
+    # Apart, each stage holds its own copy of the 50257 x 768 matrix.
+    apart = plan(2, split=(12, 0))
+    assert sum(apart.partition.params) == 124_439_808 + 50257 * 768
