@@ -48,10 +48,8 @@ class StageBytes:
             self.acts.append(self.acts[-1] + c.activation_bytes_per_sample)
 
     def __call__(self, stage: int, start: int, end: int) -> float:
-        return (
-            self.static(stage, start, end)
-            + self.activations(start, end) * (self.memory.live[stage])
-        )
+        live = self.memory.live[stage]
+        return self.static(stage, start, end) + self.activations(start, end) * live
 
     def static(self, stage: int, start: int, end: int) -> float:
         """Weights (every version held), gradients and optimizer state of the layers."""
