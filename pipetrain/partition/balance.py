@@ -112,6 +112,9 @@ class MemoryModel:
     # point where its activations may peak; empty: a rank is charged the sum of its
     # stages' ``live`` peaks. A rank holding several stages seldom peaks on all at once.
     rank_live: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    # Every action carries all the micro-batches (naive model parallel): the batch size,
+    # not the micro-batch count, sets the activations (``live`` already counts them all).
+    whole_batch: bool = False
 
     def param_factor(self, stage: int) -> float:
         """Parameter bytes times this = what the stage's weights cost with their state."""
@@ -385,10 +388,15 @@ def _balanced(
             ) from None
     if bounds is None:
         assert memory is not None  # without a limit every split of >= 1 layer per stage is allowed
+        smaller = (
+            "a smaller --batch-size (this schedule holds the whole batch)"
+            if memory.whole_batch
+            else "a smaller micro-batch (--microbatches)"
+        )
         raise PartitionError(
             f"no split into {n_stages} stages fits the memory limit of {format_bytes(memory.limit_bytes)} per rank "
             f"at micro-batch size {memory.microbatch_size}: raise --memory-limit, use more ranks (--pp), or "
-            "a smaller micro-batch (--microbatches)"
+            f"{smaller}"
         )
     return make_partition(method, costs, bounds, stage_to_rank)
 

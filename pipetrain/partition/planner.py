@@ -264,7 +264,13 @@ def make_plan(
     memory = None
     if memory_limit is not None:
         memory = MemoryModel(
-            memory_limit, mb, live, state_factor, model_stage_versions(schedule), points
+            memory_limit,
+            mb,
+            live,
+            state_factor,
+            model_stage_versions(schedule),
+            points,
+            whole_batch,
         )
     partition = split_for(method, costs, stage_ranks, split, memory)
     sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1)
@@ -277,7 +283,8 @@ def make_plan(
             raise PartitionError(
                 f"rank {r} needs {format_bytes(static[r] + peaks[r])} with this {partition.method} "
                 f"split, over the memory limit of {format_bytes(memory_limit)} per rank: use "
-                "--balance params or profile, more ranks (--pp), more micro-batches, or a higher "
+                "--balance params or profile, more ranks (--pp), "
+                f"{'a smaller --batch-size' if whole_batch else 'more micro-batches'}, or a higher "
                 "--memory-limit"
             )
     stages = tuple(

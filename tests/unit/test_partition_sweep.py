@@ -64,6 +64,10 @@ def test_naive_stages_hold_the_whole_batch_in_the_stage_table_and_the_balancer()
     limit = max(free.rank_bytes)
     balanced = plan(method="params", memory_limit=limit)
     assert max(balanced.rank_bytes) <= limit
+    # More micro-batches do not shrink what naive holds (the advice was to add them).
+    for method in ("uniform", "params"):
+        with pytest.raises(InputError, match="a smaller --batch-size"):
+            plan(method=method, memory_limit=limit / 2)
 
 
 def _stage_plan(schedule: str, pp: int, chunks: int | None, **kwargs: object):  # type: ignore[no-untyped-def]
