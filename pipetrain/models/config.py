@@ -68,6 +68,12 @@ class ModelConfig:
                 f"model n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: "
                 "pick n_kv_heads that divides n_heads"
             )
+        if self.family == "gpt2" and self.n_kv_heads != self.n_heads:
+            # GPT-2's attention has no grouped queries: a smaller n_kv_heads would be ignored.
+            raise ModelConfigError(
+                f"model n_kv_heads={self.n_kv_heads} but gpt2 attention has one key/value head per "
+                f"query head: set n_kv_heads={self.n_heads} (grouped-query attention is llama's)"
+            )
         if self.family == "llama" and self.head_dim % 2:
             raise ModelConfigError(
                 f"llama head size d_model/n_heads={self.head_dim} must be even for rotary positions"

@@ -182,3 +182,11 @@ def test_a_stage_holding_both_ends_of_a_tied_embedding_counts_it_once() -> None:
     # Apart, each stage holds its own copy of the 50257 x 768 matrix.
     apart = plan(2, split=(12, 0))
     assert sum(apart.partition.params) == 124_439_808 + 50257 * 768
+
+
+def test_gpt2_refuses_grouped_query_attention_it_would_ignore() -> None:
+    # GPT-2's attention projects keys and values at full width whatever n_kv_heads says, so
+    # --set n_kv_heads=2 planned and built plain multi-head attention without a word.
+    with pytest.raises(InputError, match="set n_kv_heads=4"):
+        get_model_config("gpt2-tiny", n_kv_heads=2)
+    assert get_model_config("llama-tiny", n_kv_heads=1).n_kv_heads == 1
