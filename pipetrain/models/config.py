@@ -7,6 +7,7 @@ tests to the real sizes the planner and the simulator reason about.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,10 +79,13 @@ class ModelConfig:
             raise ModelConfigError(
                 f"llama head size d_model/n_heads={self.head_dim} must be even for rotary positions"
             )
-        if not self.norm_eps > 0:
-            raise ModelConfigError(f"model norm_eps must be > 0, got {self.norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ModelConfigError(f"model rope_theta must be > 0, got {self.rope_theta!r}")
+        # inf passes "> 0" but zeroes every normalised activation (or every rotation angle).
+        if not 0 < self.norm_eps < math.inf:
+            raise ModelConfigError(f"model norm_eps must be finite and > 0, got {self.norm_eps!r}")
+        if not 0 < self.rope_theta < math.inf:
+            raise ModelConfigError(
+                f"model rope_theta must be finite and > 0, got {self.rope_theta!r}"
+            )
 
     @property
     def head_dim(self) -> int:

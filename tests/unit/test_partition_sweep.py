@@ -190,3 +190,10 @@ def test_gpt2_refuses_grouped_query_attention_it_would_ignore() -> None:
     with pytest.raises(InputError, match="set n_kv_heads=4"):
         get_model_config("gpt2-tiny", n_kv_heads=2)
     assert get_model_config("llama-tiny", n_kv_heads=1).n_kv_heads == 1
+
+
+@pytest.mark.parametrize("field", ["norm_eps", "rope_theta"])
+def test_an_infinite_norm_eps_or_rope_theta_is_refused(field: str) -> None:
+    # Both passed the "> 0" check: an infinite norm_eps makes every normalised activation 0.
+    with pytest.raises(InputError, match=f"model {field} must be finite and > 0"):
+        get_model_config("llama-tiny", **{field: float("inf")})
