@@ -295,12 +295,17 @@ def run(args: argparse.Namespace) -> int:
         ),
         whole_batch=spec.whole_batch,
     )
+    # Blocks per stage: what `pipetrain train --split` takes to train this split.
+    blocks = ",".join(
+        str(sum(1 for i in stage if costs[i].kind == "block")) for stage in plan.partition.stages
+    )
     if args.json:
         out = plan.to_json()
-        out.update(model=config.name, seq_len=seq_len)
+        out.update(model=config.name, seq_len=seq_len, train_split=blocks)
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
         sys.stdout.write(render(plan, config.name, seq_len))
+        sys.stdout.write(f"to train this split: pipetrain train ... --split {blocks}\n")
     return 0
 
 

@@ -32,6 +32,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         "schedule name (1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v, ...)",
     ),
     "--microbatches": ("pipeline.microbatches", int, "micro-batches per pipeline step"),
+    "--split": ("pipeline.split", str, "blocks per stage, e.g. 4,3,5 (default: by --balance)"),
+    "--balance": (
+        "pipeline.balance",
+        str,
+        "uniform (even blocks, default), params or cost (estimated FLOPs)",
+    ),
     "--batch-size": ("data.batch_size", int, "sequences per pipeline step"),
     "--seq-len": ("data.seq_len", int, "tokens per sequence"),
     "--steps": ("run.steps", int, "optimizer steps"),

@@ -77,6 +77,13 @@ class PipelineConfig:
     schedule: str = "1f1b"
     # Micro-batches per pipeline step; data.batch_size must be a multiple of it.
     microbatches: int = 8
+    # Blocks per model stage, e.g. "4,3,5" (the embedding goes with the first stage, the
+    # head with the last; `pipetrain plan` prints a balanced one). Empty: by `balance`.
+    split: str = ""
+    # How to split when `split` is empty: `uniform` (even blocks), `params` (even
+    # parameters), `cost` (even compute time, estimated from each layer's FLOPs at
+    # data.seq_len: a large vocabulary's head weighs on the last stage).
+    balance: str = "uniform"
     # Run every rank inside one process (the runtime's debug mode; no process group).
     single_process: bool = False
     # `auto` picks cuda when available, else cpu; `cpu` or `cuda` force one.

@@ -28,6 +28,7 @@ class ConfigError(InputError):
 
 _PRECISIONS = ("fp32", "bf16")
 _DEVICES = ("auto", "cpu", "cuda")
+_BALANCES = ("uniform", "params", "cost")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # Files of one checkpoint (pipetrain.checkpoint.manifest's MANIFEST_NAME and
 # COMPLETE_MARKER, named here because importing that package imports torch).
@@ -59,6 +60,16 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
         raise ConfigError(f"pipeline.device is {p.device!r}: use one of {', '.join(_DEVICES)}")
     if p.precision not in _PRECISIONS:
         raise ConfigError(f"pipeline.precision is {p.precision!r}: use fp32 or bf16")
+    if p.balance not in _BALANCES:
+        raise ConfigError(
+            f"pipeline.balance is {p.balance!r}: use one of {', '.join(_BALANCES)} (or give "
+            f"blocks per stage with --split, e.g. 4,3,5)"
+        )
+    if p.split and p.balance != "uniform":
+        raise ConfigError(
+            f"pipeline.split {p.split!r} and pipeline.balance {p.balance!r} both choose the "
+            f"split: drop one of --split and --balance"
+        )
     if not 0 < p.timeout_s <= _MAX_TIMEOUT_S:
         raise ConfigError(
             f"pipeline.timeout_s is {p.timeout_s}: give a positive number of seconds up to "

@@ -95,7 +95,29 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
             raise ConfigError(
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
             )
-    return RunPlan(model, schedule, block_split(model.n_layers, stages))
+    return RunPlan(model, schedule, _stage_layers(config, model, schedule))
+
+
+def _stage_layers(
+    config: TrainConfig, model: ModelConfig, schedule: Schedule
+) -> tuple[tuple[int, ...], ...]:
+    """The layers of each model stage: pipeline.split, else pipeline.balance."""
+    p = config.pipeline
+    if not p.split and p.balance == "uniform":
+        return block_split(model.n_layers, schedule.placement.num_model_stages)
+    from pipetrain.partition import PartitionError, split_layers
+
+    try:
+        return split_layers(
+            model,
+            schedule.placement,
+            split=p.split or None,
+            method=p.balance,
+            seq_len=config.data.seq_len,
+        )
+    except PartitionError as exc:
+        key = "pipeline.split" if p.split else "pipeline.balance"
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def check_shardable(schedule: Schedule) -> None:

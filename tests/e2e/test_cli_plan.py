@@ -57,6 +57,7 @@ def test_table_plan_with_an_explicit_split_on_a_v_schedule() -> None:
     assert "estimated from FLOPs" in text and "explicit split" in text
     assert "embed .. layers.1" in text and "layers.10 .. head" in text
     assert "imbalance (slowest stage / mean)" in text and "recommended: --microbatches" in text
+    assert text.endswith("to train this split: pipetrain train ... --split 2,2,2,2,2,2\n")
 
 
 def test_params_balance_on_a_real_size() -> None:
@@ -69,6 +70,9 @@ def test_params_balance_on_a_real_size() -> None:
     params = [s["params"] for s in out["stages"]]
     assert sum(params) == pytest.approx(8.03e9, rel=0.01)
     assert max(params) / min(params) < 1.2
+    # The split to pass to `pipetrain train --split`: blocks per stage, all 32 of them.
+    blocks = [int(n) for n in out["train_split"].split(",")]
+    assert len(blocks) == 4 and sum(blocks) == 32 and blocks[0] < blocks[1]
 
 
 def test_measured_plan_of_a_tiny_model() -> None:

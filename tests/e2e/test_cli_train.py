@@ -134,6 +134,31 @@ def test_loss_does_not_depend_on_the_split_in_one_process(
     _assert_same_steps(_train_here(tmp_path, "x", *flags), reference, " ".join(flags))
 
 
+def test_split_by_hand_chooses_the_stages_and_keeps_the_losses(
+    reference: list[dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    got = _train_here(tmp_path, "s", "--pp", "2", "--single-process", "--split", "1,3")
+    # Embedding + 1 block, then 3 blocks + head (llama-tiny has 4 blocks).
+    assert "split [2, 4] layers" in capsys.readouterr().out
+    _assert_same_steps(got, reference, "--split 1,3")
+    for flags, line in (
+        (
+            ["--split", "1,2"],
+            "pipeline.split: --split 1,2 adds up to 3 blocks but the model has 4: make the "
+            "counts sum to 4",
+        ),
+        (
+            ["--split", "2,2", "--balance", "params"],
+            "pipeline.split '2,2' and pipeline.balance 'params' both choose the split: drop "
+            "one of --split and --balance",
+        ),
+        (["--balance", "flops"], "pipeline.balance is 'flops': use one of uniform, params, cost"),
+    ):
+        assert main(["train", *TINY, "--pp", "2", *flags, "--name", "bad"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"pipetrain train: error: {line}"), err
+
+
 def test_bf16_stays_close_to_fp32(reference: list[dict[str, Any]], tmp_path: Path) -> None:
     flags = ["--pp", "2", "--single-process", "--precision", "bf16"]
     losses = [r["loss"] for r in _train_here(tmp_path, "x", *flags)]

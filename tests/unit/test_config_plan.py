@@ -112,3 +112,23 @@ def test_more_processes_than_gpus_on_a_node_is_named(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("cuda", 1, 2) == torch.device("cuda", 1)
     assert resolve_device("cpu", 1, 8) == torch.device("cpu")
+
+
+def test_balance_moves_blocks_off_a_heavy_head() -> None:
+    """A 50,000-token head costs as much compute as several blocks (cost moves blocks
+    off the last stage) and holds more parameters than all 12 blocks (params leaves the
+    embedding and the head alone on their stages); a split by hand is taken as given."""
+
+    def counts(**overrides: Any) -> list[int]:
+        config = load_config(overrides={"run.name": "x", **overrides})
+        plan = plan_run(config, vocab_size=50_000)
+        blocks = [len(stage) for stage in plan.split]
+        blocks[0] -= 1  # the embedding
+        blocks[-1] -= 1  # the head
+        return blocks
+
+    assert counts() == [4, 4, 4]
+    cost = counts(**{"pipeline.balance": "cost"})
+    assert sum(cost) == 12 and cost[-1] < 4 and cost[0] > 4
+    assert counts(**{"pipeline.balance": "params"}) == [0, 12, 0]
+    assert counts(**{"pipeline.split": "6, 5,1"}) == [6, 5, 1]
