@@ -138,13 +138,20 @@ def test_a_rank_killed_during_the_sample_ends_the_run_with_one_line(
     assert "Traceback" not in err, err[-3000:]
     # Training itself went through; the failure is in the sample's gather.
     assert "step 1/1" in out, out[-2000:]
+    # Rank 0 learns of the loss from gloo at once and says so in one line, unless the
+    # launcher, which polls its processes, saw rank 1's death first and stopped rank 0
+    # (SIGTERM: the sample runs after training, where a stop ends the process). Either
+    # way the launcher's own line names the rank that died first.
     lines = [line for line in err.splitlines() if line.startswith("pipetrain train (rank 0)")]
-    assert len(lines) == 1, err[-3000:]
-    assert re.fullmatch(
-        r"pipetrain train \(rank 0\): rank 0: waiting on other ranks in gather_state_dict "
-        r"\(pipetrain/train/sample\.py:\d+\): a peer was lost \(.*\)",
-        lines[0],
-    ), lines[0]
+    assert len(lines) <= 1, err[-3000:]
+    stopped = "Sending process" in err and "closing signal SIGTERM" in err
+    assert lines or stopped, err[-3000:]
+    if lines:
+        assert re.fullmatch(
+            r"pipetrain train \(rank 0\): rank 0: waiting on other ranks in gather_state_dict "
+            r"\(pipetrain/train/sample\.py:\d+\): a peer was lost \(.*\)",
+            lines[0],
+        ), lines[0]
     assert "pipetrain train: rank 1 was killed by SIGKILL first" in err, err[-3000:]
     # No process of the run outlives the launcher.
     assert workers, "the launcher started no process"
