@@ -157,9 +157,10 @@ def run_config(config: TrainConfig) -> int:
     from pipetrain.runtime import PipelineError
     from pipetrain.train.data import load_tokenizer
     from pipetrain.train.launch import LaunchFailed, launch_local, role_from_env
-    from pipetrain.train.loop import ProcessRole, announce, train
+    from pipetrain.train.loop import ProcessRole, train
     from pipetrain.train.optim import TrainingDiverged
     from pipetrain.train.plan import plan_run
+    from pipetrain.train.run_folder import announce
 
     role = role_from_env()
     try:

@@ -133,7 +133,7 @@ def _refuse_earlier_tuning(configs: Iterable[TrainConfig]) -> None:
     """A tuning whose candidates' run folders an earlier tuning of the same --name left
     is refused before any candidate runs (one would be refused at its start, after the
     others had run, and with a train run's advice: --resume does not apply here)."""
-    from pipetrain.train.loop import earlier_run_error
+    from pipetrain.train.run_folder import earlier_run_error
 
     for config in configs:
         if earlier_run_error(config) is not None:

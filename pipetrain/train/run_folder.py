@@ -1,0 +1,107 @@
+"""A run's folder and its earlier runs: the first write of a run, and what it refuses.
+
+``announce`` runs once per run, before any rank writes (in the launcher, in the one
+process, or on rank 0 under torchrun before the rendezvous), so its checks are the only
+ones needed: a run without --resume never replaces an earlier run's metrics or
+checkpoints, and a --resume that finds no checkpoint keeps the earlier attempt's metrics
+in a file of their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import IO
+
+from pipetrain.checkpoint.directory import list_checkpoints
+from pipetrain.checkpoint.trainer import earlier_checkpoints_error
+from pipetrain.errors import InputError
+from pipetrain.train.config import ConfigError, TrainConfig, config_to_toml
+from pipetrain.train.metrics import free_name
+
+__all__ = ["announce", "earlier_run_error"]
+
+
+def announce(config: TrainConfig, out: IO[str]) -> None:
+    """Print the resolved config and save it with the run (rank 0, once per run).
+
+    The first write of a run, so it first refuses a run that would replace an earlier
+    one's checkpoints or metrics (the same --checkpoint-dir, --name or --metrics without
+    --resume), and moves aside the metrics of a run resumed with no checkpoint to resume
+    from: every rank of a run reaches the process group's rendezvous before the first
+    metrics line is written, and the launcher announces before it starts any rank, so one
+    check here suffices.
+    """
+    refusal = earlier_run_error(config)
+    if refusal is not None:
+        raise refusal
+    _set_aside_restarted_metrics(config, out)
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = config_to_toml(config)
+    (run_dir / "config.toml").write_text(text, encoding="utf-8")
+    out.write(f"# resolved config, saved to {run_dir / 'config.toml'}\n{text}\n")
+    out.flush()
+
+
+def earlier_run_error(config: TrainConfig) -> InputError | None:
+    """Why this run would replace (or mix itself into) an earlier run's metrics or
+    checkpoints; None when it would not."""
+    path = config.metrics_path
+    if path.is_dir():
+        # Its size is the folder's, which would read as "an earlier run's metrics".
+        return ConfigError(
+            f"run.metrics {str(path)!r} is a directory: pass --metrics with a file path, "
+            f"or choose another --name"
+        )
+    written = _holds_records(path)
+    directory = config.run.checkpoint_dir
+    if config.run.resume:
+        return None  # it continues its own run (``_set_aside_restarted_metrics``)
+    if directory:
+        # The trainer checks again on rank 0 (a run started without this announcement);
+        # here it is refused before anything of the run is written.
+        refusal = earlier_checkpoints_error(directory)
+        if refusal is not None:
+            return refusal
+    if written:
+        return ConfigError(
+            f"run.metrics {str(path)!r} already holds an earlier run's metrics: pass --resume "
+            f"with that run's --checkpoint-dir to continue it, choose another --name (or "
+            f"--metrics), or move the file away"
+        )
+    own = config.run_dir / "metrics.jsonl"
+    if own != path and _holds_records(own):
+        # Metrics sent elsewhere (--metrics) still leave config.toml in the run folder,
+        # where it would replace the earlier run's, next to that run's metrics.
+        return ConfigError(
+            f"{config.run_dir} holds an earlier run (its {own.name}), whose config.toml this "
+            f"run would replace: choose another --name, or move that folder away"
+        )
+    return None
+
+
+def _set_aside_restarted_metrics(config: TrainConfig, out: IO[str]) -> None:
+    """A --resume that finds no checkpoint trains from step 0, as documented: a job that
+    its scheduler restarts with --resume before the first save must start again rather
+    than stop. Appended to the earlier attempt's records, its steps would make two
+    trajectories in one file, so those records are moved to a file of their own."""
+    path = config.metrics_path
+    if not (config.run.resume and _holds_records(path)):
+        return
+    if list_checkpoints(config.run.checkpoint_dir).complete:
+        return
+    aside = free_name(path, "before")
+    path.rename(aside)
+    out.write(
+        f"note: --resume found no checkpoint in {config.run.checkpoint_dir}, so this run "
+        f"starts from step 0; the metrics already in {path} were moved to {aside}\n"
+    )
+
+
+def _holds_records(path: Path) -> bool:
+    """Whether a metrics file has any content (a run refused before its first record
+    leaves an empty one, which loses nothing)."""
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False  # none yet (or unreadable: MetricsFile names that problem)
