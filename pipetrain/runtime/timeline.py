@@ -24,6 +24,7 @@ __all__ = [
     "measured_costs",
     "merge_timelines",
     "rank_events",
+    "simulated_bubble",
 ]
 
 _NS = 1e-9
@@ -91,12 +92,16 @@ def measured_costs(timeline: Timeline, schedule: Schedule) -> Costs:
         inputs.append(i or 0.0)
         weights.append(w or 0.0)
     allreduce = [e.duration for e in timeline.events if e.action.kind is Kind.ALLREDUCE]
+    # An asynchronous schedule's optimizer steps are actions too (PipeDream has one per
+    # micro-batch): left at 0 they would shorten the replay and hide their share of the step.
+    steps = [e.duration for e in timeline.events if e.action.kind is Kind.STEP]
     return Costs(
         forward=tuple(forward),
         backward=tuple(backward),
         backward_input=tuple(inputs),
         backward_weight=tuple(weights),
         allreduce=statistics.median(allreduce) if allreduce else 0.0,
+        step=statistics.median(steps) if steps else 0.0,
     )
 
 
@@ -123,3 +128,15 @@ def compare_with_simulation(timeline: Timeline, schedule: Schedule) -> SimCompar
     """Replay ``schedule`` with the action times measured in ``timeline`` and compare."""
     simulated = simulate(schedule, measured_costs(timeline, schedule))
     return SimComparison(timeline.makespan, simulated.makespan, bubble(timeline), simulated.bubble)
+
+
+def simulated_bubble(timelines: Sequence[Timeline], schedule: Schedule) -> float | None:
+    """Idle share (GPipe definition) of ``schedule`` replayed with the median action times
+    measured over ``timelines`` (several runs of that schedule); None without any."""
+    if not timelines:
+        return None
+    # The medians do not care when an event ran, so the runs' events pool into one timeline.
+    pooled = Timeline(
+        schedule.name, schedule.num_ranks, tuple(e for t in timelines for e in t.events)
+    )
+    return simulate(schedule, measured_costs(pooled, schedule)).bubble.idle_fraction

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from typing import IO, Any
 
@@ -23,8 +24,9 @@ import torch.distributed as dist
 
 from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
 from pipetrain.models import build_full_model, model_spec
+from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.train.async_plan import stream_steps_for
-from pipetrain.train.asynchronous import AsyncTrainer, predicted_versions
+from pipetrain.train.asynchronous import AsyncTrainer, StreamResult, predicted_versions
 from pipetrain.train.config import ConfigError, TrainConfig, config_to_dict
 from pipetrain.train.data import Batch, Corpus, eval_batches, load_corpus, train_batch
 from pipetrain.train.loop import peak_memory_per_rank
@@ -151,8 +153,11 @@ def train_async(
         output.resume_from(start)
         first_eval = evaluate(start)
         last_eval = first_eval
-        tokens_seen, train_time, bubbles = 0, 0.0, []
+        results: list[StreamResult] = []
         done = start
+        # The progress line's ETA counts from here, as the synchronous loop's does: from the
+        # process start it charged the start-up and first evaluation to every step.
+        loop_started = time.perf_counter()
         for begin in range(start, r.steps, stream):
             batches = (
                 [
@@ -166,11 +171,10 @@ def train_async(
             )
             inputs = torch.cat([b.inputs for b in batches]) if first and batches else None
             targets = torch.cat([b.targets for b in batches]) if last and batches else None
+            before = time.perf_counter() - loop_started
             result = trainer.train_stream(begin, inputs, targets)
-            train_time += result.wall_s
-            tokens_seen += result.tokens
-            if role.distributed:
-                bubbles.append(measured_bubble(result.timeline))
+            results.append(result)
+            bubble = measured_bubble(result.timeline) if role.distributed else math.nan
             tokens_per_s = result.tokens / result.wall_s if result.wall_s > 0 else math.nan
             for i, loss in enumerate(result.losses):
                 step = begin + i
@@ -182,14 +186,17 @@ def train_async(
                         "tokens": result.tokens // stream,
                         "tokens_per_s": tokens_per_s,
                         "step_time_s": result.wall_s / stream,
+                        "bubble": bubble,  # of the whole stream, the unit that is timed
                     }
                 )
                 if progress is not None:
+                    # The stream's steps finish together; spread its time over them so the
+                    # ETA of its first step does not charge it the whole stream.
                     progress.update(
                         step,
                         loss=loss,
                         tokens_per_s=tokens_per_s,
-                        elapsed_s=time.perf_counter() - started,
+                        elapsed_s=before + result.wall_s * (i + 1) / stream,
                     )
             done = begin + stream
             if r.eval_every and done % r.eval_every == 0 and done < r.steps:
@@ -207,18 +214,24 @@ def train_async(
             f"{list(predicted)})"
         )
         report({"weight_versions": list(measured), "predicted_weight_versions": list(predicted)})
-        summary = RunSummary(
-            steps=r.steps,
+        summary = _summary(
+            results,
+            trainer,
+            steps=done - start,
             wall_s=time.perf_counter() - started,
-            tokens=tokens_seen,
-            tokens_per_s=tokens_seen / train_time if train_time > 0 else math.nan,
-            measured_bubble=sum(bubbles) / len(bubbles) if bubbles else None,
-            simulated_bubble=None,
+            distributed=role.distributed,
             first_eval_loss=first_eval,
             final_eval_loss=last_eval,
             peak_memory=peak_memory_per_rank(role, device),
-            skipped_steps=0,
         )
+        if r.timeline and role.reporter and results:
+            from pipetrain.sim.render import plot
+
+            plot(results[-1].timeline, r.timeline)
+            say(
+                f"measured timeline of the last stream (steps {done - stream + 1}-{done}) "
+                f"drawn to {r.timeline}"
+            )
         if role.reporter:
             say(summary.format())
         if r.sample_tokens:
@@ -227,6 +240,40 @@ def train_async(
         return summary if role.reporter else None
     finally:
         output.close()  # also when the run fails: TensorBoard buffers its events
+
+
+def _summary(
+    results: list[StreamResult],
+    trainer: AsyncTrainer,
+    *,
+    steps: int,
+    wall_s: float,
+    distributed: bool,
+    first_eval_loss: float,
+    final_eval_loss: float,
+    peak_memory: tuple[int, ...],
+) -> RunSummary:
+    """The run's numbers, timed as a synchronous run's are: after the first stream (its
+    warm-up), unless there is no other. ``steps`` are those this session trained."""
+    timed = results[1:] or results
+    train_time = sum(r.wall_s for r in timed)
+    pipelined = trainer.pipeline.schedule.num_ranks > 1
+    return RunSummary(
+        steps=steps,
+        wall_s=wall_s,
+        tokens=sum(r.tokens for r in results),
+        tokens_per_s=sum(r.tokens for r in timed) / train_time if train_time > 0 else math.nan,
+        measured_bubble=statistics.mean(measured_bubble(r.timeline) for r in timed)
+        if distributed and timed
+        else None,
+        simulated_bubble=simulated_bubble([r.timeline for r in timed], trainer.pipeline.schedule)
+        if pipelined
+        else None,
+        first_eval_loss=first_eval_loss,
+        final_eval_loss=final_eval_loss,
+        peak_memory=peak_memory,
+        skipped_steps=0,
+    )
 
 
 def _sample(
