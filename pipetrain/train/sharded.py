@@ -168,7 +168,9 @@ class ShardedGradients:
         self._reduced: list[int] = []
         self._early: tuple[int, ...] = ()
         self._sync = False
-        self._step = 0
+        # The loop's step (from 0) of the pipeline step now running, known once ``finish``
+        # has seen one: a resumed run does not start at 0. None before that.
+        self._step: int | None = None
         self._in_step_s = 0.0
         self._waits: list[float] = []
         self.bytes_per_step = 0
@@ -234,8 +236,14 @@ class ShardedGradients:
             _reduce_scatter_now(self._modules[stage])
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            # Steps are named from 1, as the progress and ReplicaGradients name them.
+            when = (
+                f"training step {self._step + 1}"
+                if self._step is not None
+                else "its first training step"
+            )
             raise PipelineError(
-                f"rank {self._mesh.rank}: step {self._step}, reduce-scatter of stage {stage}'s "
+                f"rank {self._mesh.rank}: {when}, reduce-scatter of stage {stage}'s "
                 f"gradients with the other replicas (dp group of pp rank {self._mesh.pp_rank}) "
                 f"failed or timed out: {first}"
             ) from exc
