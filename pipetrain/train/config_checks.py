@@ -247,6 +247,13 @@ def _check_outputs(config: TrainConfig) -> None:
                 f"run.timeline {r.timeline!r}: folder {str(folder)!r} does not exist: create it "
                 f"or pick another --timeline path"
             )
+        if Path(r.timeline).is_dir():
+            # Found only when the picture is drawn, after the last step: the run's summary
+            # and sample were lost to the error.
+            raise ConfigError(
+                f"run.timeline {r.timeline!r} is a folder: name a .png file, e.g. "
+                f"--timeline {str(Path(r.timeline) / 'step.png')!r}"
+            )
 
 
 def _writable_folder(key: str, path: Path, flag: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipetrain.runtime.timeline import measured_costs, simulated_bubble
@@ -9,6 +11,7 @@ from pipetrain.schedules import Kind
 from pipetrain.schedules.execution import Costs
 from pipetrain.sim import simulate
 from pipetrain.train.async_plan import async_schedule
+from pipetrain.train.config import ConfigError, load_config
 
 
 @pytest.mark.parametrize("name", ["pipedream", "pipedream-2bw"])
@@ -26,3 +29,12 @@ def test_replay_of_an_async_run_keeps_its_optimizer_steps(name: str) -> None:
 
 def test_no_measured_run_has_no_simulated_bubble() -> None:
     assert simulated_bubble([], async_schedule("pipedream", 2, 2, 1)) is None
+
+
+def test_a_timeline_path_that_is_a_folder_is_refused_before_training(tmp_path: Path) -> None:
+    # It was found only when the picture was drawn, after the last step.
+    folder = tmp_path / "step.png"
+    folder.mkdir()
+    overrides = {"run.out_dir": str(tmp_path / "runs"), "run.timeline": str(folder)}
+    with pytest.raises(ConfigError, match=r"run.timeline .* is a folder: name a .png file"):
+        load_config(overrides=overrides)
