@@ -196,8 +196,8 @@ class GuardedUpdate:
             if self._bad_in_row >= self._config.max_bad_steps:
                 raise TrainingDiverged(
                     f"step {step + 1}: loss or gradients were not finite for {self._bad_in_row} steps in a row "
-                    f"(optim.max_bad_steps = {self._config.max_bad_steps}): lower --lr, raise the warm-up, "
-                    f"or use --precision fp32"
+                    f"(optim.max_bad_steps = {self._config.max_bad_steps}): lower --lr or raise "
+                    f"optim.warmup_steps (under --precision bf16, also try fp32)"
                 )
             return StepOutcome(lr, math.nan, 1.0, True, self._bad_in_row)
         self._bad_in_row = 0

@@ -1,14 +1,18 @@
-"""Data-parallel sweep: the errors of ``--shard``'s reduce-scatter name the step as the
-progress does (from 1), not the loop's index from 0."""
+"""Data-parallel and numeric-option sweep: the errors of ``--shard``'s reduce-scatter name
+the step as the progress does (from 1), and a diverging run's advice names what to change."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
+import torch
 
 from pipetrain.runtime import PipelineError
 from pipetrain.train import sharded
+from pipetrain.train.config import OptimConfig
+from pipetrain.train.optim import Gradients, GuardedUpdate, TrainingDiverged, build_optimizer
 from pipetrain.train.parallel import Mesh
 
 
@@ -53,3 +57,19 @@ def test_reduce_scatter_failure_before_any_finished_step(monkeypatch: pytest.Mon
     grads._sync = True
     with pytest.raises(PipelineError, match=r"^rank 2: its first training step, reduce-scatter"):
         grads.grads_hook(0)
+
+
+def test_divergence_names_the_fields_to_change_without_sending_fp32_to_fp32() -> None:
+    param = torch.nn.Parameter(torch.ones(3))
+    config = OptimConfig(max_bad_steps=1)
+    update = GuardedUpdate(
+        build_optimizer([("w", param)], config), config, total_steps=5, group=None
+    )
+    param.grad = torch.tensor([1.0, math.nan, 0.0])
+    with pytest.raises(TrainingDiverged) as diverged:
+        update.apply(0, Gradients.of([param]), 2.0)
+    message = str(diverged.value)
+    # The advice fits an fp32 run too (the only one told to "use --precision fp32" before).
+    assert message.endswith(
+        "lower --lr or raise optim.warmup_steps (under --precision bf16, also try fp32)"
+    ), message
