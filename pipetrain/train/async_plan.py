@@ -28,14 +28,28 @@ def async_schedule(name: str, pp: int, microbatches: int, steps: int) -> Schedul
     return build(pp, microbatches, steps)
 
 
+def _periods(config: TrainConfig) -> tuple[tuple[str, int], ...]:
+    """The evaluation and save periods that fall inside the run (0: none).
+
+    A period of the run's length or more acts only at the end, where the last stream ends
+    anyway: the default eval_every of 40 shortened a 12-step run's streams to 4 steps (a
+    drain each) and refused --stream-steps 3 for it.
+    """
+    r = config.run
+    evals = r.eval_every if r.evaluate else 0
+    return tuple(
+        (name, every if every < r.steps else 0)
+        for name, every in (("run.eval_every", evals), ("run.checkpoint_every", r.checkpoint_every))
+    )
+
+
 def stream_steps_for(config: TrainConfig) -> int:
     """Training steps per stream: the setting, or the longest that evaluation and
     checkpoints allow (every evaluation and save falls between two streams)."""
-    r = config.run
     if config.pipeline.stream_steps:
         return config.pipeline.stream_steps
-    steps = r.steps
-    for every in (r.eval_every if r.evaluate else 0, r.checkpoint_every):
+    steps = config.run.steps
+    for _, every in _periods(config):
         if every:
             steps = math.gcd(steps, every)
     return steps
@@ -92,8 +106,7 @@ def check_async(config: TrainConfig, *, asynchronous: bool) -> None:
             f"--stream-steps"
         )
     stream = stream_steps_for(config)
-    evals = r.eval_every if r.evaluate else 0
-    for name, every in (("run.eval_every", evals), ("run.checkpoint_every", r.checkpoint_every)):
+    for name, every in _periods(config):
         if every and every % stream:
             raise ConfigError(
                 f"{name} {every} does not fall between streams of pipeline.stream_steps "

@@ -1,4 +1,5 @@
-"""The trainer's reports of an asynchronous run: measured costs and the simulated bubble."""
+"""The trainer's reports and settings of an asynchronous run: the simulated bubble from the
+measured times, the timeline path, the stream length."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pipetrain.runtime.timeline import measured_costs, simulated_bubble
 from pipetrain.schedules import Kind
 from pipetrain.schedules.execution import Costs
 from pipetrain.sim import simulate
-from pipetrain.train.async_plan import async_schedule
-from pipetrain.train.config import ConfigError, load_config
+from pipetrain.train.async_plan import async_schedule, stream_steps_for
+from pipetrain.train.config import ConfigError, TrainConfig, load_config
+from pipetrain.train.plan import plan_run
 
 
 @pytest.mark.parametrize("name", ["pipedream", "pipedream-2bw"])
@@ -38,3 +40,37 @@ def test_a_timeline_path_that_is_a_folder_is_refused_before_training(tmp_path: P
     overrides = {"run.out_dir": str(tmp_path / "runs"), "run.timeline": str(folder)}
     with pytest.raises(ConfigError, match=r"run.timeline .* is a folder: name a .png file"):
         load_config(overrides=overrides)
+
+
+def _async_config(**overrides: object) -> TrainConfig:
+    return load_config(
+        overrides={
+            "run.name": "t",
+            "run.steps": 12,
+            "optim.warmup_steps": 1,
+            "pipeline.schedule": "pipedream",
+            **overrides,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "stream"),
+    [
+        ({}, 12),  # the default eval_every (40) is past the end: streams of 4 were cut for it
+        ({"run.eval_every": 12}, 12),
+        ({"run.checkpoint_every": 20, "run.checkpoint_dir": "c"}, 12),
+        ({"run.eval_every": 40, "run.checkpoint_every": 8, "run.checkpoint_dir": "c"}, 4),
+    ],
+)
+def test_periods_past_the_run_do_not_cut_streams(overrides: dict[str, object], stream: int) -> None:
+    assert stream_steps_for(_async_config(**overrides)) == stream
+
+
+def test_stream_steps_are_not_refused_for_an_evaluation_past_the_run() -> None:
+    # --steps 12 --stream-steps 3 was refused: "run.eval_every 40 does not fall between
+    # streams", for an evaluation the run never makes.
+    plan = plan_run(_async_config(**{"pipeline.stream_steps": 3}), vocab_size=256)
+    assert plan.schedule.asynchronous
+    with pytest.raises(ConfigError, match=r"run\.eval_every 6 does not fall between streams"):
+        plan_run(_async_config(**{"pipeline.stream_steps": 4, "run.eval_every": 6}), vocab_size=256)
