@@ -55,8 +55,11 @@ def stream_steps_for(config: TrainConfig) -> int:
     return steps
 
 
-def check_async(config: TrainConfig, *, asynchronous: bool) -> None:
-    """Raise ``ConfigError`` for settings an asynchronous run (or a synchronous one) cannot use."""
+def check_async(config: TrainConfig, *, asynchronous: bool, tied_embeddings: bool = False) -> None:
+    """Raise ``ConfigError`` for settings an asynchronous run (or a synchronous one) cannot use.
+
+    ``tied_embeddings``: the model's LM head reuses its token embedding.
+    """
     p, o, r = config.pipeline, config.optim, config.run
     if not asynchronous:
         if p.vertical_sync:
@@ -99,6 +102,13 @@ def check_async(config: TrainConfig, *, asynchronous: bool) -> None:
             )
     if p.chunks > 1:
         raise ConfigError(f"pipeline.chunks {p.chunks}: {p.schedule} has one stage per rank")
+    if tied_embeddings and p.pp > 1:
+        # Found by every rank after the launch otherwise, each printing it.
+        raise ConfigError(
+            f"model.name {config.model.name}: its tied embeddings would live on two stages, "
+            f"which {p.schedule} updates on their own (the copies would drift apart): use a "
+            f"model without tied embeddings (e.g. llama-tiny) or a synchronous schedule"
+        )
     if p.stream_steps and r.steps % p.stream_steps:
         raise ConfigError(
             f"run.steps {r.steps} is not a multiple of pipeline.stream_steps {p.stream_steps}: "

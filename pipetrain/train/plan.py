@@ -72,7 +72,7 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
         )
     from pipetrain.train.async_plan import check_async
 
-    check_async(config, asynchronous=family.asynchronous)
+    check_async(config, asynchronous=family.asynchronous, tied_embeddings=model.tie_embeddings)
     try:
         schedule = build_schedule(
             p.schedule, p.pp, p.microbatches, p.chunks if p.chunks > 1 else None

@@ -49,6 +49,7 @@ def _async_config(**overrides: object) -> TrainConfig:
             "run.steps": 12,
             "optim.warmup_steps": 1,
             "pipeline.schedule": "pipedream",
+            "data.seq_len": 16,
             **overrides,
         }
     )
@@ -74,3 +75,11 @@ def test_stream_steps_are_not_refused_for_an_evaluation_past_the_run() -> None:
     assert plan.schedule.asynchronous
     with pytest.raises(ConfigError, match=r"run\.eval_every 6 does not fall between streams"):
         plan_run(_async_config(**{"pipeline.stream_steps": 4, "run.eval_every": 6}), vocab_size=256)
+
+
+def test_tied_embeddings_are_refused_before_launch() -> None:
+    # Each rank found them after the launch and printed the error, with the launcher's lines.
+    config = _async_config(**{"model.name": "gpt2-tiny", "pipeline.pp": 2})
+    with pytest.raises(ConfigError, match=r"model\.name gpt2-tiny: its tied embeddings"):
+        plan_run(config, vocab_size=256)
+    plan_run(_async_config(**{"model.name": "gpt2-tiny", "pipeline.pp": 1}), vocab_size=256)
