@@ -17,6 +17,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from typing import IO, Any
 
 import torch
@@ -39,7 +40,7 @@ from pipetrain.train.plan import RunPlan
 from pipetrain.train.sample import gather_state_dict, generate
 from pipetrain.train.session import open_output
 
-__all__ = ["train_async"]
+__all__ = ["train_async", "versions_line"]
 
 
 def train_async(
@@ -208,11 +209,7 @@ def train_async(
 
         measured = trainer.rank_peaks()
         predicted = predicted_versions(p.schedule, p.pp, p.microbatches, stream)
-        say(
-            f"weight versions per rank: at most {list(measured)} alive at once "
-            f"(simulator{', which has no vertical sync' if p.vertical_sync else ''}: "
-            f"{list(predicted)})"
-        )
+        say(versions_line(p.schedule, measured, predicted, vertical_sync=p.vertical_sync))
         report({"weight_versions": list(measured), "predicted_weight_versions": list(predicted)})
         summary = _summary(
             results,
@@ -240,6 +237,23 @@ def train_async(
         return summary if role.reporter else None
     finally:
         output.close()  # also when the run fails: TensorBoard buffers its events
+
+
+def versions_line(
+    schedule: str, measured: Sequence[int], predicted: Sequence[int], *, vertical_sync: bool
+) -> str:
+    """The run's most weight versions alive per rank, next to the simulator's."""
+    # Where the simulator's rule differs from the run's, say how, or its numbers read as a
+    # wrong count: its forwards take the stage's newest version, while 2BW's window w takes
+    # version w - 1 on every stage (two alive even on the last).
+    differs = {
+        "pipedream": ", which has no vertical sync" if vertical_sync else "",
+        "pipedream-2bw": ", whose forwards take the newest version, not the previous window's",
+    }[schedule]
+    return (
+        f"weight versions per rank: at most {list(measured)} alive at once "
+        f"(simulator{differs}: {list(predicted)})"
+    )
 
 
 def _summary(

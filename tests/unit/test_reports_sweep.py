@@ -83,3 +83,21 @@ def test_tied_embeddings_are_refused_before_launch() -> None:
     with pytest.raises(ConfigError, match=r"model\.name gpt2-tiny: its tied embeddings"):
         plan_run(config, vocab_size=256)
     plan_run(_async_config(**{"model.name": "gpt2-tiny", "pipeline.pp": 1}), vocab_size=256)
+
+
+def test_versions_line_says_where_the_simulator_counts_otherwise() -> None:
+    from pipetrain.train.async_loop import versions_line
+
+    # 2BW keeps two versions on the last stage too; the simulator's [2, 1] was printed next
+    # to the run's [2, 2] as if one of them were wrong.
+    line = versions_line("pipedream-2bw", (2, 2), (2, 1), vertical_sync=False)
+    assert line == (
+        "weight versions per rank: at most [2, 2] alive at once (simulator, whose forwards "
+        "take the newest version, not the previous window's: [2, 1])"
+    )
+    assert versions_line("pipedream", (2, 1), (2, 1), vertical_sync=False).endswith(
+        "(simulator: [2, 1])"
+    )
+    assert "which has no vertical sync" in versions_line(
+        "pipedream", (2, 2), (2, 1), vertical_sync=True
+    )
