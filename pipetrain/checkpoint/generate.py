@@ -148,7 +148,9 @@ def generate_tokens(
             if temperature <= 0:
                 token[0] = int(logits.argmax())
             else:
-                probs = torch.softmax(logits / temperature, dim=-1)
+                # Shifted first: a tiny temperature (1e-45) made every logit +-inf, and
+                # inf - inf a NaN that multinomial rejects; shifted, it is near-greedy.
+                probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
                 token[0] = int(torch.multinomial(probs, 1, generator=generator))
         if model.group is not None:
             # gloo broadcasts CPU tensors; on NCCL the token travels on the device.

@@ -73,7 +73,9 @@ def generate(
         if temperature <= 0:
             token = int(logits.argmax())
         else:
-            probs = torch.softmax(logits / temperature, dim=-1)
+            # Shifted first: a tiny temperature (1e-45) made every logit +-inf, and
+            # inf - inf a NaN that multinomial rejects; shifted, it is near-greedy.
+            probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=generator))
         out.append(token)
         ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)

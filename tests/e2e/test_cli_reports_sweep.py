@@ -87,3 +87,19 @@ def test_resumed_summary_counts_the_steps_it_trained(runs: dict[str, Any]) -> No
     # One process measures no bubble, but the simulator still replays the measured times.
     assert summary["measured_bubble"] is None
     assert math.isfinite(summary["simulated_bubble"])
+
+
+def test_generate_from_the_async_checkpoint_at_a_tiny_temperature(
+    work: Path, runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipetrain.cli import main
+
+    texts = []
+    # 1e-45 was a RuntimeError traceback from multinomial (every logit divided to +-inf).
+    for temperature in ("0", "1e-45"):
+        argv = ["generate", "--checkpoint", str(work / "ckpt"), "--prompt", "def "]
+        code = main([*argv, "--max-new-tokens", "8", "--temperature", temperature])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        texts.append(out)
+    assert texts[0] == texts[1] and texts[0].startswith("def ")

@@ -101,3 +101,20 @@ def test_versions_line_says_where_the_simulator_counts_otherwise() -> None:
     assert "which has no vertical sync" in versions_line(
         "pipedream", (2, 2), (2, 1), vertical_sync=True
     )
+
+
+def test_a_tiny_sample_temperature_is_near_greedy_not_a_crash() -> None:
+    # 1e-45 made every logit +-inf and the probabilities NaN: the run's sample, drawn after
+    # the last step, ended in a RuntimeError from multinomial.
+    from pipetrain.models import build_full_model, get_model_config, model_spec
+    from pipetrain.train.sample import generate
+
+    model = build_full_model(model_spec(get_model_config("llama-tiny")), seed=0, device="cpu")
+    model.eval()
+    prompt = list(b"def ")
+
+    def text(temperature: float) -> list[int]:
+        return generate(model, prompt, new_tokens=6, context=16, temperature=temperature, seed=0)
+
+    assert text(1e-45) == text(0.0)
+    assert len(text(0.8)) == 6
