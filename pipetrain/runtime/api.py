@@ -447,6 +447,8 @@ class Pipeline:
                 f"one row of targets per row of inputs"
             )
         divide_by = float(max(tokens, 1)) if denominator is None else positive_count(denominator)
+        if training:
+            self._reducer.begin()
         for ex in executors:
             ex.begin(step, input_mbs, target_mbs, divide_by, training, where)
         self._started = True

@@ -81,6 +81,19 @@ def _flat(params: Sequence[nn.Parameter]) -> torch.Tensor:
     return torch.cat([g.reshape(-1) for g in _grads(params)])
 
 
+def _keep_one_total(params: Sequence[nn.Parameter]) -> None:
+    """Zero the gradients of copies that are not their group's first.
+
+    The sums at the end of a step add whole ``.grad`` tensors, and leave the total in every
+    copy. A step that accumulates onto an earlier one (``step`` called again before
+    ``zero_grad``) would then add that earlier total once per copy; with only the first
+    copy keeping it, the next sum is the earlier total plus each copy's new gradient.
+    """
+    for param in params:
+        if param.grad is not None:
+            _local(param.grad).zero_()
+
+
 def _unflatten_into(flat: torch.Tensor, params: Sequence[nn.Parameter]) -> None:
     offset = 0
     for p in params:
@@ -110,6 +123,14 @@ class LocalReducer:
         self._tied_groups = tied_groups
         self._tied_params = tied_params
         self._ready: set[int] = set()
+
+    def begin(self) -> None:
+        """Before a training step: only the first copy of each sum keeps earlier gradients."""
+        for group in self._replica_groups:
+            for stage in group.stages[1:]:
+                _keep_one_total(self._replica_params[stage])
+        for tied in self._tied_groups:
+            _keep_one_total([self._tied_params[(tied.key, s)] for s in tied.stages[1:]])
 
     def start(self, stage: int) -> None:
         self._ready.add(stage)
@@ -194,6 +215,18 @@ class DistReducer:
         self._ready: set[int] = set()
         self._launched = 0
         self._works: list[tuple[Any, torch.Tensor, list[nn.Parameter], str]] = []
+
+    def begin(self) -> None:
+        """Before a training step: only the first copy of each sum keeps earlier gradients
+        (``_keep_one_total``; the first is the group's first stage, on whichever rank)."""
+        for group, _, local in self._replicas:
+            for stage in local:
+                if stage != group.stages[0]:
+                    _keep_one_total(self._replica_params[stage])
+        for tied, _, local in self._tied:
+            _keep_one_total(
+                [self._tied_params[(tied.key, s)] for s in local if s != tied.stages[0]]
+            )
 
     def start(self, stage: int) -> None:
         self._ready.add(stage)

@@ -141,6 +141,22 @@ def one_step_cases(
     return results
 
 
+def accumulation_case(spec, group, schedule: Schedule, steps: int = 3) -> dict[str, object]:
+    """``steps`` steps accumulated (no zero_grad between them) against one process and the
+    debug mode: the end-of-step sums of tied copies and replicas must not count the earlier
+    steps' gradients once per copy."""
+    full = build_full_model(spec, seed=0, device="cpu")
+    kw = dict(schedule=schedule, microbatches=schedule.microbatches, seed=0, device="cpu")
+    pipe = build_pipeline(spec, group=group, timeout_s=60.0, **kw)
+    debug = build_pipeline(spec, **kw)
+    for step in range(steps):
+        x, y = batch(40 + step)
+        (token_cross_entropy(full(x), y) / (y != -100).sum()).backward()
+        pipe.step(x, y)
+        debug.step(x, y)
+    return compare(pipe, debug, {n: q.grad for n, q in full.named_parameters()})
+
+
 def adamw_case(spec, group, schedule: Schedule, steps: int = 3) -> dict[str, object]:
     full = build_full_model(spec, seed=0, device="cpu")
     ref_opt = torch.optim.AdamW(full.parameters(), lr=1e-3)
@@ -226,6 +242,11 @@ def run_equal(out: Path) -> None:
         results["adamw-chimera"] = adamw_case(
             spec, dist.group.WORLD, build_schedule("chimera", 2, 4)
         )
+        # Tied embedding on both ranks (1f1b), on one rank twice (zb-v), replicas (chimera).
+        for name in ("1f1b", "zb-v", "chimera"):
+            results[f"accumulate-{name}"] = accumulation_case(
+                spec, dist.group.WORLD, build_schedule(name, 2, 4)
+            )
         # Orders that differ from program order on one side: the V turn, and loops of 2 and
         # 3 stages per rank; training and evaluation steps (different wire orders).
         for name, v in WIRE_SCHEDULES:

@@ -78,6 +78,14 @@ def test_sequence_length_changes_between_steps(two):
         assert report["sequence-change"]["grad_rel"] < RTOL
 
 
+@pytest.mark.parametrize("name", ("1f1b", "zb-v", "chimera"))
+def test_accumulated_steps_equal_one_process(two, name):
+    for rank, report in enumerate(two):
+        res = report[f"accumulate-{name}"]
+        assert res["grad_rel"] < RTOL, (rank, res)
+        assert res["bitwise"], (rank, res)  # the same bits as the debug mode
+
+
 @pytest.mark.parametrize(
     "name",
     (
