@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
     # NaN crashed the sampler; inf sampled uniformly, ignoring the model.
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature is {args.temperature}: use 0 (greedy) or a finite number")
+    if not 0 <= args.seed < 2**64:
+        # torch.Generator.manual_seed takes 64 bits: larger was a ValueError traceback.
+        raise UsageError(f"--seed is {args.seed}: use 0 to {2**64 - 1}")
     if args.pp is not None and args.pp < 1:
         raise UsageError(f"--pp is {args.pp}: use 1 or more stages")
 

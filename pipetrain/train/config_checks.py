@@ -158,6 +158,10 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
     _at_least("optim.max_bad_steps", o.max_bad_steps, 1)
 
     _at_least("run.seed", r.seed, 0)
+    if r.seed > _MAX_SEED:
+        # torch.Generator.manual_seed takes 64 bits: the sample after the last step was a
+        # ValueError traceback ("Overflow when unpacking long long").
+        raise ConfigError(f"run.seed is {r.seed}: use 0 to {_MAX_SEED}")
     _at_least("run.eval_every", r.eval_every, 0)
     _at_least("run.sample_tokens", r.sample_tokens, 0)
     _at_least("run.checkpoint_every", r.checkpoint_every, 0)
@@ -215,6 +219,9 @@ def _is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+_MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
 
 
 def _check_outputs(config: TrainConfig) -> None:

@@ -118,3 +118,20 @@ def test_a_tiny_sample_temperature_is_near_greedy_not_a_crash() -> None:
 
     assert text(1e-45) == text(0.0)
     assert len(text(0.8)) == 6
+
+
+def test_a_seed_past_64_bits_is_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Both were ValueError tracebacks from torch.Generator.manual_seed: generate at once,
+    # train at the sample after its last step.
+    from pipetrain.cli import main
+
+    with pytest.raises(ConfigError, match=r"run\.seed is 18446744073709551616: use 0 to "):
+        _async_config(**{"run.seed": 2**64})
+    _async_config(**{"run.seed": 2**64 - 1})
+    for seed in (str(2**64), "-1"):
+        argv = ["generate", "--checkpoint", "none", "--prompt", "x", "--seed", seed]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == f"pipetrain generate: error: --seed is {seed}: use 0 to {2**64 - 1}\n"
