@@ -15,7 +15,6 @@ import math
 import statistics
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -27,8 +26,8 @@ from pipetrain.heap import keep_heap
 from pipetrain.models import build_full_model, model_spec
 from pipetrain.runtime import Pipeline
 from pipetrain.runtime.build import gpu_shortfall
-from pipetrain.schedules import Kind
-from pipetrain.schedules.execution import Costs, Timeline
+from pipetrain.runtime.timeline import simulated_bubble
+from pipetrain.schedules.execution import Timeline
 from pipetrain.train.config import (
     ConfigError,
     TrainConfig,
@@ -333,12 +332,9 @@ def _finish(
     """Timeline picture, summary, data-parallel statistics and sample; the summary on rank 0."""
     config, role, mesh, say = session.config, session.role, session.mesh, session.output.say
     r = config.run
-    if r.timeline and role.reporter and records:
-        from pipetrain.sim.render import plot
-
-        plot(records[-1].timeline, r.timeline)
-        say(f"measured timeline of the last step drawn to {r.timeline}")
     summary = _summary(session, records, started, first_eval=first_eval, final_eval=final_eval)
+    # Recorded first: a picture or a sample that fails must not lose the run's summary.
+    session.output.record(summary.to_json())
     if role.reporter:
         say(summary.format())
     replicas = session.replicas
@@ -351,7 +347,13 @@ def _finish(
         else None
     )
     if dp_stats is not None:
+        session.output.record(dp_stats.to_json())
         say(dp_stats.format())
+    if r.timeline and role.reporter and records:
+        from pipetrain.sim.render import plot
+
+        plot(records[-1].timeline, r.timeline)
+        say(f"measured timeline of the last step drawn to {r.timeline}")
     # The replicas hold the same weights: the first one samples. Sharded, every replica
     # takes part in gathering the full weights.
     here = mesh is None or mesh.dp_rank == 0
@@ -359,9 +361,6 @@ def _finish(
         _sample(
             config, session.plan, session.pipeline, session.group, session.corpus, say, here=here
         )
-    session.output.record(summary.to_json())
-    if dp_stats is not None:
-        session.output.record(dp_stats.to_json())
     session.output.close()
     return summary if role.reporter else None
 
@@ -388,7 +387,7 @@ def _summary(
         measured_bubble=statistics.mean(m.bubble for m in timed)
         if role.distributed and timed
         else None,
-        simulated_bubble=_simulated_bubble(session.plan, [m.timeline for m in timed])
+        simulated_bubble=simulated_bubble([m.timeline for m in timed], session.plan.schedule)
         if session.config.pipeline.pp > 1
         else None,
         first_eval_loss=first_eval,
@@ -396,36 +395,6 @@ def _summary(
         peak_memory=peaks,
         skipped_steps=sum(int(m.outcome.skipped) for m in records),
     )
-
-
-def _simulated_bubble(plan: RunPlan, timelines: list[Timeline]) -> float | None:
-    """Bubble of the simulator for this schedule, fed with the measured action times."""
-    from pipetrain.sim import simulate
-
-    placement = plan.schedule.placement
-    durations: dict[tuple[Kind, int], list[float]] = defaultdict(list)
-    for timeline in timelines:
-        for event in timeline.events:
-            if event.action.is_compute:
-                durations[(event.action.kind, placement.model_stage(event.action.stage))].append(
-                    event.duration
-                )
-    if not durations:
-        return None
-    stages = range(placement.num_model_stages)
-
-    def per_stage(kind: Kind) -> tuple[float, ...]:
-        return tuple(
-            statistics.median(durations[(kind, s)]) if durations[(kind, s)] else 0.0 for s in stages
-        )
-
-    costs = Costs(
-        forward=per_stage(Kind.F),
-        backward=per_stage(Kind.B),
-        backward_input=per_stage(Kind.I),
-        backward_weight=per_stage(Kind.W),
-    )
-    return simulate(plan.schedule, costs).bubble.idle_fraction
 
 
 def _sample(
