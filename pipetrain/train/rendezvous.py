@@ -91,15 +91,15 @@ def join_process_group(role: ProcessRole, backend: str, timeout_s: float) -> Non
     process has posted nothing within ``timeout_s``."""
     store = _store(role, timeout_s)
     try:
-        _await_everyone(store, role, timeout_s)
-    except (RuntimeError, ValueError) as exc:
-        if isinstance(exc, (PipelineError, InputError)):  # ours, not the store's
-            raise
+        problem = _await_everyone(store, role, timeout_s)
+    except RuntimeError as exc:  # c10d's store errors: its server went away
         raise PipelineError(
             f"rank {role.rank}: lost the run's launcher while waiting for the other ranks to "
             f"start (the first node's launcher ended, probably because a process there "
             f"failed: its log names why)"
         ) from exc
+    if problem is not None:
+        raise problem
     dist.init_process_group(
         backend,
         store=store,
@@ -122,19 +122,21 @@ def _failure(store: Any, keys: list[str]) -> Exception:
     return PipelineError("another rank could not start (its log names the error)")
 
 
-def _await_everyone(store: Any, role: ProcessRole, timeout_s: float) -> None:
+def _await_everyone(store: Any, role: ProcessRole, timeout_s: float) -> Exception | None:
+    """Post "ready" and wait for every process's outcome; why this process must not
+    start (another's failure, or silence past ``timeout_s``), or None."""
     prefix = _prefix()
     store.set(f"{prefix}{role.rank}", json.dumps({"ready": True}))
     keys = [f"{prefix}{rank}" for rank in range(role.world_size)]
     deadline = time.monotonic() + timeout_s
     while True:
         if int(store.add(f"{prefix}failed", 0)) > 0:
-            raise _failure(store, keys)
+            return _failure(store, keys)
         if store.check(keys):
-            return
+            return None
         if time.monotonic() > deadline:
             missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-            raise PipelineError(
+            return PipelineError(
                 f"rank {role.rank}: ranks {', '.join(map(str, missing))} did not start within "
                 f"{timeout_s:g} s (stopped, hung or never launched; raise pipeline.timeout_s "
                 f"if their set-up is just slow)"
