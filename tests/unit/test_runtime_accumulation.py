@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipetrain.models import build_full_model, get_model_config, model_spec
+from pipetrain.models import PipelineSpec, build_full_model, get_model_config, model_spec
 from pipetrain.runtime import build_pipeline
 from pipetrain.runtime.stage import token_cross_entropy
 
@@ -23,9 +23,9 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _reference(spec: object) -> dict[str, torch.Tensor]:
+def _reference(spec: PipelineSpec) -> dict[str, torch.Tensor]:
     """One process: the summed loss of each step divided by its tokens, accumulated."""
-    full = build_full_model(spec, seed=0, device="cpu")  # type: ignore[arg-type]
+    full = build_full_model(spec, seed=0, device="cpu")
     for ids, targets in _batches():
         (token_cross_entropy(full(ids), targets) / targets.numel()).backward()
     return {name: p.grad.clone() for name, p in full.named_parameters() if p.grad is not None}
