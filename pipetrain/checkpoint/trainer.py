@@ -93,8 +93,14 @@ class StopSignal:
             return self._flag
         flag = torch.tensor([1.0 if self._flag else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        self._flag = bool(flag.item())
-        return self._flag
+        agreed = bool(flag.item())
+        # A signal that came during the all-reduce has its Python handler run when the call
+        # returns, after ``flag`` was read. Overwriting the local flag with the reduced
+        # value dropped it on every rank that waited there, and the run trained on until
+        # the launcher's SIGKILL. Kept, it counts at the next step; the answer is the
+        # reduced value, the same on every rank, so that all stop at one step.
+        self._flag = self._flag or agreed
+        return agreed
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipetrain.checkpoint import CheckpointError, Layout, list_checkpoints, read_manifest
@@ -106,6 +107,26 @@ def test_second_sigint_interrupts_at_once_and_close_restores_handlers() -> None:
         os.kill(os.getpid(), signal.SIGINT)
     stop.close()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_signal_during_the_agreement_is_kept_for_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The launcher signals every rank at once; ranks wait in the agreement's all-reduce,
+    # so that is where the signal often lands. Its Python handler runs when the call
+    # returns, after the flag was read: this step says no, the next one must say yes.
+    def all_reduce_signalled_inside(tensor: torch.Tensor, **_: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce_signalled_inside)
+    stop = StopSignal()
+    try:
+        assert stop.agreed(object(), torch.device("cpu")) is False
+        assert stop.local
+        monkeypatch.setattr(dist, "all_reduce", lambda tensor, **_: None)
+        assert stop.agreed(object(), torch.device("cpu")) is True
+    finally:
+        stop.close()
 
 
 def test_handlers_go_back_when_a_failed_loop_drops_the_object(tmp_path: Path) -> None:
