@@ -57,9 +57,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--split -1,7,6`` as ``--split=-1,7,6``: argparse takes a value that starts with a
+    dash (and is not a plain negative number) for an option and says "expected one
+    argument", hiding what is wrong with the value. A value after an option that takes one
+    is attached when it is not itself one of that subcommand's options (nor ``--...``)."""
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not argv or not subparsers or argv[0] not in subparsers[0].choices:
+        return argv
+    command = subparsers[0].choices[argv[0]]
+    takes_value = {
+        option
+        for action in command._actions
+        if action.option_strings and action.nargs is None
+        if isinstance(action, (argparse._StoreAction, argparse._AppendAction))
+        for option in action.option_strings
+    }
+    known = {option for action in command._actions for option in action.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if (
+            token in takes_value
+            and following is not None
+            and following.startswith("-")
+            and not following.startswith("--")
+            and following not in known
+            and len(following) > 1
+        ):
+            out.append(f"{token}={following}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(
+        _attach_dash_values(parser, list(sys.argv[1:] if argv is None else argv))
+    )
     try:
         code: int = args.run(args)
     except InputError as exc:

@@ -228,3 +228,23 @@ def test_tune_takes_the_run_name_from_set_or_the_config_file(
     unnamed = [c.run.name for c in _tuned_configs(tmp_path, monkeypatch)]
     assert re.fullmatch(r"tune-\d{8}-\d{6}-m1", unnamed[0]), unnamed
     assert unnamed[1] == unnamed[0][:-1] + "2"
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_a_split_that_starts_with_a_dash_gets_its_own_error(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # argparse took "-1,3,2" for an option and said "expected one argument".
+    argv = [command, "--model", "llama-tiny", "--pp", "3", "--split", "-1,3,2"]
+    if command == "train":
+        argv += ["--steps", "20", "--seq-len", "16", "--set", f"run.out_dir={tmp_path}"]
+    assert "--split '-1,3,2' has a negative count" in _one_line_error(argv, capsys)
+
+
+def test_an_option_with_its_value_missing_is_still_said_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--model", "llama-tiny", "--split", "--pp", "3"])
+    assert stopped.value.code == 2
+    assert "argument --split: expected one argument" in capsys.readouterr().err
