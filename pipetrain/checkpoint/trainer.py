@@ -67,8 +67,12 @@ class StopSignal:
     """SIGTERM/SIGINT set a flag instead of killing the process, while installed."""
 
     def __init__(self) -> None:
-        self._flag = False
-        self._first_at = 0.0
+        self._flag = False  # this rank or, once agreed, any rank was signalled
+        # When this rank itself was first signalled (None: not yet). A stop learned from
+        # another rank in the agreement is not a Ctrl-C here: this rank's own first one,
+        # arriving any time later (another node's terminal, a scheduler signalling nodes
+        # one by one), must not count as the second and abort the save in progress.
+        self._first_at: float | None = None
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be installed from the main thread
@@ -77,10 +81,10 @@ class StopSignal:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
-        if self._flag and signum == signal.SIGINT and now - self._first_at > _REPEAT_AFTER_S:
-            raise KeyboardInterrupt  # asked twice: do not wait for the step to end
-        if not self._flag:
+        if self._first_at is None:
             self._first_at = now
+        elif signum == signal.SIGINT and now - self._first_at > _REPEAT_AFTER_S:
+            raise KeyboardInterrupt  # asked twice: do not wait for the step to end
         self._flag = True
 
     @property

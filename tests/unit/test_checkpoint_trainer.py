@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.checkpoint import CheckpointError, Layout, list_checkpoints, read_manifest
+from pipetrain.checkpoint import CheckpointError, Layout, list_checkpoints, read_manifest, trainer
 from pipetrain.checkpoint.trainer import CheckpointPolicy, RunCheckpoints, StopSignal
 
 
@@ -96,17 +95,55 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_second_sigint_interrupts_at_once_and_close_restores_handlers() -> None:
+class _Clock:
+    """``time.monotonic`` for the trainer's handler, moved on by hand: how far apart two
+    signals are does not depend on how busy the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_second_sigint_interrupts_at_once_and_close_restores_handlers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(trainer, "time", clock)
     before = signal.getsignal(signal.SIGINT)
     stop = StopSignal()
     os.kill(os.getpid(), signal.SIGINT)
+    clock.now += 0.9
     os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C, forwarded by a launcher
     assert stop.local
-    time.sleep(1.1)
+    clock.now += 0.2
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
     stop.close()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_stop_learned_from_another_rank_is_not_this_ranks_first_ctrl_c(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Another node's rank was signalled first: this rank learns the stop in the agreement
+    # and is saving when its own Ctrl-C comes, seconds later. That is its first: it must
+    # only set the flag, not interrupt the save as a second Ctrl-C would.
+    clock = _Clock()
+    monkeypatch.setattr(trainer, "time", clock)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, **_: tensor.fill_(1.0))
+    stop = StopSignal()
+    try:
+        assert stop.agreed(object(), torch.device("cpu")) is True
+        clock.now += 5.0
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.local
+        clock.now += 5.0
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # asked twice on this rank: now it is
+    finally:
+        stop.close()
 
 
 def test_a_signal_during_the_agreement_is_kept_for_the_next_step(
