@@ -21,9 +21,11 @@ input raises ``ScheduleError`` with one line that says what to fix.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -38,20 +40,38 @@ __all__ = ["FORMAT", "dump_csv", "dump_json", "load_csv", "load_json"]
 FORMAT = 1
 
 
+# Far more than any schedule the simulator or the runtime gets through in minutes (8 million
+# actions of about 8 bytes): a bigger file is another kind of file, e.g. a data set passed
+# by mistake, which is refused before it is read into memory.
+_MOST_BYTES = 64 * 2**20
+
+
 def _read(path: str | Path) -> str:
-    # utf-8-sig: spreadsheets (Excel's "CSV UTF-8") start the file with a byte-order mark,
-    # which would otherwise glue itself to the first action ('\ufeff0F0').
     try:
-        return Path(path).read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ScheduleError(
-            f"schedule file {str(path)!r} is not UTF-8 text (byte {exc.start} cannot be "
-            "decoded): give a CSV or JSON schedule saved as UTF-8"
-        ) from exc
+        with open(path, "rb") as file:
+            # One byte past the limit tells a file at it from a longer one (a pipe or a
+            # device such as /dev/zero has no size to ask for first).
+            data = file.read(_MOST_BYTES + 1)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise ScheduleError(
             f"cannot read schedule file {str(path)!r}: {reason}: check the path"
+        ) from exc
+    if len(data) > _MOST_BYTES:
+        raise ScheduleError(
+            f"schedule file {str(path)!r} is over {_MOST_BYTES // 2**20} MiB, far more than a "
+            "schedule takes: check the path (a CSV or JSON schedule, one row per rank)"
+        )
+    # utf-8-sig: spreadsheets (Excel's "CSV UTF-8") start the file with a byte-order mark,
+    # which would otherwise glue itself to the first action ('\ufeff0F0').
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        # The decoder counts from after the mark; the user's editor counts from the start.
+        offset = exc.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
+        raise ScheduleError(
+            f"schedule file {str(path)!r} is not UTF-8 text (byte {offset} cannot be "
+            "decoded): give a CSV or JSON schedule saved as UTF-8"
         ) from exc
 
 
@@ -72,7 +92,30 @@ def _parse(text: str, where: str) -> Action:
     try:
         return parse_action(text)
     except (ActionParseError, ValueError) as exc:
+        if _several_actions(core):
+            raise ScheduleError(
+                f"{where}: {core!r} holds several actions: separate them with commas, one "
+                "action per cell (a spreadsheet may have saved ';' or tabs)"
+            ) from exc
+        if core != core.upper() and _is_action(core.upper()):
+            raise ScheduleError(
+                f"{where}: {core!r} is not an action: kinds are upper case, write {core.upper()!r}"
+            ) from exc
         raise ScheduleError(f"{where}: {exc}") from exc
+
+
+def _is_action(text: str) -> bool:
+    try:
+        parse_action(text)
+    except (ActionParseError, ValueError):
+        return False
+    return True
+
+
+def _several_actions(text: str) -> bool:
+    """True for a cell such as '0F0;0F1' or '0F0 0F1': actions joined by another separator."""
+    parts = [part for part in re.split(r"[;\t| ]+", text) if part]
+    return len(parts) > 1 and all(_is_action(part) for part in parts)
 
 
 def _write(path: str | Path, text: str) -> None:
@@ -103,9 +146,8 @@ def load_csv(
 ) -> Schedule:
     """Read and validate a CSV schedule (see the module doc for what is inferred).
 
-    ``num_ranks`` (e.g. the ``--pp`` a user asked for) must match the number of rows;
-    ``microbatches`` overrides the inferred count (the validator then demands exactly that
-    many).
+    ``num_ranks`` (e.g. the ``--pp`` a user asked for) must match the number of rows and
+    ``microbatches`` (``--microbatches``) the count the file numbers, 0..m-1.
     """
     rows = _read_rows(path)
     while rows and not rows[-1]:
@@ -129,10 +171,18 @@ def load_csv(
         )
     placement = _infer_placement(rows, path)
     mbs = [a.microbatch for row in rows for a in row if a.microbatch is not None]
+    numbered = max(mbs, default=0) + 1
+    if microbatches is not None and microbatches != numbered:
+        # Said here: the validator would call it a micro-batch that never runs, or one out of
+        # range, as if the file were wrong rather than the count asked for.
+        raise ScheduleError(
+            f"{path} numbers its micro-batches 0..{numbered - 1} ({numbered}), not the "
+            f"{microbatches} asked for: change --microbatches to {numbered} or drop it"
+        )
     schedule = Schedule.build(
         name or Path(path).stem,
         placement,
-        microbatches if microbatches is not None else max(mbs, default=0) + 1,
+        numbered,
         rows,
         asynchronous=any(a.kind is Kind.STEP for row in rows for a in row),
     )
@@ -231,6 +281,13 @@ def load_json(path: str | Path, *, num_ranks: int | None = None) -> Schedule:
     except json.JSONDecodeError as exc:
         raise ScheduleError(
             f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+        ) from exc
+    except ValueError as exc:
+        # Python refuses to convert an integer of more than 4300 digits (its message would
+        # advise sys.set_int_max_str_digits, not what a schedule file needs).
+        raise ScheduleError(
+            f"{path} holds a number of thousands of digits: write counts such as 'pp' and "
+            "'microbatches' as small whole numbers"
         ) from exc
     except RecursionError as exc:
         raise ScheduleError(

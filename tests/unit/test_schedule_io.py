@@ -111,3 +111,42 @@ def test_json_errors(tmp_path: Path) -> None:
     assert "deadlocks" in errors(
         bad, variant(actions=[["0F0", "0B0", "0F1", "0B1"], ["1F1", "1F0", "1B0", "1B1"]])
     )
+
+
+def test_csv_hints_for_spreadsheet_separators_and_lower_case(tmp_path: Path) -> None:
+    csv = tmp_path / "s.csv"
+    for sep in (";", "\t", " "):
+        message = errors(csv, f"0F0{sep}0B0\n1F0{sep}1B0\n")
+        assert "row 1, column 1" in message and "holds several actions" in message
+        assert "separate them with commas" in message
+    assert "kinds are upper case, write '0F0'" in errors(csv, "0f0,0B0\n1F0,1B0\n")
+    # Not several actions, not a case slip: the general message.
+    assert "'0F0;x' is not an action: write STAGE KIND MICROBATCH" in errors(csv, "0F0;x\n")
+
+
+def test_csv_microbatch_count_asked_for_must_match_the_file(tmp_path: Path) -> None:
+    csv = tmp_path / "s.csv"
+    text = "0F0,0B0,0F1,0B1\n1F0,1B0,1F1,1B1\n"
+    for asked in (1, 3):
+        message = errors(csv, text, microbatches=asked)
+        assert f"numbers its micro-batches 0..1 (2), not the {asked} asked for" in message
+        assert "change --microbatches to 2" in message
+    assert load_csv(csv, microbatches=2).microbatches == 2
+
+
+def test_files_too_large_or_with_huge_numbers_are_one_line(tmp_path: Path) -> None:
+    big = tmp_path / "data.csv"
+    with big.open("wb") as file:  # sparse: a data set passed by mistake
+        file.truncate(64 * 2**20 + 1)
+    with pytest.raises(ScheduleError, match=r"is over 64 MiB.*check the path"):
+        load_csv(big)
+    # Python refuses ints of over 4300 digits with a ValueError that is not a JSON error.
+    message = errors(tmp_path / "n.json", '{"format": 1, "pp": 1' + "0" * 5000 + "}")
+    assert "a number of thousands of digits" in message
+
+
+def test_bytes_that_are_not_utf8_are_counted_from_the_start_of_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "s.csv"
+    path.write_bytes(b"\xef\xbb\xbf0F0,\xff\n")
+    with pytest.raises(ScheduleError, match=r"not UTF-8 text \(byte 7 cannot be decoded\)"):
+        load_csv(path)
