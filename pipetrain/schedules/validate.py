@@ -5,7 +5,8 @@ Checks, in order (the first failure raises ``ScheduleError``):
 1. shape: one row per rank; every stage exists and sits on the rank that runs it;
    micro-batches inside ``0..microbatches-1``;
 2. no action twice;
-3. ``STEP`` only in asynchronous schedules; with replicas, one ``ALLREDUCE`` per stage;
+3. ``STEP`` only in asynchronous schedules; with replicas, one ``ALLREDUCE`` per stage,
+   without them none;
 4. coverage: each micro-batch goes through exactly one replica chain, where each stage
    runs its ``F`` and either ``B`` or both ``I`` and ``W`` (never ``B`` mixed with them);
 5. messages of a lowered schedule: every send has its receive and every receive its send,
@@ -126,6 +127,17 @@ def _check_collectives(schedule: Schedule, where: dict[Action, tuple[int, int]])
                 action,
             )
     if placement.replicas < 2:
+        # Nothing to sum it with: the simulator would still charge its time, and a file that
+        # has one most likely meant a replicated placement (Chimera's) that it did not get.
+        for action, at in where.items():
+            if action.kind is Kind.ALLREDUCE:
+                raise _error(
+                    schedule,
+                    f"stage {action.stage} has no replica whose gradients it would sum "
+                    f"(placement {placement.kind!r}, one replica): remove {action}",
+                    at,
+                    action,
+                )
         return
     for stage in range(placement.num_stages):
         action = Action(stage, Kind.ALLREDUCE)

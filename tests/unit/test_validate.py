@@ -250,3 +250,13 @@ def test_any_edit_is_accepted_or_rejected_in_one_line(
         assert exc.grid.count("\n") == len(rows) - 1
     else:
         replay(edited)  # whatever validates also replays to the end
+
+
+def test_allreduce_without_replicas_is_refused() -> None:
+    # One replica: nothing to sum with (the simulator charged its time, the runtime skipped it).
+    rejects(
+        sched(["0F0 0F1 0B0 0B1 0ALLREDUCE", "1F0 1F1 1B0 1B1"]),
+        "rank 0, position 4 (0ALLREDUCE)",
+        "no replica whose gradients it would sum",
+        "remove 0ALLREDUCE",
+    )
