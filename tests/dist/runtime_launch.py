@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from local_port import reserved_port
 
 WORKER = Path(__file__).with_name("runtime_worker.py")
 
@@ -28,15 +29,9 @@ class Launch:
     exited_at: tuple[float, ...] = ()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(world: int, args: list[str], timeout_s: float = 240.0, worker: Path = WORKER) -> Launch:
-    port = free_port()
     with contextlib.ExitStack() as stack:
+        port = stack.enter_context(reserved_port())
         # stderr to files, not pipes: a full pipe would block a worker while we poll.
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world)]
         procs = []

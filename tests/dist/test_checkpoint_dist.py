@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from local_port import reserved_port
 
 from pipetrain.checkpoint import (
     choose_resume,
@@ -118,27 +118,25 @@ def test_save_4_stages_load_same_and_other_layouts_and_survive_a_kill(
     script.write_text(WORKER)
     root = tmp_path / "ckpt"
     out_base = tmp_path / "out"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
-    command += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-    command += [str(script), str(root), str(out_base)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(KILL_BEFORE_RENAME_ENV, None)
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a timeout takes the workers down with torchrun
-        env=env,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    with reserved_port() as port:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+        command += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        command += [str(script), str(root), str(out_base)]
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # a timeout takes the workers down with torchrun
+            env=env,
+        )
+        try:
+            _, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
     results = []
     for rank in range(4):
         path = Path(f"{out_base}.{rank}")

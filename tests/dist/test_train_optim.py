@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from local_port import reserved_port
 
 pytestmark = pytest.mark.dist
 
@@ -137,27 +137,29 @@ def test_global_clip_and_nan_skip_agree_across_ranks(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     result_base = tmp_path / "result"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += [
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
-        str(script),
-        str(result_base),
-    ]
-    # A session of its own, so that a timeout takes the workers down with torchrun.
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        _, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+    with reserved_port() as port:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        command += [
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            str(script),
+            str(result_base),
+        ]
+        # A session of its own, so that a timeout takes the workers down with torchrun.
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            _, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
     assert proc.returncode == 0, stderr[-3000:]
     results = [json.loads(Path(f"{result_base}.{rank}").read_text()) for rank in range(2)]
     for out in results:

@@ -7,12 +7,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from local_port import reserved_port
 
 from pipetrain.checkpoint import Layout, save_checkpoint
 from pipetrain.checkpoint.export import load_weights
@@ -208,23 +208,23 @@ def test_generate_across_two_ranks_matches_one_process(
     ]
     code, expected, err = cli(capsys, *argv)
     assert code == 0, err
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
-        "-m",
-        "pipetrain.cli",
-    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*launch, *argv], capture_output=True, text=True, timeout=180, env=env)
+    with reserved_port() as port:
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "pipetrain.cli",
+        ]
+        result = subprocess.run(
+            [*launch, *argv], capture_output=True, text=True, timeout=180, env=env
+        )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == expected

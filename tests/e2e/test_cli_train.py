@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_port import reserved_port
 from run_records import read_records
 
 from pipetrain.cli import main
@@ -235,9 +236,11 @@ def test_a_run_does_not_replace_an_earlier_runs_metrics(
 def _torchrun_nodes(tmp_path: Path, flags: list[list[str]]) -> list[tuple[int, str, str]]:
     """Two torchrun "nodes" of one process each on this machine, node i started with
     ``flags[i]``; (exit status, stdout, stderr) of each."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    with reserved_port() as port:
+        return _start_nodes(tmp_path, flags, port)
+
+
+def _start_nodes(tmp_path: Path, flags: list[list[str]], port: int) -> list[tuple[int, str, str]]:
     nodes = []
     for node in range(2):
         # torchrun's options first, then the module and its own options: after the module
