@@ -1,6 +1,7 @@
 """``pipetrain simulate``: time, bubble and memory of a schedule, and pictures of it.
 
     pipetrain simulate --schedule 1f1b --pp 4 --microbatches 8 [--ascii] [--json]
+    pipetrain simulate --schedule 1f1b --pp 4 --microbatches 8 --save mine.csv
     pipetrain simulate --schedule-file mine.csv [--plot mine.png] [--trace mine.json]
     pipetrain simulate --compare --pp 4 --microbatches 8 [--plot all.png]
     pipetrain simulate --schedule 1f1b --pp 2 --microbatches 4 --weight-bytes 4.9e6 \
@@ -110,6 +111,12 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--plot", metavar="FILE", help="Gantt chart, .png or .svg")
     p.add_argument("--trace", metavar="FILE", help="Chrome trace JSON (Perfetto, chrome://tracing)")
+    p.add_argument(
+        "--save",
+        metavar="FILE",
+        help="write the schedule to FILE (.csv: one row of actions per rank; .json: also its "
+        "placement and params) to edit and load back with --schedule-file",
+    )
     p.add_argument("--ascii", action="store_true", help="print the time-aligned grid")
     p.add_argument("--width", type=int, default=120, help="grid width in characters (default 120)")
     p.add_argument(
@@ -173,6 +180,10 @@ def _check_sizes(args: argparse.Namespace) -> None:
 def _check_outputs(args: argparse.Namespace) -> None:
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
         raise UsageError(f"--plot {args.plot}: use a .png or .svg file name")
+    if args.save and Path(args.save).suffix.lower() not in (".csv", ".json"):
+        raise UsageError(f"--save {args.save}: use a .csv or .json file name")
+    if args.save and args.compare:
+        raise UsageError("--save writes one schedule: pick it with --schedule instead of --compare")
     if args.width < 20:
         raise UsageError(f"--width {args.width}: give at least 20 characters")
 
@@ -308,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
         case = _single(args)
     result = _run_case(case, costs, args)
     dp = _data_parallel(case, result, costs, args)
+    if args.save:
+        _save(case.schedule, Path(args.save))
     if args.plot:
         plot(result.timeline, args.plot)
     if args.trace:
@@ -323,10 +336,20 @@ def run(args: argparse.Namespace) -> int:
         print(ascii(result.timeline, width=args.width))
     elif not args.plot:
         print("  (grid too wide for the terminal: --ascii squeezes it, --plot draws it)")
-    for path in (args.plot, args.trace):
+    for path in (args.plot, args.trace, args.save):
         if path:
             print(f"wrote {path}")
     return 0
+
+
+def _save(schedule: Schedule, path: Path) -> None:
+    """The schedule as a file that --schedule-file (and ``pipetrain.schedules.io``) loads."""
+    from pipetrain.schedules import io
+
+    if path.suffix.lower() == ".json":
+        io.dump_json(schedule, path)
+    else:
+        io.dump_csv(schedule, path)
 
 
 def _compare(args: argparse.Namespace, costs: Costs) -> int:
