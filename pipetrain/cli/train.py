@@ -29,7 +29,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--schedule": (
         "pipeline.schedule",
         str,
-        "schedule name (1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v, ...)",
+        "schedule name (1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v, ...) or a .csv/.json "
+        "schedule file (simulate --save writes one)",
     ),
     "--microbatches": ("pipeline.microbatches", int, "micro-batches per pipeline step"),
     "--split": ("pipeline.split", str, "blocks per stage, e.g. 4,3,5 (default: by --balance)"),

@@ -177,7 +177,7 @@ def load_csv(
         # range, as if the file were wrong rather than the count asked for.
         raise ScheduleError(
             f"{path} numbers its micro-batches 0..{numbered - 1} ({numbered}), not the "
-            f"{microbatches} asked for: change --microbatches to {numbered} or drop it"
+            f"{microbatches} asked for: use --microbatches {numbered}"
         )
     schedule = Schedule.build(
         name or Path(path).stem,

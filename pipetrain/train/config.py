@@ -73,7 +73,8 @@ class PipelineConfig:
     # Stages per rank (virtual stages): >1 only for schedules that loop over the ranks.
     chunks: int = 1
     # Schedule name from pipetrain.schedules.registry (`1f1b`, `gpipe`, `interleaved-1f1b`,
-    # `zb-h1`, ...).
+    # `zb-h1`, ...), or a synchronous schedule file ending in .csv or .json
+    # (pipetrain.schedules.io; `pipetrain simulate --save` writes one), read on every rank.
     schedule: str = "1f1b"
     # Micro-batches per pipeline step; data.batch_size must be a multiple of it.
     microbatches: int = 8

@@ -15,7 +15,14 @@ from pipetrain.models.config import ModelConfig, get_model_config
 from pipetrain.schedules import Schedule
 from pipetrain.train.config import ConfigError, TrainConfig
 
-__all__ = ["RunPlan", "block_split", "check_shardable", "plan_run", "threads_per_process"]
+__all__ = [
+    "RunPlan",
+    "block_split",
+    "check_shardable",
+    "is_schedule_file",
+    "plan_run",
+    "threads_per_process",
+]
 
 
 @dataclass(frozen=True)
@@ -59,26 +66,10 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
             f"model {model.name}: use --seq-len {model.max_seq_len} or less"
         )
     p = config.pipeline
-    from pipetrain.schedules.registry import build_schedule, get_spec
-
-    try:
-        family = get_spec(p.schedule)
-    except InputError as exc:
-        raise ConfigError(f"pipeline.schedule: {exc}") from None
-    if p.chunks > 1 and not family.uses_chunks:
-        raise ConfigError(
-            f"pipeline.chunks {p.chunks} needs a schedule with several stages per rank "
-            f"(interleaved-1f1b, looped-bfs); {p.schedule} has a fixed number: drop --chunks"
-        )
-    from pipetrain.train.async_plan import check_async
-
-    check_async(config, asynchronous=family.asynchronous, tied_embeddings=model.tie_embeddings)
-    try:
-        schedule = build_schedule(
-            p.schedule, p.pp, p.microbatches, p.chunks if p.chunks > 1 else None
-        )
-    except InputError as exc:
-        raise ConfigError(f"pipeline: {exc}") from None
+    if is_schedule_file(p.schedule):
+        schedule = _schedule_from_file(config, tied_embeddings=model.tie_embeddings)
+    else:
+        schedule = _builtin_schedule(config, tied_embeddings=model.tie_embeddings)
     if p.shard:
         check_shardable(schedule)
     stages = schedule.placement.num_model_stages
@@ -96,6 +87,77 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
             )
     return RunPlan(model, schedule, _stage_layers(config, model, schedule))
+
+
+def is_schedule_file(schedule: str) -> bool:
+    """True when pipeline.schedule names a CSV or JSON file rather than a built-in."""
+    return schedule.lower().endswith(_SCHEDULE_FILE_SUFFIXES)
+
+
+_SCHEDULE_FILE_SUFFIXES = (".csv", ".json")
+
+
+def _builtin_schedule(config: TrainConfig, *, tied_embeddings: bool) -> Schedule:
+    p = config.pipeline
+    from pipetrain.schedules.registry import build_schedule, get_spec
+
+    try:
+        family = get_spec(p.schedule)
+    except InputError as exc:
+        raise ConfigError(
+            f"pipeline.schedule: {exc}, or give a schedule file ending in .csv or .json"
+        ) from None
+    if p.chunks > 1 and not family.uses_chunks:
+        raise ConfigError(
+            f"pipeline.chunks {p.chunks} needs a schedule with several stages per rank "
+            f"(interleaved-1f1b, looped-bfs); {p.schedule} has a fixed number: drop --chunks"
+        )
+    from pipetrain.train.async_plan import check_async
+
+    check_async(config, asynchronous=family.asynchronous, tied_embeddings=tied_embeddings)
+    try:
+        return build_schedule(p.schedule, p.pp, p.microbatches, p.chunks if p.chunks > 1 else None)
+    except InputError as exc:
+        raise ConfigError(f"pipeline: {exc}") from None
+
+
+def _schedule_from_file(config: TrainConfig, *, tied_embeddings: bool) -> Schedule:
+    """A user's schedule (``pipetrain simulate --save`` writes one), validated on loading.
+
+    Every rank loads the same file, so it must be readable at that path on every node.
+    """
+    p = config.pipeline
+    from pipetrain.schedules import io
+
+    if p.chunks > 1:
+        raise ConfigError(
+            f"pipeline.chunks {p.chunks}: a schedule file fixes the stages per rank by the "
+            "stages each row runs: drop --chunks"
+        )
+    try:
+        if p.schedule.lower().endswith(".csv"):
+            schedule = io.load_csv(p.schedule, num_ranks=p.pp, microbatches=p.microbatches)
+        else:
+            schedule = io.load_json(p.schedule, num_ranks=p.pp)
+    except InputError as exc:
+        raise ConfigError(f"pipeline.schedule: {exc}") from None
+    if schedule.microbatches != p.microbatches:
+        raise ConfigError(
+            f"pipeline.schedule: {p.schedule} has {schedule.microbatches} micro-batches, not the "
+            f"{p.microbatches} of pipeline.microbatches: use --microbatches "
+            f"{schedule.microbatches}"
+        )
+    if schedule.asynchronous:
+        # The trainer's asynchronous runs rebuild their streams by name (pipedream,
+        # pipedream-2bw) to fit evaluation and checkpoints, which a fixed file cannot.
+        raise ConfigError(
+            f"pipeline.schedule: {p.schedule} is asynchronous (STEP actions), which train runs "
+            "only by name: use --schedule pipedream or pipedream-2bw"
+        )
+    from pipetrain.train.async_plan import check_async
+
+    check_async(config, asynchronous=False, tied_embeddings=tied_embeddings)
+    return schedule
 
 
 def _stage_layers(

@@ -96,3 +96,27 @@ def test_malformed_file_is_one_line_and_status_2(
     else:
         path.write_text(content)
     assert fragment in refused(capsys, "--schedule-file", str(path), *argv)
+
+
+def test_training_with_a_saved_file_equals_the_builtin_to_the_bit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "zb.csv"
+    code, _, err = cli(capsys, "--schedule", "zb-h1", "--pp", "2", "--microbatches", "4",
+                       "--save", str(path))  # fmt: skip
+    assert code == 0, err
+    tiny = [
+        "--model", "llama-tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "32",
+        "--microbatches", "4", "--pp", "2", "--single-process", "--set", "data.max_bytes=100000",
+        "--set", "optim.warmup_steps=1", "--set", "run.sample_tokens=0",
+        "--set", "run.evaluate=false", "--set", "pipeline.threads=1",
+        "--set", f"run.out_dir={json.dumps(str(tmp_path))}",
+    ]  # fmt: skip
+    steps = {}
+    for schedule in ("zb-h1", str(path)):
+        name = Path(schedule).stem
+        assert main(["train", *tiny, "--schedule", schedule, "--name", name]) == 0
+        records = (json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open())
+        steps[name] = [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+    capsys.readouterr()
+    assert len(steps["zb"]) == 2 and steps["zb"] == steps["zb-h1"]

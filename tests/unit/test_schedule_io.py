@@ -130,7 +130,7 @@ def test_csv_microbatch_count_asked_for_must_match_the_file(tmp_path: Path) -> N
     for asked in (1, 3):
         message = errors(csv, text, microbatches=asked)
         assert f"numbers its micro-batches 0..1 (2), not the {asked} asked for" in message
-        assert "change --microbatches to 2" in message
+        assert "use --microbatches 2" in message
     assert load_csv(csv, microbatches=2).microbatches == 2
 
 
