@@ -16,7 +16,10 @@ hand-edited file may align its columns. What CSV leaves out is inferred:
 JSON holds ``{"format": 1, "name", "pp", "microbatches", "placement": {"kind",
 "stage_to_rank", "num_model_stages"}, "asynchronous", "actions": [["0F0", ...], ...]}``
 (and optionally ``params``). Loading either always runs the validator; every malformed
-input raises ``ScheduleError`` with one line that says what to fix.
+input raises ``ScheduleError`` with one line that says what to fix, and a file over 64 MiB
+is refused unread. CSV keeps no ``params``: an asynchronous schedule saved as CSV loses its
+``window`` and ``steps`` (the simulator then reports one step of the whole stream); JSON
+keeps them.
 """
 
 from __future__ import annotations
