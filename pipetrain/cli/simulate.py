@@ -348,8 +348,15 @@ def _save(schedule: Schedule, path: Path) -> None:
 
     if path.suffix.lower() == ".json":
         io.dump_json(schedule, path)
-    else:
-        io.dump_csv(schedule, path)
+        return
+    if schedule.asynchronous and schedule.params:
+        # Loaded back, it would report one step of the whole stream, and train would not
+        # know the window.
+        raise UsageError(
+            f"--save {path}: CSV keeps no params, and {schedule.name!r} needs its "
+            f"{', '.join(name for name, _ in schedule.params)}: save it as .json"
+        )
+    io.dump_csv(schedule, path)
 
 
 def _compare(args: argparse.Namespace, costs: Costs) -> int:

@@ -58,6 +58,10 @@ def test_save_refuses_what_it_cannot_write(
     assert "--save writes one schedule" in err
     err = refused(capsys, *small, "--save", str(tmp_path / "missing" / "s.csv"))
     assert "cannot write schedule file" in err and "check the directory" in err
+    stream = ["--schedule", "pipedream-2bw", "--pp", "2", "--microbatches", "2"]
+    err = refused(capsys, *stream, "--save", str(tmp_path / "s.csv"))
+    assert "CSV keeps no params" in err and "steps, window" in err and "save it as .json" in err
+    assert not (tmp_path / "s.csv").exists()
 
 
 GOOD = "0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n"
