@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> None:
 
 def resolve_checkpoint(directory: str) -> Path:
     """One checkpoint directory: DIR itself, or the newest valid one under it."""
-    from pipetrain.checkpoint import choose_resume
+    from pipetrain.checkpoint import choose_resume, list_checkpoints
     from pipetrain.checkpoint.manifest import COMPLETE_MARKER, MANIFEST_NAME
 
     path = Path(directory)
@@ -59,6 +59,16 @@ def resolve_checkpoint(directory: str) -> Path:
     if (path / MANIFEST_NAME).exists() or (path / COMPLETE_MARKER).exists():
         return path
     choice = choose_resume(path)
+    if choice.path is None and choice.skipped:
+        # Every one failed verification: saying they lack a COMPLETE marker would send the
+        # user looking for the wrong problem.
+        newest_path = list_checkpoints(path).complete[-1][1]
+        newest = choice.skipped[0].removeprefix(f"skipping {newest_path}: ")
+        more = f" (and {len(choice.skipped) - 1} more damaged)" if len(choice.skipped) > 1 else ""
+        raise UsageError(
+            f"checkpoint {directory}: no valid checkpoint: {newest}{more}; restore the "
+            "damaged files, or pass another checkpoint"
+        )
     if choice.path is None:
         raise UsageError(
             f"checkpoint {directory}: holds no valid checkpoint (step_NNNNNN with a COMPLETE "
@@ -173,5 +183,9 @@ def _export(args: argparse.Namespace) -> int:
 
     path = resolve_checkpoint(args.dir)
     result = export_checkpoint(path, args.out, format=args.format)
-    print(f"wrote {result.path}: {result.tensors} tensors, {result.bytes} bytes ({result.format})")
+    # A directory of checkpoints exports its newest valid one: say which.
+    print(
+        f"wrote {result.path}: {result.tensors} tensors, {result.bytes} bytes "
+        f"({result.format}), from {path}"
+    )
     return 0

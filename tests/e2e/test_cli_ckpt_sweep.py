@@ -89,6 +89,35 @@ def test_export_to_a_directory_is_one_line(
     ]
 
 
+def test_export_of_a_directory_names_the_checkpoint_and_all_damaged_says_so(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "w.safetensors"
+    code, out, err = cli(capsys, "ckpt", "export", str(root), "--out", str(out_file))
+    assert code == 0, err
+    assert out.startswith(f"wrote {out_file}: ")
+    assert out.rstrip("\n").endswith(f"(native), from {root / 'step_000002'}")
+
+    copy = _copy(root, tmp_path)
+    shards = [next((copy / f"step_00000{step}").glob("*.distcp")) for step in (1, 2)]
+    for shard in shards:
+        shard.write_bytes(shard.read_bytes()[:10])
+    for argv in (
+        ["ckpt", "export", str(copy), "--out", str(out_file)],
+        ["ckpt", "inspect", str(copy)],
+    ):
+        code, out, err = cli(capsys, *argv)
+        assert code == 2 and out == ""
+        line = err.splitlines()[-1]
+        # It said the directory held no step_NNNNNN with a COMPLETE marker: both have one.
+        assert line.startswith(
+            f"pipetrain ckpt: error: checkpoint {copy}: no valid checkpoint: {shards[1]}: 10 bytes"
+        )
+        assert line.endswith(
+            "(and 1 more damaged); restore the damaged files, or pass another checkpoint"
+        )
+
+
 def test_train_refuses_a_used_directory_without_resume_and_resume_keeps_the_metrics(
     work: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
