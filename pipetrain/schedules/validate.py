@@ -2,8 +2,8 @@
 
 Checks, in order (the first failure raises ``ScheduleError``):
 
-1. shape: one row per rank; every stage exists and sits on the rank that runs it;
-   micro-batches inside ``0..microbatches-1``;
+1. shape: one row per rank; every rank holds a stage; every stage exists and sits on
+   the rank that runs it; micro-batches inside ``0..microbatches-1``;
 2. no action twice;
 3. ``STEP`` only in asynchronous schedules; with replicas, one ``ALLREDUCE`` per stage,
    without them none;
@@ -70,6 +70,16 @@ def _check_shape(schedule: Schedule) -> None:
         )
     if schedule.microbatches < 1:
         raise _error(schedule, f"microbatches is {schedule.microbatches}: it must be 1 or more")
+    # A rank without a stage would be a process that only waits (a JSON file can say so; a
+    # CSV cannot): the reports would count it idle, and chunks would read 0.
+    idle = sorted(set(range(placement.num_ranks)) - set(placement.stage_to_rank))
+    if idle:
+        raise _error(
+            schedule,
+            f"rank {idle[0]} holds no stage"
+            + (f" ({len(idle)} ranks hold none)" if len(idle) > 1 else "")
+            + f": place a stage on every rank or use pp={placement.num_ranks - len(idle)}",
+        )
     for rank, pos, action in schedule.enumerate_actions():
         if action.stage >= placement.num_stages:
             raise _error(

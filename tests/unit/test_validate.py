@@ -260,3 +260,9 @@ def test_allreduce_without_replicas_is_refused() -> None:
         "no replica whose gradients it would sum",
         "remove 0ALLREDUCE",
     )
+
+
+def test_a_rank_without_a_stage_is_refused() -> None:
+    # A JSON file's placement may leave a rank out: a process that would only wait.
+    placement = Placement.custom((0, 1), num_ranks=3)
+    rejects(sched([*GOOD, ""], placement), "rank 2 holds no stage", "use pp=2")
