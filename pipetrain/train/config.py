@@ -272,6 +272,7 @@ def load_config(
 # Text fields that name files or folders: "~" in them means the home folder, as in a
 # shell (a TOML file or a quoted argument does not go through one).
 _PATH_FIELDS = {
+    "pipeline": ("schedule",),  # a schedule file; no built-in name starts with "~"
     "data": ("path", "tokenizer"),
     "run": ("out_dir", "metrics", "timeline", "checkpoint_dir"),
 }

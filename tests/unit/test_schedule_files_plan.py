@@ -76,3 +76,10 @@ def test_a_file_that_cannot_run_is_one_config_error(
 def test_an_unknown_name_mentions_files() -> None:
     with pytest.raises(ConfigError, match=r"or give a schedule file ending in \.csv or \.json"):
         _plan(**{"pipeline.schedule": "1f1x"})
+
+
+def test_home_in_a_schedule_file_is_expanded_as_in_other_paths() -> None:
+    # A TOML file or a quoted --set goes through no shell.
+    config = load_config(overrides={"pipeline.schedule": "~/mine.csv"})
+    assert config.pipeline.schedule == str(Path.home() / "mine.csv")
+    assert load_config(overrides={"pipeline.schedule": "zb-h1"}).pipeline.schedule == "zb-h1"
