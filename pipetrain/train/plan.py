@@ -151,8 +151,8 @@ def _schedule_from_file(config: TrainConfig, *, tied_embeddings: bool) -> Schedu
         # The trainer's asynchronous runs rebuild their streams by name (pipedream,
         # pipedream-2bw) to fit evaluation and checkpoints, which a fixed file cannot.
         raise ConfigError(
-            f"pipeline.schedule: {p.schedule} is asynchronous (STEP actions), which train runs "
-            "only by name: use --schedule pipedream or pipedream-2bw"
+            f"pipeline.schedule: {p.schedule} is asynchronous (weights change inside a step), "
+            "which train runs only by name: use --schedule pipedream or pipedream-2bw"
         )
     from pipetrain.train.async_plan import check_async
 
