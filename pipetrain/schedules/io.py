@@ -272,8 +272,15 @@ def _field(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], where: 
     value = doc[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ScheduleError(f"{where}: field {key!r} must be {names}, got {value!r}")
+        raise ScheduleError(f"{where}: field {key!r} must be {names}, got {_shown(value)}")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A value for a one-line error: its start when long (a whole file's actions in one
+    string would make the line megabytes)."""
+    text = repr(value)
+    return text if len(text) <= _LONGEST_CELL else text[:_LONGEST_CELL] + "..."
 
 
 def load_json(path: str | Path, *, num_ranks: int | None = None) -> Schedule:
@@ -305,7 +312,10 @@ def load_json(path: str | Path, *, num_ranks: int | None = None) -> Schedule:
         raise ScheduleError(
             f"{where}: format {version} is not supported: this version reads format {FORMAT}"
         )
+    _refuse_unknown(doc, _FIELDS, where)
     pp = _field(doc, "pp", int, where)
+    if pp < 1:
+        raise ScheduleError(f"{where}: field 'pp' must be 1 or more, got {pp}")
     if num_ranks is not None and pp != num_ranks:
         raise ScheduleError(
             f"{where} is for pp={pp} but {num_ranks} ranks were asked for: change --pp"
@@ -321,7 +331,7 @@ def load_json(path: str | Path, *, num_ranks: int | None = None) -> Schedule:
         if not isinstance(row, list):
             raise ScheduleError(f"{where}: actions row {r} must be a list of action texts")
         actions.append(
-            [_parse(str(text), f"{where}: actions row {r}, item {i}") for i, text in enumerate(row)]
+            [_item(text, f"{where}: actions row {r}, item {i}") for i, text in enumerate(row)]
         )
     microbatches = _field(doc, "microbatches", int, where)
     schedule = Schedule.build(
@@ -347,15 +357,15 @@ def _load_params(
     params: Any, placement: Placement, microbatches: int, where: str
 ) -> dict[str, int]:
     if not isinstance(params, dict):
-        raise ScheduleError(f"{where}: 'params' must map names to integers, got {params!r}")
+        raise ScheduleError(f"{where}: 'params' must map names to integers, got {_shown(params)}")
     for name, value in params.items():
         if name not in _PARAMS:
             raise ScheduleError(
-                f"{where}: unknown param {name!r}: use {', '.join(_PARAMS)} or leave it out"
+                f"{where}: unknown param {_shown(name)}: use {', '.join(_PARAMS)} or leave it out"
             )
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(
-                f"{where}: param {name!r} must be a whole number >= 1, got {value!r}"
+                f"{where}: param {name!r} must be a whole number >= 1, got {_shown(value)}"
             )
     v = params.get("v")
     if v is not None and v != placement.stages_per_rank:
@@ -374,11 +384,43 @@ def _load_params(
 
 def _load_placement(doc: dict[str, Any], pp: int, where: str) -> Placement:
     at = f"{where}: placement"
+    _refuse_unknown(doc, _PLACEMENT_FIELDS, at)
     kind = _field(doc, "kind", str, at)
     stage_to_rank = _field(doc, "stage_to_rank", list, at)
-    if not all(isinstance(r, int) and not isinstance(r, bool) for r in stage_to_rank):
+    if not stage_to_rank or not all(
+        isinstance(r, int) and not isinstance(r, bool) for r in stage_to_rank
+    ):
         raise ScheduleError(f"{at}: 'stage_to_rank' must list one rank number per stage")
+    stages = _field(doc, "num_model_stages", int, at)
+    if stages < 1:
+        raise ScheduleError(f"{at}: field 'num_model_stages' must be 1 or more, got {stages}")
     try:
-        return Placement(kind, pp, tuple(stage_to_rank), _field(doc, "num_model_stages", int, at))
+        return Placement(kind, pp, tuple(stage_to_rank), stages)
     except ValueError as exc:
-        raise ScheduleError(f"{at}: {exc}") from exc
+        raise ScheduleError(
+            f"{at}: {exc}: fix 'stage_to_rank' (ranks 0..{pp - 1}) or 'num_model_stages'"
+        ) from exc
+
+
+# Every field a format-1 file may hold: a misspelt optional one ("param") would otherwise
+# be ignored without a word.
+_FIELDS = ("format", "name", "pp", "microbatches", "placement", "asynchronous", "params", "actions")
+_PLACEMENT_FIELDS = ("kind", "stage_to_rank", "num_model_stages")
+
+
+def _refuse_unknown(doc: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(doc) - set(known))
+    if unknown:
+        raise ScheduleError(
+            f"{where}: unknown field {_shown(unknown[0])}: use {', '.join(known)} or leave it out"
+        )
+
+
+def _item(item: Any, where: str) -> Action:
+    """One JSON action: a string such as "0F0" (a number or null never names an action)."""
+    if not isinstance(item, str):
+        raise ScheduleError(
+            f"{where}: {json.dumps(item)[:_LONGEST_CELL]} is not an action text: write each "
+            'action as a string, e.g. "0F0"'
+        )
+    return _parse(item, where)

@@ -150,3 +150,36 @@ def test_bytes_that_are_not_utf8_are_counted_from_the_start_of_the_file(tmp_path
     path.write_bytes(b"\xef\xbb\xbf0F0,\xff\n")
     with pytest.raises(ScheduleError, match=r"not UTF-8 text \(byte 7 cannot be decoded\)"):
         load_csv(path)
+
+
+def test_json_of_the_wrong_shape_names_the_field_and_the_fix(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    dump_json(build_schedule("1f1b", 2, 2), good)
+    doc = json.loads(good.read_text())
+    bad = tmp_path / "bad.json"
+
+    def variant(**changes: object) -> str:
+        return json.dumps({**doc, **changes})
+
+    def placement(**changes: object) -> str:
+        return variant(placement={**doc["placement"], **changes})
+
+    # A misspelt optional field was ignored without a word.
+    assert "unknown field 'param': use format, name" in errors(bad, variant(param={"v": 1}))
+    assert "placement: unknown field 'stages'" in errors(bad, placement(stages=2))
+    assert "field 'pp' must be 1 or more, got -1" in errors(bad, variant(pp=-1))
+    assert "'stage_to_rank' must list one rank number" in errors(bad, placement(stage_to_rank=[]))
+    assert "'num_model_stages' must be 1 or more, got 0" in errors(
+        bad, placement(num_model_stages=0)
+    )
+    # num_model_stages was read inside the placement's try and its error wrapped twice.
+    message = errors(bad, placement(num_model_stages=True))
+    assert message.count("placement:") == 1 and "must be int, got True" in message
+    message = errors(bad, placement(num_model_stages=3))
+    assert "not whole replicas of 3 model stages: fix 'stage_to_rank'" in message
+    rows = [["0F0", None, "0B0", "0B1"], doc["actions"][1]]
+    assert "item 1: null is not an action text: write each action as a string" in errors(
+        bad, variant(actions=rows)
+    )
+    message = errors(bad, variant(actions="0F0," * 100_000))
+    assert "field 'actions' must be list, got '0F0,0F0," in message and len(message) < 200
