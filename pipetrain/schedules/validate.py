@@ -72,6 +72,8 @@ def _check_shape(schedule: Schedule) -> None:
         raise _error(schedule, f"microbatches is {schedule.microbatches}: it must be 1 or more")
     # A rank without a stage would be a process that only waits (a JSON file can say so; a
     # CSV cannot): the reports would count it idle, and chunks would read 0.
+    if not placement.stage_to_rank:
+        raise _error(schedule, "the placement holds no stage: map each stage to its rank")
     idle = sorted(set(range(placement.num_ranks)) - set(placement.stage_to_rank))
     if idle:
         raise _error(

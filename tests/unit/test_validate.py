@@ -266,3 +266,4 @@ def test_a_rank_without_a_stage_is_refused() -> None:
     # A JSON file's placement may leave a rank out: a process that would only wait.
     placement = Placement.custom((0, 1), num_ranks=3)
     rejects(sched([*GOOD, ""], placement), "rank 2 holds no stage", "use pp=2")
+    rejects(sched(["", ""], Placement("custom", 2, (), 1)), "the placement holds no stage")
