@@ -100,11 +100,37 @@ def _parse(text: str, where: str) -> Action:
                 f"{where}: {core!r} holds several actions: separate them with commas, one "
                 "action per cell (a spreadsheet may have saved ';' or tabs)"
             ) from exc
+        torch_only = _torch_only(core)
+        if torch_only:
+            raise ScheduleError(f"{where}: {core!r} is {torch_only}") from exc
         if core != core.upper() and _is_action(core.upper()):
             raise ScheduleError(
                 f"{where}: {core!r} is not an action: kinds are upper case, write {core.upper()!r}"
             ) from exc
         raise ScheduleError(f"{where}: {exc}") from exc
+
+
+# Actions of PyTorch pipelining's CSV that have no counterpart here, and what to do instead.
+_TORCH_ONLY = {
+    "UNSHARD": "FSDP's gather of a stage, which pipetrain schedules leave out (train --shard "
+    "handles it): remove it",
+    "RESHARD": "FSDP's release of a stage, which pipetrain schedules leave out (train --shard "
+    "handles it): remove it",
+    "REDUCE_GRAD": "FSDP's gradient reduction, which pipetrain schedules leave out (train --dp "
+    "and --shard handle it): remove it",
+    "OVERLAP_F_B": "a forward and a backward overlapped in one action, which pipetrain "
+    "does not run: write them as two cells, the F then the B",
+}
+_TORCH_ONLY_RE = re.compile(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*|\(.*\)(OVERLAP_F_B)")
+
+
+def _torch_only(text: str) -> str:
+    """What to do with a PyTorch-only action such as '0UNSHARD', else ''."""
+    match = _TORCH_ONLY_RE.fullmatch(text)
+    if match is None:
+        return ""
+    kind = match.group(1) or match.group(2)
+    return f"PyTorch pipelining's {kind}: {_TORCH_ONLY[kind]}"
 
 
 def _is_action(text: str) -> bool:

@@ -183,3 +183,13 @@ def test_json_of_the_wrong_shape_names_the_field_and_the_fix(tmp_path: Path) -> 
     )
     message = errors(bad, variant(actions="0F0," * 100_000))
     assert "field 'actions' must be list, got '0F0,0F0," in message and len(message) < 200
+
+
+def test_pytorch_only_actions_say_what_to_do(tmp_path: Path) -> None:
+    # PyTorch pipelining's CSV (the layout we share) may hold FSDP and overlap actions.
+    csv = tmp_path / "torch.csv"
+    message = errors(csv, "0UNSHARD,0F0,0B0\n1F0,1B0\n")
+    assert "'0UNSHARD' is PyTorch pipelining's UNSHARD" in message and "remove it" in message
+    assert "REDUCE_GRAD" in errors(csv, "0F0,0B0,0REDUCE_GRAD\n1F0,1B0\n")
+    message = errors(csv, "0F0,0F1,0B0,0B1\n1F0,(1F1;1B0)OVERLAP_F_B,1B1\n")
+    assert "row 2, column 2" in message and "write them as two cells" in message
