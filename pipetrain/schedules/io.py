@@ -24,16 +24,15 @@ keeps them.
 
 from __future__ import annotations
 
-import codecs
 import csv
 import io
 import json
-import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from pipetrain.schedules.actions import Action, ActionParseError, Kind, parse_action
+from pipetrain.schedules.actions import Action, Kind
+from pipetrain.schedules.file_text import LONGEST_CELL, parse_cell, read_text, shown, write_text
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.schedule import Schedule, ScheduleError
 from pipetrain.schedules.validate import validate
@@ -43,119 +42,6 @@ __all__ = ["FORMAT", "dump_csv", "dump_json", "load_csv", "load_json"]
 FORMAT = 1
 
 
-# Far more than any schedule the simulator or the runtime gets through in minutes (8 million
-# actions of about 8 bytes): a bigger file is another kind of file, e.g. a data set passed
-# by mistake, which is refused before it is read into memory.
-_MOST_BYTES = 64 * 2**20
-
-
-def _read(path: str | Path) -> str:
-    try:
-        with open(path, "rb") as file:
-            # One byte past the limit tells a file at it from a longer one (a pipe or a
-            # device such as /dev/zero has no size to ask for first).
-            data = file.read(_MOST_BYTES + 1)
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise ScheduleError(
-            f"cannot read schedule file {str(path)!r}: {reason}: check the path"
-        ) from exc
-    if len(data) > _MOST_BYTES:
-        raise ScheduleError(
-            f"schedule file {str(path)!r} is over {_MOST_BYTES // 2**20} MiB, far more than a "
-            "schedule takes: check the path (a CSV or JSON schedule, one row per rank)"
-        )
-    # utf-8-sig: spreadsheets (Excel's "CSV UTF-8") start the file with a byte-order mark,
-    # which would otherwise glue itself to the first action ('\ufeff0F0').
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        # The decoder counts from after the mark; the user's editor counts from the start.
-        offset = exc.start + (len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0)
-        raise ScheduleError(
-            f"schedule file {str(path)!r} is not UTF-8 text (byte {offset} cannot be "
-            "decoded): give a CSV or JSON schedule saved as UTF-8"
-        ) from exc
-
-
-# Longer than any action text ("12ALLREDUCE", "3SEND_B4096"): not worth quoting whole in a
-# one-line error (a binary file or a runaway quote can make a cell megabytes long).
-_LONGEST_CELL = 40
-
-
-def _parse(text: str, where: str) -> Action:
-    """The action in one CSV cell or JSON item, or a ScheduleError naming ``where``."""
-    # Measured without the spaces that align a hand-edited file's columns.
-    core = text.strip()
-    if len(core) > _LONGEST_CELL:
-        raise ScheduleError(
-            f"{where}: {core[:16]!r}... ({len(core)} characters) is not an action: write one "
-            "action per cell, e.g. '3F12', '0I4', '1W4', '2B0'"
-        )
-    try:
-        return parse_action(text)
-    except (ActionParseError, ValueError) as exc:
-        if _several_actions(core):
-            raise ScheduleError(
-                f"{where}: {core!r} holds several actions: separate them with commas, one "
-                "action per cell (a spreadsheet may have saved ';' or tabs)"
-            ) from exc
-        torch_only = _torch_only(core)
-        if torch_only:
-            raise ScheduleError(f"{where}: {core!r} is {torch_only}") from exc
-        if core != core.upper() and _is_action(core.upper()):
-            raise ScheduleError(
-                f"{where}: {core!r} is not an action: kinds are upper case, write {core.upper()!r}"
-            ) from exc
-        raise ScheduleError(f"{where}: {exc}") from exc
-
-
-# Actions of PyTorch pipelining's CSV that have no counterpart here, and what to do instead.
-_TORCH_ONLY = {
-    "UNSHARD": "FSDP's gather of a stage, which pipetrain schedules leave out (train --shard "
-    "handles it): remove it",
-    "RESHARD": "FSDP's release of a stage, which pipetrain schedules leave out (train --shard "
-    "handles it): remove it",
-    "REDUCE_GRAD": "FSDP's gradient reduction, which pipetrain schedules leave out (train --dp "
-    "and --shard handle it): remove it",
-    "OVERLAP_F_B": "a forward and a backward overlapped in one action, which pipetrain "
-    "does not run: write them as two cells, the F then the B",
-}
-_TORCH_ONLY_RE = re.compile(r"\d+(UNSHARD|RESHARD|REDUCE_GRAD)\d*|\(.*\)(OVERLAP_F_B)")
-
-
-def _torch_only(text: str) -> str:
-    """What to do with a PyTorch-only action such as '0UNSHARD', else ''."""
-    match = _TORCH_ONLY_RE.fullmatch(text)
-    if match is None:
-        return ""
-    kind = match.group(1) or match.group(2)
-    return f"PyTorch pipelining's {kind}: {_TORCH_ONLY[kind]}"
-
-
-def _is_action(text: str) -> bool:
-    try:
-        parse_action(text)
-    except (ActionParseError, ValueError):
-        return False
-    return True
-
-
-def _several_actions(text: str) -> bool:
-    """True for a cell such as '0F0;0F1' or '0F0 0F1': actions joined by another separator."""
-    parts = [part for part in re.split(r"[;\t| ]+", text) if part]
-    return len(parts) > 1 and all(_is_action(part) for part in parts)
-
-
-def _write(path: str | Path, text: str) -> None:
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise ScheduleError(
-            f"cannot write schedule file {str(path)!r}: {exc.strerror}: check the directory"
-        ) from exc
-
-
 # ----------------------------------------------------------------------------- CSV
 def dump_csv(schedule: Schedule, path: str | Path) -> None:
     """Write one row per rank, one action text per cell."""
@@ -163,7 +49,7 @@ def dump_csv(schedule: Schedule, path: str | Path) -> None:
     writer = csv.writer(out, lineterminator="\n")
     for row in schedule.actions:
         writer.writerow([str(a) for a in row])
-    _write(path, out.getvalue())
+    write_text(path, out.getvalue())
 
 
 def load_csv(
@@ -221,14 +107,14 @@ def load_csv(
 
 def _read_rows(path: str | Path) -> list[list[Action]]:
     """The actions of each CSV row; blank cells skipped, trailing blank rows kept."""
-    reader = csv.reader(io.StringIO(_read(path)))
+    reader = csv.reader(io.StringIO(read_text(path)))
     rows: list[list[Action]] = []
     try:
         for cells in reader:
             line_no = reader.line_num
             rows.append(
                 [
-                    _parse(cell, f"{path} row {line_no}, column {col}")
+                    parse_cell(cell, f"{path} row {line_no}, column {col}")
                     for col, cell in enumerate(cells, start=1)
                     if cell.strip()
                 ]
@@ -289,7 +175,7 @@ def dump_json(schedule: Schedule, path: str | Path) -> None:
         "params": dict(schedule.params),
         "actions": [[str(a) for a in row] for row in schedule.actions],
     }
-    _write(path, json.dumps(document, indent=1) + "\n")
+    write_text(path, json.dumps(document, indent=1) + "\n")
 
 
 def _field(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -298,20 +184,13 @@ def _field(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], where: 
     value = doc[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ScheduleError(f"{where}: field {key!r} must be {names}, got {_shown(value)}")
+        raise ScheduleError(f"{where}: field {key!r} must be {names}, got {shown(value)}")
     return value
-
-
-def _shown(value: Any) -> str:
-    """A value for a one-line error: its start when long (a whole file's actions in one
-    string would make the line megabytes)."""
-    text = repr(value)
-    return text if len(text) <= _LONGEST_CELL else text[:_LONGEST_CELL] + "..."
 
 
 def load_json(path: str | Path, *, num_ranks: int | None = None) -> Schedule:
     """Read and validate a JSON schedule."""
-    text = _read(path)
+    text = read_text(path)
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -383,15 +262,15 @@ def _load_params(
     params: Any, placement: Placement, microbatches: int, where: str
 ) -> dict[str, int]:
     if not isinstance(params, dict):
-        raise ScheduleError(f"{where}: 'params' must map names to integers, got {_shown(params)}")
+        raise ScheduleError(f"{where}: 'params' must map names to integers, got {shown(params)}")
     for name, value in params.items():
         if name not in _PARAMS:
             raise ScheduleError(
-                f"{where}: unknown param {_shown(name)}: use {', '.join(_PARAMS)} or leave it out"
+                f"{where}: unknown param {shown(name)}: use {', '.join(_PARAMS)} or leave it out"
             )
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(
-                f"{where}: param {name!r} must be a whole number >= 1, got {_shown(value)}"
+                f"{where}: param {name!r} must be a whole number >= 1, got {shown(value)}"
             )
     v = params.get("v")
     if v is not None and v != placement.stages_per_rank:
@@ -438,7 +317,7 @@ def _refuse_unknown(doc: dict[str, Any], known: tuple[str, ...], where: str) -> 
     unknown = sorted(set(doc) - set(known))
     if unknown:
         raise ScheduleError(
-            f"{where}: unknown field {_shown(unknown[0])}: use {', '.join(known)} or leave it out"
+            f"{where}: unknown field {shown(unknown[0])}: use {', '.join(known)} or leave it out"
         )
 
 
@@ -446,7 +325,7 @@ def _item(item: Any, where: str) -> Action:
     """One JSON action: a string such as "0F0" (a number or null never names an action)."""
     if not isinstance(item, str):
         raise ScheduleError(
-            f"{where}: {json.dumps(item)[:_LONGEST_CELL]} is not an action text: write each "
+            f"{where}: {json.dumps(item)[:LONGEST_CELL]} is not an action text: write each "
             'action as a string, e.g. "0F0"'
         )
-    return _parse(item, where)
+    return parse_cell(item, where)
