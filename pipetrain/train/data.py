@@ -5,8 +5,9 @@ files (site-packages excluded), visited in the order of a fixed hash of their re
 path, as bytes (vocabulary 256). A file is held out for eval when that hash says so, so the
 split does not depend on the seed, the pipeline or the number of bytes read. A user's
 corpus is a text file, a folder of text files, or JSONL with a ``"text"`` field; where a
-name-based split leaves either part too short (a single file), the last
-``eval_fraction`` of the token stream is held out instead.
+name-based split leaves either part too short (a single file) or holds out more than twice
+``eval_fraction`` of the text (a few files), the last ``eval_fraction`` of the token stream
+is held out instead.
 
 Batch ``step`` of a run is a pure function of (seed, step): random windows of
 ``seq_len + 1`` tokens, so any rank, any split and a resumed run see the same batches.
@@ -236,9 +237,16 @@ def load_corpus(config: DataConfig) -> Corpus:
     eval_parts: list[str] = []
     train_bytes = eval_bytes = 0
     count = 0
+    # Every document read, whole and in corpus order (at most max_bytes): the stream that
+    # the fallback below splits, so that none is lost to the held-out budget there.
+    read: list[str] = []
+    read_bytes = 0
     for name, text in documents:
         if train_bytes >= config.max_bytes and eval_bytes >= eval_budget:
             break
+        if read_bytes < config.max_bytes:
+            read.append(text[: config.max_bytes - read_bytes])
+            read_bytes += len(read[-1])
         # The document that crosses a budget is cut there: one large file would otherwise
         # make the held-out part far more than eval_fraction of a small corpus.
         if _hash(name) % _BUCKETS < threshold:
@@ -259,9 +267,13 @@ def load_corpus(config: DataConfig) -> Corpus:
     needed = config.seq_len + 1
     train = _encode(train_parts, tokenizer)
     held_out = _encode(eval_parts, tokenizer)
-    if len(train) < needed or len(held_out) < needed:
+    # A few documents split by name can hold out most of the text (2 of a folder's 3 files
+    # was 67% at eval_fraction 0.05), or leave a part too short for one sequence.
+    lopsided = len(held_out) > 2 * config.eval_fraction * (len(train) + len(held_out))
+    if len(train) < needed or len(held_out) < needed or lopsided:
         # Too few documents for a split by name: hold out the tail of the whole stream.
-        stream = _encode(train_parts + eval_parts, tokenizer)
+        stream = _encode(read, tokenizer)
+        count = len(read)
         cut = len(stream) - max(needed, int(len(stream) * config.eval_fraction))
         train, held_out = stream[:cut], stream[cut:]
         if len(train) < needed:

@@ -157,3 +157,20 @@ def test_a_large_document_does_not_swell_the_held_out_part() -> None:
     corpus = load_corpus(DataConfig(max_bytes=100_000, eval_fraction=0.05))
     assert 100_000 <= len(corpus.train) < 110_000
     assert 5_000 <= len(corpus.eval) < 5_500
+
+
+@pytest.mark.parametrize("max_bytes", [8_000_000, 200_000])
+def test_a_few_files_are_not_mostly_held_out_nor_dropped(tmp_path: Path, max_bytes: int) -> None:
+    # n1.txt and n2.txt both fall below the 5% hash threshold: the split by name held out
+    # 2 of the 3 files (67% of the text), and with a small held-out budget it kept a cut
+    # of n1 and dropped n2 altogether ("2 documents").
+    texts = {f"n{i}.txt": "".join(f"file {i} line {j}\n" for j in range(1500)) for i in (1, 2, 3)}
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    corpus = load_corpus(DataConfig(path=str(tmp_path), max_bytes=max_bytes, eval_fraction=0.05))
+    assert "3 documents" in corpus.description
+    total = len(corpus.train) + len(corpus.eval)
+    assert len(corpus.eval) <= 0.1 * total
+    everything = ByteTokenizer().decode(corpus.train.tolist() + corpus.eval.tolist())
+    for i in (1, 2, 3):
+        assert f"file {i} line 0\n" in everything and f"file {i} line 1499\n" in everything
