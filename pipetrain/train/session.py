@@ -290,7 +290,8 @@ def _checkpoints(
         model=model_fields,
         layout=Layout(
             p.pp,
-            p.chunks,
+            # Model stages per rank: the V schedules hold 2 whatever pipeline.chunks says.
+            len(plan.split) // p.pp,
             p.schedule,
             dist.get_world_size(everyone) if everyone is not None else 1,
             plan.split,

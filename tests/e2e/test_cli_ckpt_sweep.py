@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.checkpoint import list_checkpoints, save_checkpoint
+from pipetrain.checkpoint import list_checkpoints, read_manifest, save_checkpoint
 from pipetrain.cli import main
 
 pytestmark = pytest.mark.e2e
@@ -116,6 +116,27 @@ def test_export_of_a_directory_names_the_checkpoint_and_all_damaged_says_so(
         assert line.endswith(
             "(and 1 more damaged); restore the damaged files, or pass another checkpoint"
         )
+
+
+def test_a_v_schedules_checkpoint_says_two_stages_per_rank(
+    work: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = work / "ckpt_v"
+    argv = [
+        "train", "--model", "llama-tiny", "--pp", "2", "--schedule", "zb-v", "--single-process",
+        "--steps", "1", "--batch-size", "4", "--microbatches", "4", "--seq-len", "8",
+        "--eval-every", "0", "--set", "run.evaluate=false", "--set", "run.sample_tokens=0",
+        "--set", "optim.warmup_steps=0", "--data", str(work / "data"),
+        "--set", f"run.out_dir={work / 'runs'}", "--name", "v", "--checkpoint-dir", str(ckpt),
+    ]  # fmt: skip
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    # It said chunks=1 (pipeline.chunks, which the V schedules ignore) beside 4 stages.
+    layout = read_manifest(ckpt / "step_000001").layout
+    assert (layout.pp, layout.chunks, len(layout.stages)) == (2, 2, 4)
+    code, out, err = cli(capsys, "ckpt", "inspect", str(ckpt))
+    assert code == 0, err
+    assert "layout: pp=2 chunks=2 schedule=zb-v world_size=1" in out
 
 
 def test_train_refuses_a_used_directory_without_resume_and_resume_keeps_the_metrics(
