@@ -38,7 +38,13 @@ from pipetrain.train.data import Corpus, load_tokenizer
 from pipetrain.train.metrics import RunSummary, measured_bubble, peak_memory_bytes
 from pipetrain.train.optim import StepOutcome
 from pipetrain.train.parallel import Mesh, build_mesh, replica_mean, state_bytes
-from pipetrain.train.plan import RunPlan, plan_run, threads_per_process
+from pipetrain.train.plan import (
+    RunPlan,
+    plan_fingerprint,
+    plan_run,
+    plans_disagree,
+    threads_per_process,
+)
 from pipetrain.train.rendezvous import join_process_group, report_failure
 from pipetrain.train.run_folder import announce
 from pipetrain.train.sample import gather_state_dict, generate
@@ -110,7 +116,7 @@ def train(
     try:
         if role.distributed:
             # Before the groups are made: ranks that disagree on pp or dp would hang there.
-            _check_same_settings(config)
+            _check_same_settings(config, plan)
             mesh = build_mesh(device.type, p.pp, p.dp)
             # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
             group = mesh.pp_group if p.pp > 1 else None
@@ -145,11 +151,14 @@ def _set_up(
     return plan, device
 
 
-def _check_same_settings(config: TrainConfig) -> None:
-    """Refuse, on every rank alike, a run whose processes resolved different settings."""
+def _check_same_settings(config: TrainConfig, plan: RunPlan) -> None:
+    """Refuse, on every rank alike, a run whose processes resolved different settings, or
+    derived different pipelines from the same ones."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, config_to_dict(config))
-    problem = settings_disagree(everyone)
+    dist.all_gather_object(everyone, (config_to_dict(config), plan_fingerprint(plan)))
+    problem = settings_disagree([c for c, _ in everyone]) or plans_disagree(
+        [f for _, f in everyone], config.pipeline.schedule, config.model.name
+    )
     if problem is not None:
         raise ConfigError(problem)
 

@@ -6,8 +6,11 @@ bad setting with one line before it launches anything.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipetrain.errors import InputError
@@ -20,7 +23,9 @@ __all__ = [
     "block_split",
     "check_shardable",
     "is_schedule_file",
+    "plan_fingerprint",
     "plan_run",
+    "plans_disagree",
     "threads_per_process",
 ]
 
@@ -35,6 +40,45 @@ class RunPlan:
     # Layer indices of each model stage: blocks spread evenly, the embedding on the first
     # stage and the head on the last.
     split: tuple[tuple[int, ...], ...]
+
+
+def plan_fingerprint(plan: RunPlan) -> dict[str, str]:
+    """Short digests of what each process derived from its config: two processes with the
+    same settings still differ here when a schedule file holds other actions on another
+    node, or another pipetrain version builds another model or split from the same names."""
+    s = plan.schedule
+    # Not the schedule's name: a loaded file's may carry its path, which nodes may spell
+    # differently for the same actions.
+    parts = {
+        "schedule": (s.placement, s.microbatches, s.actions, s.asynchronous, s.params),
+        "split": plan.split,
+        # Not the preset's name: a label.
+        "model": {k: v for k, v in dataclasses.asdict(plan.model).items() if k != "name"},
+    }
+    return {k: hashlib.sha256(repr(v).encode()).hexdigest()[:16] for k, v in parts.items()}
+
+
+def plans_disagree(
+    by_rank: Sequence[Mapping[str, str]], schedule_setting: str, model_name: str
+) -> str | None:
+    """Why processes whose settings agree (``settings_disagree``) derived different
+    pipelines (``plan_fingerprint`` of each, by rank), in one line; None when they agree.
+    Training on would hang at the first message or mix two models' gradients."""
+    first = by_rank[0]
+    for rank, theirs in enumerate(by_rank[1:], start=1):
+        if theirs["schedule"] != first["schedule"] and is_schedule_file(schedule_setting):
+            return (
+                f"the schedule file {schedule_setting!r} holds other actions on rank {rank} "
+                f"than on rank 0: give every node the same file"
+            )
+        for part in ("schedule", "split", "model"):
+            if theirs[part] != first[part]:
+                what = f"model {model_name}" if part == "model" else f"the {part}"
+                return (
+                    f"{what} comes out differently on rank {rank} than on rank 0 from the "
+                    f"same settings: install the same pipetrain version on every node"
+                )
+    return None
 
 
 def block_split(n_blocks: int, num_stages: int) -> tuple[tuple[int, ...], ...]:

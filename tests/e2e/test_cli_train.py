@@ -233,14 +233,16 @@ def test_a_run_does_not_replace_an_earlier_runs_metrics(
     assert [r["step"] for r in _steps(run_dir / "metrics.jsonl")] == [1, 2]
 
 
-def _torchrun_nodes(tmp_path: Path, flags: list[list[str]]) -> list[tuple[int, str, str]]:
+def _torchrun_nodes(
+    tmp_path: Path, flags: list[list[str]], cwds: list[Path] | None = None
+) -> list[tuple[int, str, str]]:
     """Two torchrun "nodes" of one process each on this machine, node i started with
-    ``flags[i]``; (exit status, stdout, stderr) of each."""
+    ``flags[i]`` in ``cwds[i]`` (default ``tmp_path``); (exit status, stdout, stderr) of each."""
     with reserved_port() as port:
-        return _start_nodes(tmp_path, flags, port)
+        return _start_nodes(cwds or [tmp_path, tmp_path], flags, port)
 
 
-def _start_nodes(tmp_path: Path, flags: list[list[str]], port: int) -> list[tuple[int, str, str]]:
+def _start_nodes(cwds: list[Path], flags: list[list[str]], port: int) -> list[tuple[int, str, str]]:
     nodes = []
     for node in range(2):
         # torchrun's options first, then the module and its own options: after the module
@@ -253,7 +255,7 @@ def _start_nodes(tmp_path: Path, flags: list[list[str]], port: int) -> list[tupl
         pipe = subprocess.PIPE
         nodes.append(
             subprocess.Popen(
-                command, cwd=tmp_path, stdout=pipe, stderr=pipe, text=True, start_new_session=True
+                command, cwd=cwds[node], stdout=pipe, stderr=pipe, text=True, start_new_session=True
             )
         )
     outputs = []
@@ -300,6 +302,30 @@ def test_torchrun_nodes_started_with_different_settings_stop_with_one_line(
         assert line.endswith("start every process with the same --config file and flags"), line
         assert "Traceback" not in err.split(problem)[0][-2000:]
     assert not list(tmp_path.glob("runs/*/metrics.jsonl"))
+
+
+def test_torchrun_nodes_whose_schedule_files_differ_stop_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same flags, --schedule mine.csv, but each node's file holds another order
+    (1F1B's on node 0, GPipe's on node 1): the settings agree, the pipelines do not, and
+    training on would wait at the first message that one side never sends."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for folder, schedule in zip(nodes, ("1f1b", "gpipe"), strict=True):
+        folder.mkdir()
+        argv = ["simulate", "--schedule", schedule, "--pp", "2", "--microbatches", "4"]
+        assert main([*argv, "--save", str(folder / "mine.csv")]) == 0
+    capsys.readouterr()
+    flags = [*TINY, "--pp", "2", "--schedule", "mine.csv", "--name", "files"]
+    ran = _torchrun_nodes(tmp_path, [flags, flags], cwds=nodes)
+    problem = (
+        "pipetrain train: error: the schedule file 'mine.csv' holds other actions on rank 1 "
+        "than on rank 0: give every node the same file"
+    )
+    for code, _, err in ran:
+        assert code != 0, err[-3000:]  # torchrun exits 1 whatever its process said
+        assert problem in err.splitlines(), err[-3000:]
+    assert not list(tmp_path.glob("node*/runs/*/metrics.jsonl"))
 
 
 def test_a_node_that_cannot_start_stops_the_others_at_once(tmp_path: Path) -> None:

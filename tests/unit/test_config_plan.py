@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pipetrain.schedules.io import dump_csv
+from pipetrain.schedules.registry import build_schedule
 from pipetrain.train.config import ConfigError, load_config
-from pipetrain.train.plan import RunPlan, block_split, plan_run, threads_per_process
+from pipetrain.train.plan import (
+    RunPlan,
+    block_split,
+    plan_fingerprint,
+    plan_run,
+    plans_disagree,
+    threads_per_process,
+)
 
 
 def _plan(**overrides: Any) -> RunPlan:
@@ -132,3 +143,42 @@ def test_balance_moves_blocks_off_a_heavy_head() -> None:
     assert sum(cost) == 12 and cost[-1] < 4 and cost[0] > 4
     assert counts(**{"pipeline.balance": "params"}) == [0, 12, 0]
     assert counts(**{"pipeline.split": "6, 5,1"}) == [6, 5, 1]
+
+
+def test_processes_whose_pipelines_differ_from_the_same_settings_are_named(
+    tmp_path: Path,
+) -> None:
+    same = [plan_fingerprint(_plan()), plan_fingerprint(_plan())]
+    assert same[0] == same[1] and plans_disagree(same, "1f1b", "llama-default") is None
+    # A preset renamed, its sizes kept: the same weights, so the same pipeline.
+    plan = _plan()
+    renamed = dataclasses.replace(plan, model=dataclasses.replace(plan.model, name="mine"))
+    assert plan_fingerprint(renamed) == same[0]
+    # One node's file holds GPipe's order, the other's 1F1B's, under one name.
+    fingerprints = []
+    for i, name in enumerate(("1f1b", "gpipe")):
+        folder = tmp_path / f"node{i}"
+        folder.mkdir()
+        dump_csv(build_schedule(name, 3, 8), folder / "mine.csv")
+        config = load_config(
+            overrides={"run.name": "t", "pipeline.schedule": str(folder / "mine.csv")}
+        )
+        fingerprints.append(plan_fingerprint(plan_run(config, vocab_size=256)))
+    assert plans_disagree(fingerprints, "mine.csv", "llama-default") == (
+        "the schedule file 'mine.csv' holds other actions on rank 1 than on rank 0: give "
+        "every node the same file"
+    )
+    # Another pipetrain version: the same preset name builds another model, or splits it
+    # otherwise; the settings agree, so only the derived pipeline can tell.
+    wider = dataclasses.replace(
+        plan, model=dataclasses.replace(plan.model, ffn_hidden=plan.model.ffn_hidden * 2)
+    )
+    other_split = dataclasses.replace(plan, split=(plan.split[0][:-1], *plan.split[1:]))
+    for other, words in ((wider, "model llama-default comes"), (other_split, "the split comes")):
+        problem = plans_disagree(
+            [same[0], same[0], plan_fingerprint(other)], "1f1b", "llama-default"
+        )
+        assert problem == (
+            f"{words} out differently on rank 2 than on rank 0 from the same settings: "
+            "install the same pipetrain version on every node"
+        )
