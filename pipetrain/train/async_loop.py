@@ -38,7 +38,7 @@ from pipetrain.train.metrics import (
 from pipetrain.train.optim import build_optimizer, lr_at
 from pipetrain.train.plan import RunPlan
 from pipetrain.train.sample import gather_state_dict, generate
-from pipetrain.train.session import open_output
+from pipetrain.train.session import check_same_data, open_output
 
 __all__ = ["train_async", "versions_line"]
 
@@ -75,6 +75,8 @@ def train_async(
     first = any(placement.is_first(s) for s in pipeline.stages)
     last = any(placement.is_last(s) for s in pipeline.stages)
     corpus: Corpus | None = load_corpus(d) if first or last else None
+    if group is not None:
+        check_same_data(corpus, group)
     evals: list[Batch] = []
     if corpus is not None:
         evals = eval_batches(

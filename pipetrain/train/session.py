@@ -8,6 +8,7 @@ output and the checkpoints. The loop then only steps, evaluates and finishes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import IO, Any
@@ -19,7 +20,14 @@ from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
 from pipetrain.models import model_spec
 from pipetrain.runtime import Pipeline, build_pipeline
 from pipetrain.train.config import TrainConfig, config_to_dict
-from pipetrain.train.data import Batch, Corpus, eval_batches, load_corpus, train_batch
+from pipetrain.train.data import (
+    Batch,
+    Corpus,
+    DataError,
+    eval_batches,
+    load_corpus,
+    train_batch,
+)
 from pipetrain.train.metrics import RunOutput
 from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
 from pipetrain.train.parallel import (
@@ -34,7 +42,16 @@ from pipetrain.train.plan import RunPlan
 from pipetrain.train.sharded import ShardedGradients
 from pipetrain.train.stage_options import apply_stage_options
 
-__all__ = ["ProcessRole", "Session", "local_gradients", "open_output", "open_session"]
+__all__ = [
+    "ProcessRole",
+    "Session",
+    "check_same_data",
+    "corpus_fingerprint",
+    "data_disagree",
+    "local_gradients",
+    "open_output",
+    "open_session",
+]
 
 
 @dataclass(frozen=True)
@@ -146,6 +163,48 @@ def open_output(config: TrainConfig, role: ProcessRole, out: IO[str]) -> RunOutp
     )
 
 
+def corpus_fingerprint(corpus: Corpus) -> tuple[str, int, int]:
+    """A digest of the token streams, with their lengths for the message."""
+    digest = hashlib.blake2b(digest_size=16)
+    for stream in (corpus.train, corpus.eval):
+        digest.update(len(stream).to_bytes(8, "little"))
+        digest.update(stream.tobytes())
+    return digest.hexdigest(), len(corpus.train), len(corpus.eval)
+
+
+def data_disagree(by_rank: list[tuple[str, int, int] | None]) -> str | None:
+    """Why the ranks that read data (``corpus_fingerprint`` of each, None where a rank
+    reads none) cannot train together, in one line; None when they read the same tokens.
+
+    The first stage reads the inputs and the last the targets of the same batch index:
+    with other text on another node (files that differ under one path, or the default
+    corpus of another Python version's standard library) the targets would belong to
+    other inputs and the loss would fall for nothing, silently."""
+    held = [(rank, f) for rank, f in enumerate(by_rank) if f is not None]
+    if not held:
+        return None
+    (first_rank, first), *rest = held
+    for rank, theirs in rest:
+        if theirs != first:
+            return (
+                f"rank {rank} read other data than rank {first_rank} ({theirs[1]:,} train "
+                f"and {theirs[2]:,} eval tokens against {first[1]:,} and {first[2]:,}) from the "
+                f"same data.path: give every node the same files (the default corpus is the "
+                f"running Python's standard library: use one Python version on every node)"
+            )
+    return None
+
+
+def check_same_data(corpus: Corpus | None, group: Any) -> None:
+    """Refuse, on every rank of ``group`` alike, a run whose ranks read different text."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    mine = None if corpus is None else corpus_fingerprint(corpus)
+    dist.all_gather_object(everyone, mine, group=group)
+    problem = data_disagree(everyone)
+    if problem is not None:
+        raise DataError(problem)
+
+
 def open_session(
     config: TrainConfig,
     role: ProcessRole,
@@ -195,6 +254,8 @@ def open_session(
     first = any(placement.is_first(s) for s in pipeline.stages)
     last = any(placement.is_last(s) for s in pipeline.stages)
     corpus: Corpus | None = load_corpus(d) if first or last else None
+    if everyone is not None:
+        check_same_data(corpus, everyone)
     evals: list[tuple[Batch, float | None]] | None = None
     if corpus is not None:
         evals = [

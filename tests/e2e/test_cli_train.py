@@ -328,6 +328,24 @@ def test_torchrun_nodes_whose_schedule_files_differ_stop_with_one_line(
     assert not list(tmp_path.glob("node*/runs/*/metrics.jsonl"))
 
 
+def test_torchrun_nodes_that_read_other_text_stop_with_one_line(tmp_path: Path) -> None:
+    """The same --data data, but each node's folder holds other text: the last stage
+    (node 1) would learn targets that do not follow the first stage's inputs."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for folder, word in zip(nodes, ("return", "yield"), strict=True):
+        (folder / "data").mkdir(parents=True)
+        for i in range(4):
+            (folder / "data" / f"doc{i}.txt").write_text(f"def f(x): {word} x + {i}\n" * 300)
+    flags = [*TINY, "--pp", "2", "--data", "data", "--name", "texts"]
+    ran = _torchrun_nodes(tmp_path, [flags, flags], cwds=nodes)
+    for code, _, err in ran:
+        assert code != 0, err[-3000:]  # torchrun exits 1 whatever its process said
+        (line,) = [line for line in err.splitlines() if line.startswith("pipetrain train:")]
+        assert line.startswith("pipetrain train: error: rank 1 read other data than rank 0 ("), line
+        assert "from the same data.path: give every node the same files" in line, line
+    assert not list(tmp_path.glob("node*/runs/*/metrics.jsonl"))
+
+
 def test_a_node_that_cannot_start_stops_the_others_at_once(tmp_path: Path) -> None:
     """Node 1's data file is missing: node 0 would wait for it in the rendezvous until
     the timeout (300 s); it stops within seconds, with node 1's reason."""
