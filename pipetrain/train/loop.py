@@ -138,7 +138,7 @@ def _set_up(
             f"--nproc-per-node) or change --pp/--dp"
         )
     tokenizer = load_tokenizer(config.data.tokenizer)
-    plan = plan_run(config, vocab_size=tokenizer.vocab_size)
+    plan = plan_run(config, vocab_size=tokenizer.vocab_size, reporter=role.reporter)
     device = resolve_device(
         p.device, role.local_rank, role.local_world_size if role.distributed else 1
     )

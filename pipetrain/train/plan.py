@@ -98,8 +98,9 @@ def block_split(n_blocks: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
     return tuple(split)
 
 
-def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
-    """Resolve and check model, schedule and split; ``ConfigError`` names what to change."""
+def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> RunPlan:
+    """Resolve and check model, schedule and split; ``ConfigError`` names what to change.
+    ``reporter``: this process writes the run's outputs (rank 0, or a launcher)."""
     try:
         model = get_model_config(config.model.name, vocab_size=vocab_size)
     except InputError as exc:
@@ -122,7 +123,7 @@ def plan_run(config: TrainConfig, *, vocab_size: int) -> RunPlan:
             f"schedule {p.schedule!r} on {p.pp} ranks has {stages} model stages but model {model.name} "
             f"has {model.n_layers} blocks: use fewer --pp/--chunks or a model with more blocks"
         )
-    _check_optional_packages(config)
+    _check_optional_packages(config, reporter)
     if p.device == "cuda":
         import torch
 
@@ -241,11 +242,18 @@ def check_shardable(schedule: Schedule) -> None:
         )
 
 
-def _check_optional_packages(config: TrainConfig) -> None:
-    """Packages that only some options need, checked before any process starts."""
+def _check_optional_packages(config: TrainConfig, reporter: bool) -> None:
+    """Packages that only some options need, checked before any process starts. Only
+    rank 0 writes TensorBoard events and the timeline picture: the other nodes of a
+    torchrun launch need not have those packages."""
     needs = (
-        (config.run.tensorboard, "tensorboard", "run.tensorboard", "drop --tensorboard"),
-        (bool(config.run.timeline), "matplotlib", "run.timeline", "drop --timeline"),
+        (
+            reporter and config.run.tensorboard,
+            "tensorboard",
+            "run.tensorboard",
+            "drop --tensorboard",
+        ),
+        (reporter and bool(config.run.timeline), "matplotlib", "run.timeline", "drop --timeline"),
         (
             bool(config.data.tokenizer),
             "tokenizers",

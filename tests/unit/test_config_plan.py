@@ -94,6 +94,9 @@ def test_missing_tensorboard_is_named_before_launch() -> None:
         ConfigError, match=r"run.tensorboard needs the 'tensorboard' package.*drop --tensorboard"
     ):
         _plan(**{"run.tensorboard": True})
+    # Only rank 0 writes the events: another node of a torchrun launch need not have it.
+    config = load_config(overrides={"run.name": "t", "run.tensorboard": True})
+    assert plan_run(config, vocab_size=256, reporter=False).model.name == "llama-default"
 
 
 def test_cuda_without_a_gpu_is_named() -> None:
