@@ -280,7 +280,7 @@ def open_session(
         output.say(f"data: {corpus.description}")
         output.say(
             f"model {plan.model.name}: {plan.model.n_layers} blocks, d_model {plan.model.d_model}; "
-            f"schedule {plan.schedule.name} on {p.pp} ranks, split {[len(s) for s in plan.split]} layers, "
+            f"schedule {plan.schedule.name} on {p.pp} rank{'s' if p.pp > 1 else ''}, split {[len(s) for s in plan.split]} layers, "
             f"{n_params:,} parameters in this process, device {device}"
         )
     checkpoints = _checkpoints(config, plan, pipeline, optimizer, everyone, device, output)
