@@ -119,7 +119,8 @@ class DataConfig:
     batch_size: int = 32
     # Tokens per sequence.
     seq_len: int = 128
-    # Share of the documents held out for eval, chosen by a fixed hash of their name.
+    # Share of the text held out for eval: whole documents chosen by a fixed hash of their
+    # name, or the tail of the text read when too few documents make that split lopsided.
     eval_fraction: float = 0.05
     # Batches of data.batch_size sequences in each evaluation.
     eval_batches: int = 2
