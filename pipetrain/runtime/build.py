@@ -100,6 +100,15 @@ def resolve_schedule(
                 f"schedule {schedule.name!r} has {schedule.microbatches} micro-batches but microbatches="
                 f"{microbatches}: pass microbatches={schedule.microbatches}"
             )
+        per_rank = {len(schedule.placement.stages_of(r)) for r in range(ranks)}
+        if chunks is not None and per_rank != {chunks}:
+            # A loaded schedule brings its placement; chunks= would otherwise be ignored.
+            held = "/".join(str(n) for n in sorted(per_rank))
+            raise PipelineInputError(
+                f"chunks={chunks}, but schedule {schedule.name!r} has {held} "
+                f"stage{'' if held == '1' else 's'} per rank: drop chunks= (a Schedule brings "
+                f"its own placement)"
+            )
         built = schedule
     else:
         from pipetrain.schedules.registry import build_schedule

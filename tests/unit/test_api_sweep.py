@@ -216,6 +216,18 @@ def test_build_arguments_of_the_wrong_kind_are_named(options, message):
         pipeline(**options)
 
 
+def test_chunks_beside_a_loaded_schedule_must_be_its_own():
+    from pipetrain.schedules.registry import build_schedule
+
+    loaded = build_schedule("1f1b", 2, 4)  # as load_csv would give it: a Schedule
+    with pytest.raises(
+        PipelineInputError,
+        match=r"chunks=2, but schedule '1f1b' has 1 stage per rank: drop chunks=",
+    ):
+        pipeline(schedule=loaded, chunks=2)
+    assert pipeline(schedule=loaded, chunks=1).schedule.placement.num_stages == 2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_cuda_device_without_cuda_is_named():
     with pytest.raises(PipelineInputError, match=r"device='cuda' but this machine has no CUDA"):
