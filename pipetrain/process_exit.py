@@ -10,9 +10,10 @@ import contextlib
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["LAUNCH_ENV", "exit_rank", "launched_rank"]
+__all__ = ["LAUNCH_ENV", "exit_rank", "exit_record", "launched_rank"]
 
 # Set by torchrun and the elastic agent in every process it starts.
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -22,6 +23,16 @@ def launched_rank(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process was started as a rank by torchrun (or PyTorch's launcher)."""
     env = os.environ if environ is None else environ
     return all(key in env for key in LAUNCH_ENV)
+
+
+def exit_record(config_path: Path, rank: int) -> Path:
+    """Where the local launcher's worker of ``rank`` leaves its exit status.
+
+    After a stop signal torch's launcher raises ``SignalException`` and keeps the ranks'
+    exit statuses to itself (it also SIGKILLs a rank still running 30 s later): these
+    files tell a stop that every rank finished from one that some rank did not.
+    """
+    return config_path.parent / ".exit" / f"rank{rank}"
 
 
 def exit_rank(code: int) -> NoReturn:

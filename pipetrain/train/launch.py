@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-from pipetrain.process_exit import exit_rank, launched_rank
+from pipetrain.process_exit import exit_rank, exit_record, launched_rank
 from pipetrain.train.loop import ProcessRole
 
 __all__ = ["LaunchFailed", "exit_rank", "exit_record", "launch_local", "role_from_env"]
@@ -42,16 +42,6 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> ProcessRole | Non
         local_rank=int(env["LOCAL_RANK"]),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
     )
-
-
-def exit_record(config_path: Path, rank: int) -> Path:
-    """Where the worker of ``rank`` leaves its exit status for the launcher.
-
-    After a stop signal torch's launcher raises ``SignalException`` and keeps the ranks'
-    exit statuses to itself (it also SIGKILLs a rank still running 30 s later): these
-    files tell a stop that every rank finished from one that some rank did not.
-    """
-    return config_path.parent / ".exit" / f"rank{rank}"
 
 
 def _unfinished(config_path: Path, processes: int) -> str:

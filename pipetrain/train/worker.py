@@ -2,8 +2,18 @@
 
 Started by ``launch.launch_local`` with torch.distributed's environment set. Errors are
 one line on stderr naming the rank; exit status 2 for bad input, 1 for a failed run. The
-process ends through ``launch.exit_rank``, without the interpreter's finalization, which
-gloo's threads can turn into a SIGABRT after a successful run (its docstring says how).
+process ends through ``process_exit.exit_rank``, without the interpreter's finalization,
+which gloo's threads can turn into a SIGABRT after a successful run (its docstring says
+how).
+
+A stop signal (SIGTERM, or the Ctrl-C that the launcher forwards) can come at any moment.
+During the training steps the trainer's ``StopSignal`` makes it finish the step, save and
+stop. Outside them (importing torch, meeting the other ranks, building the model; the
+final evaluation and sample) no step can be cut short, so the rank ends there in one line
+with status 0, as a stop asked for is not a failure: torch's default handling printed a
+KeyboardInterrupt traceback per rank (or died of SIGTERM), and the launcher called the stop
+unclean. That handler is installed before anything heavy is imported, which is why this
+module imports torch only inside ``main``.
 """
 
 from __future__ import annotations
@@ -17,16 +27,39 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 
 from pipetrain.errors import InputError
-from pipetrain.runtime import PipelineError
-from pipetrain.runtime.errors import lost_peer_error
+from pipetrain.process_exit import exit_rank, exit_record, launched_rank
 from pipetrain.train.config import PipelineConfig, load_config
-from pipetrain.train.launch import exit_rank, exit_record, role_from_env
-from pipetrain.train.loop import ProcessRole, train
-from pipetrain.train.optim import TrainingDiverged
 
 __all__ = ["main"]
+
+
+def _rank() -> int:
+    """This process's rank, from the launcher's environment (0 outside a launch)."""
+    return int(os.environ["RANK"]) if launched_rank() else 0
+
+
+def _stop_outside_training(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM/SIGINT while no training step runs: end the rank now, cleanly (module doc).
+
+    The trainer's ``StopSignal`` replaces this handler for the training steps and puts it
+    back after them. It writes with ``os.write`` and leaves with ``os._exit``: a handler
+    runs between any two bytecodes, maybe inside a write to the same stream, where a
+    buffered write would raise 'reentrant call'."""
+    name = signal.Signals(signum).name
+    line = (
+        f"pipetrain train (rank {_rank()}): stopped by {name} outside the training steps "
+        f"(starting up, or after the last one): no step was cut short\n"
+    )
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a reentrant flush raises RuntimeError
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.write(sys.stderr.fileno(), line.encode())
+    _record(0)
+    os._exit(0)
 
 
 def _stop_with_launcher() -> None:
@@ -54,6 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # otherwise leave one bare line on stderr; this dumps every thread's Python stack with
     # it, so the log says where the rank was.
     faulthandler.enable()
+    # torch comes only now, after the stop handler is in place (module doc).
+    from pipetrain.runtime import PipelineError
+    from pipetrain.runtime.errors import lost_peer_error
+    from pipetrain.train.launch import role_from_env
+    from pipetrain.train.loop import ProcessRole, train
+    from pipetrain.train.optim import TrainingDiverged
+
     args = sys.argv[1:] if argv is None else list(argv)
     role = role_from_env() or ProcessRole()
     timeout_s = PipelineConfig.timeout_s
@@ -94,7 +134,7 @@ def _run() -> int:
     except BaseException as exc:
         traceback.print_exc()
         # Every rank's traceback lands in one terminal: say whose it is.
-        rank = (role_from_env() or ProcessRole()).rank
+        rank = _rank()
         text = str(exc).strip()
         summary = f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
         sys.stderr.write(
@@ -105,10 +145,9 @@ def _run() -> int:
 
 def _record(code: int) -> None:
     """Leave the exit status where the local launcher looks after a stop signal."""
-    role = role_from_env()
-    if role is None or len(sys.argv) < 2:
+    if not launched_rank() or len(sys.argv) < 2:
         return
-    path = exit_record(Path(sys.argv[1]), role.rank)
+    path = exit_record(Path(sys.argv[1]), _rank())
     # Unwritable: the launcher then counts this rank as killed, which errs on the safe side.
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,6 +155,11 @@ def _record(code: int) -> None:
 
 
 if __name__ == "__main__":
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, _stop_outside_training)
     status = _run()
+    # The rank's outcome is decided: a stop now must not record 0 over a failure.
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, signal.SIG_IGN)
     _record(status)
     exit_rank(status)

@@ -63,6 +63,25 @@ DIE_ON_STOP_RANK_1 = textwrap.dedent(
 )
 
 
+# Rank 1 passes Ctrl-C to the launcher as it starts, as a user's would come: the launcher
+# forwards it to both ranks while they set up, before any training step.
+CTRL_C_AT_START = textwrap.dedent(
+    """
+    import os
+    if os.environ.get("RANK") == "1":
+        import signal
+        import time
+        import pipetrain.train.loop as loop
+
+        def train(*args, **kwargs):
+            os.kill(os.getppid(), signal.SIGINT)
+            time.sleep(60)  # the forwarded signal ends this rank long before
+
+        loop.train = train
+    """
+)
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` still runs: a zombie (ended, not yet reaped by whoever adopted it
     once its launcher died) does not."""
@@ -138,20 +157,30 @@ def test_a_rank_killed_during_the_sample_ends_the_run_with_one_line(
     assert "Traceback" not in err, err[-3000:]
     # Training itself went through; the failure is in the sample's gather.
     assert "step 1/1" in out, out[-2000:]
-    # Rank 0 learns of the loss from gloo at once and says so in one line, unless the
-    # launcher, which polls its processes, saw rank 1's death first and stopped rank 0
-    # (SIGTERM: the sample runs after training, where a stop ends the process). Either
-    # way the launcher's own line names the rank that died first.
+    # Rank 0 learns of the loss from gloo at once and says so in one line. The launcher,
+    # which polls its processes, may see rank 1's death first and stop rank 0 (SIGTERM:
+    # the sample runs after training, where a stop ends the rank with a line of its own),
+    # before or just after that line. Either way the launcher's own line names the rank
+    # that died first.
     lines = [line for line in err.splitlines() if line.startswith("pipetrain train (rank 0)")]
-    assert len(lines) <= 1, err[-3000:]
-    stopped = "Sending process" in err and "closing signal SIGTERM" in err
-    assert lines or stopped, err[-3000:]
-    if lines:
-        assert re.fullmatch(
+    lost = [
+        line
+        for line in lines
+        if re.fullmatch(
             r"pipetrain train \(rank 0\): rank 0: waiting on other ranks in gather_state_dict "
             r"\(pipetrain/train/sample\.py:\d+\): a peer was lost \(.*\)",
-            lines[0],
-        ), lines[0]
+            line,
+        )
+    ]
+    stop = (
+        "pipetrain train (rank 0): stopped by SIGTERM outside the training steps "
+        "(starting up, or after the last one): no step was cut short"
+    )
+    stopped = [line for line in lines if line == stop]
+    assert len(lost) + len(stopped) == len(lines) >= 1, err[-3000:]
+    assert len(lost) <= 1 and len(stopped) <= 1, err[-3000:]
+    if stopped:
+        assert "Sending process" in err and "closing signal SIGTERM" in err, err[-3000:]
     assert "pipetrain train: rank 1 was killed by SIGKILL first" in err, err[-3000:]
     # No process of the run outlives the launcher.
     assert workers, "the launcher started no process"
@@ -169,13 +198,13 @@ def test_a_second_ctrl_c_stops_a_rank_with_one_line(
 ) -> None:
     # The worker's own handling, in this process: StopSignal raises KeyboardInterrupt on a
     # second Ctrl-C, wherever the rank is.
-    from pipetrain.train import worker
+    from pipetrain.train import loop, worker
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
     _as_rank_1(monkeypatch)
-    monkeypatch.setattr(worker, "train", interrupted)
+    monkeypatch.setattr(loop, "train", interrupted)  # main imports it when it runs
     monkeypatch.setattr(worker, "_stop_with_launcher", lambda: None)  # not on pytest
     # pytest's own faulthandler stays as it is (the worker's would want a real stderr).
     monkeypatch.setattr(worker.faulthandler, "enable", lambda: None)
@@ -264,6 +293,31 @@ def test_a_stop_that_a_rank_does_not_survive_is_not_a_clean_exit(
         err,
         re.MULTILINE,
     ), err[-3000:]
+
+
+def test_a_stop_before_the_first_step_is_one_line_per_rank_and_a_clean_exit(
+    work: Path, tmp_path: Path
+) -> None:
+    # No step can be cut short before the first: each rank says so and exits 0, as does
+    # the launcher (it was a KeyboardInterrupt traceback, or death by SIGTERM, per rank
+    # and "stopped ... but not cleanly", status 1).
+    proc = _train_with(work, tmp_path, CTRL_C_AT_START, [*TINY, "--name", "start"])
+    try:
+        _, err = proc.communicate(timeout=120)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("pipetrain train")]
+    assert sorted(ours) == [
+        *(
+            f"pipetrain train (rank {rank}): stopped by SIGINT outside the training steps "
+            "(starting up, or after the last one): no step was cut short"
+            for rank in (0, 1)
+        ),
+        "pipetrain train: stopped by signal SIGINT",
+    ], err[-3000:]
 
 
 def test_ranks_do_not_outlive_a_killed_launcher(work: Path) -> None:
