@@ -133,7 +133,12 @@ def _await_everyone(store: Any, role: ProcessRole, timeout_s: float) -> Exceptio
         if int(store.add(f"{prefix}failed", 0)) > 0:
             return _failure(store, keys)
         if store.check(keys):
-            return None
+            # A failing process posts its outcome before it counts itself failed: seen in
+            # between, every key is there and the count still 0. Joining then would wait
+            # in the group for a process that is exiting, until the timeout.
+            if all(json.loads(store.get(key)).get("ready") for key in keys):
+                return None
+            return _failure(store, keys)
         if time.monotonic() > deadline:
             missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
             return PipelineError(

@@ -1,0 +1,61 @@
+"""pipetrain.train.rendezvous: every process posts its outcome before any joins the group,
+against a store faked in memory (the interleavings of two processes, forced)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pipetrain.train import rendezvous
+from pipetrain.train.config_checks import ConfigError
+from pipetrain.train.session import ProcessRole
+
+
+class _Store:
+    """The calls of c10d's store that the start-up makes, on a dict."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = {key: value.encode() for key, value in values.items()}
+        self.counters: dict[str, int] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.values for key in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        self.counters[key] = self.counters.get(key, 0) + amount
+        return self.counters[key]
+
+
+def _join(monkeypatch: pytest.MonkeyPatch, store: _Store) -> list[Any]:
+    joined: list[Any] = []
+    monkeypatch.setattr(rendezvous, "_store", lambda role, timeout_s: store)
+    monkeypatch.setattr(
+        rendezvous.dist, "init_process_group", lambda *args, **kwargs: joined.append(kwargs)
+    )
+    rendezvous.join_process_group(ProcessRole(rank=0, world_size=2), "gloo", 5.0)
+    return joined
+
+
+def test_every_process_ready_joins_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _Store({"pipetrain/start/0/1": json.dumps({"ready": True})})
+    assert len(_join(monkeypatch, store)) == 1
+
+
+def test_a_failure_posted_but_not_yet_counted_is_not_taken_for_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rank 1 posts its outcome, then counts itself failed: polled in between, every key
+    # is there and the count is 0. Joining then would wait in the group for a process
+    # that is exiting, until the timeout (300 s by default).
+    failed = {"host": "node1", "problem": "data.path 'x' does not exist", "input": True}
+    store = _Store({"pipetrain/start/0/1": json.dumps(failed)})
+    with pytest.raises(ConfigError, match=r"rank 1 \(on node1\) could not start: data.path"):
+        _join(monkeypatch, store)
