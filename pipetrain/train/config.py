@@ -162,7 +162,8 @@ class RunConfig:
     steps: int = 120
     # Seed of the weights and of the batch order.
     seed: int = 0
-    # Run directory name under run.out_dir ("" = model-schedule-ppP-date-time).
+    # Run directory name under run.out_dir ("" = model-schedule-ppP-date-time-pid: the
+    # process id keeps apart runs started in the same second, as a sweep's are).
     name: str = ""
     # Folder that holds the run directories.
     out_dir: str = "runs"
@@ -241,7 +242,7 @@ def load_config(
     """Defaults, then the TOML file at ``path``, then ``overrides`` ("section.field" keys).
 
     Fills in a run name where none is given (``default_name``, else model-schedule-ppP-
-    date-time) and validates the result. ``check_paths`` also checks
+    date-time-pid) and validates the result. ``check_paths`` also checks
     that the data and tokenizer paths exist (off for configs resolved elsewhere).
     """
     values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
@@ -262,9 +263,10 @@ def load_config(
     if not config.run.name:
         parts = (config.model.name, config.pipeline.schedule, f"pp{config.pipeline.pp}")
         # A bad model or schedule name is reported by its own check, not as a bad run name.
-        default_name = "-".join(
-            (*(_UNSAFE_NAME_CHARS.sub("_", part) for part in parts), time.strftime("%Y%m%d-%H%M%S"))
-        )
+        # Two runs started in the same second (a sweep started in parallel) got one folder,
+        # each replacing the other's config.toml and mixing their metrics in one file.
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        default_name = "-".join((*(_UNSAFE_NAME_CHARS.sub("_", part) for part in parts), stamp))
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
     validate(config, check_paths=check_paths)
     return config

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,21 @@ def test_defaults_are_the_main_job() -> None:
 def test_default_run_name_names_the_run() -> None:
     name = load_config().run.name
     assert name.startswith("llama-default-1f1b-pp3-")
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A sweep started in parallel: one folder would take both runs' config.toml and metrics.
+    monkeypatch.setattr(time, "strftime", lambda *args: "20260101-120000")
+    names = set()
+    for pid in (4242, 4243):
+        monkeypatch.setattr(os, "getpid", lambda *args, pid=pid: pid)
+        names.add(load_config().run.name)
+    assert names == {
+        "llama-default-1f1b-pp3-20260101-120000-4242",
+        "llama-default-1f1b-pp3-20260101-120000-4243",
+    }
 
 
 def test_file_then_overrides(tmp_path: Path) -> None:
