@@ -8,8 +8,9 @@ candidate is a short ``pipetrain train`` run without evaluation, sample or check
 (a train command line's --checkpoint-dir, --resume and --keep are ignored: candidates
 would resume from, or save among and prune, that run's checkpoints); its tokens/s leaves
 out the first step (allocations). Candidates are named ``<name>-m<count>`` (the run name of
---name, --set run.name or --config; else ``tune-<date-time>``) and write their metrics
-in their own run folders.
+--name, --set run.name or --config; else ``tune-<date-time>-<process id>``, which keeps
+tunings started in the same second apart) and write their metrics in their own run
+folders.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Iterable
@@ -179,7 +181,7 @@ def format_table(candidates: list[Candidate]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     counts = parse_counts(args.tune_microbatches)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     # Every candidate is checked before any runs: a count the schedule refuses (1F1B's
     # m >= pp) is skipped like one that does not divide the batch, and a setting that no
     # count can run with is one line and exit status 2, not a table of the same error.

@@ -8,6 +8,7 @@ this process: only one case trains (a few steps of the tiny model).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -226,7 +227,7 @@ def test_tune_takes_the_run_name_from_set_or_the_config_file(
     ran = _tuned_configs(tmp_path, monkeypatch, "--config", str(config))
     assert [c.run.name for c in ran] == ["fromfile-m1", "fromfile-m2"]
     unnamed = [c.run.name for c in _tuned_configs(tmp_path, monkeypatch)]
-    assert re.fullmatch(r"tune-\d{8}-\d{6}-m1", unnamed[0]), unnamed
+    assert re.fullmatch(rf"tune-\d{{8}}-\d{{6}}-{os.getpid()}-m1", unnamed[0]), unnamed
     assert unnamed[1] == unnamed[0][:-1] + "2"
 
 
