@@ -44,14 +44,34 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> ProcessRole | Non
     )
 
 
-def _unfinished(config_path: Path, processes: int) -> str:
-    """What went wrong with the ranks of a stopped launch, or "" when every one exited 0."""
+def _signals(exc: BaseException) -> int:
+    """How many stop signals the launcher got: each one raised inside the handling of the
+    one before, so they are chained as each other's context."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    count = 0
+    link: BaseException | None = exc
+    while link is not None:
+        count += isinstance(link, SignalException)
+        link = link.__context__
+    return count
+
+
+def _unfinished(config_path: Path, processes: int, *, waited: bool = True) -> str:
+    """What went wrong with the ranks of a stopped launch, or "" when every one exited 0.
+
+    ``waited``: the launcher saw every rank end (or killed it) before it returned."""
     problems = []
     for rank in range(processes):
         try:
             status = exit_record(config_path, rank).read_text().strip()
         except OSError:
-            problems.append(f"rank {rank} was killed before it finished")
+            problems.append(
+                f"rank {rank} was killed before it finished"
+                if waited
+                else f"rank {rank} had not finished (it may still be finishing its step and "
+                f"saving, with output after this line)"
+            )
             continue
         if status != "0":
             problems.append(f"rank {rank} exited with status {status}")
@@ -85,7 +105,11 @@ def launch_local(config_path: Path, processes: int) -> None:
     try:
         elastic_launch(launch, sys.executable)("-m", "pipetrain.train.worker", str(config_path))
     except SignalException as exc:
-        problems = _unfinished(config_path, processes)
+        # torch's launcher waits for the ranks again after a second signal (up to 30 s
+        # more, then SIGKILL), but a third one ends that wait: the ranks, which take a
+        # repeated signal as the stop they are already doing, run on with no record yet.
+        # They were said to be killed while they went on to save.
+        problems = _unfinished(config_path, processes, waited=_signals(exc) < 3)
         if problems:
             raise LaunchFailed(
                 f"stopped by signal {exc.sigval.name}, but not cleanly: {problems} "

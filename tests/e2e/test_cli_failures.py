@@ -267,6 +267,52 @@ def test_the_launcher_blames_the_killed_rank_not_the_peer_that_lost_it(
     assert caught.value.exit_code == 1
 
 
+@pytest.mark.parametrize(
+    ("signals", "rank_1"),
+    [
+        (1, "rank 1 was killed before it finished"),
+        (2, "rank 1 was killed before it finished"),
+        # The third ends the launcher's wait: rank 1 runs on and saves after the line.
+        (3, "rank 1 had not finished (it may still be finishing its step and saving, with "
+            "output after this line)"),
+    ],
+)  # fmt: skip
+def test_the_launcher_stopped_again_does_not_call_a_running_rank_killed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, signals: int, rank_1: str
+) -> None:
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from pipetrain.process_exit import exit_record
+    from pipetrain.train.launch import LaunchFailed, launch_local
+
+    config = tmp_path / "config.toml"
+
+    def launch(launch_config: object, entrypoint: object) -> object:
+        def run(*args: str) -> None:
+            # Rank 0 finished; rank 1 left no record. Each signal comes while the launcher
+            # handles the one before, as torch's handler raises them.
+            exit_record(config, 0).parent.mkdir()
+            exit_record(config, 0).write_text("0\n")
+            last: BaseException | None = None
+            for _ in range(signals):
+                exc = SignalException("signalled", sigval=signal.SIGINT)
+                exc.__context__ = last
+                last = exc
+            assert last is not None
+            raise last
+
+        return run
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", launch)
+    with pytest.raises(LaunchFailed) as failed:
+        launch_local(config, 2)
+    assert str(failed.value) == (
+        f"stopped by signal SIGINT, but not cleanly: {rank_1} "
+        "(the last checkpoint may be older than the last step)"
+    )
+
+
 def test_a_stop_that_a_rank_does_not_survive_is_not_a_clean_exit(
     work: Path, tmp_path: Path
 ) -> None:
