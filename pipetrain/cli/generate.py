@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pipetrain.checkpoint.generate import generate_tokens, load_pipeline_model
     from pipetrain.cli.ckpt import resolve_checkpoint
-    from pipetrain.runtime.build import gpu_shortfall
+    from pipetrain.runtime.build import gpu_shortfall, use_device
     from pipetrain.train.data import load_tokenizer
 
     path = resolve_checkpoint(args.checkpoint)
@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         if use_cuda
         else torch.device("cpu")
     )
+    # Before the process group: loading the checkpoint broadcasts objects, on nccl from
+    # the current device.
+    use_device(device)
     group = None
     if world > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

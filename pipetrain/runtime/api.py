@@ -8,6 +8,8 @@ Usage, in a script started on every rank (``torchrun --nproc-per-node 2 train.py
     from pipetrain.runtime import build_pipeline, default_device
 
     device = default_device()                   # cuda:LOCAL_RANK if there is a GPU, else cpu
+    if device.type == "cuda":
+        torch.cuda.set_device(device)           # else every rank's object collectives use GPU 0
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     spec = model_spec(get_model_config("llama-tiny"))
     pipe = build_pipeline(spec, schedule="1f1b", microbatches=8, group=dist.group.WORLD,

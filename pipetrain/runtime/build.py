@@ -45,6 +45,7 @@ __all__ = [
     "positive_count",
     "resolve_schedule",
     "token_table_rows",
+    "use_device",
 ]
 
 
@@ -55,6 +56,19 @@ def default_device() -> torch.device:
             "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
         )
     return torch.device("cpu")
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device (nothing to do on the CPU).
+
+    Call it before the process group exists. torch's object collectives on nccl
+    (``all_gather_object``, ``broadcast_object_list``, ``gather_object``) put their buffers
+    on ``torch.cuda.current_device()``, which is cuda:0 until set: every process of a node
+    would then meet on GPU 0 and nccl stops them with "Duplicate GPU detected". Pinned
+    host buffers and nccl's barrier also go by the current device.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def gpu_shortfall(local_world_size: int) -> str | None:

@@ -25,7 +25,7 @@ from pipetrain.errors import InputError
 from pipetrain.heap import keep_heap
 from pipetrain.models import build_full_model, model_spec
 from pipetrain.runtime import Pipeline
-from pipetrain.runtime.build import gpu_shortfall
+from pipetrain.runtime.build import gpu_shortfall, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
 from pipetrain.train.config import (
@@ -142,6 +142,8 @@ def _set_up(
     device = resolve_device(
         p.device, role.local_rank, role.local_world_size if role.distributed else 1
     )
+    # Before the process group: its object collectives on nccl use the current device.
+    use_device(device)
     if device.type == "cpu":
         torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
         # Activations live in the C heap: keep its freed pages for the next step.

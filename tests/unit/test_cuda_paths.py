@@ -1,0 +1,98 @@
+"""Decisions of the CUDA paths, checked on the CPU with torch.cuda faked where needed.
+
+No GPU runs these tiers (tests/gpu/ does, where there is one), so what can be decided
+without one is pinned here: which device a process makes current before it meets the
+others, and which calls a CPU-only run never reaches.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from pipetrain.train.config import load_config
+from pipetrain.train.session import ProcessRole
+
+
+class _Joined(Exception):
+    """Stops a run where it would meet the other processes."""
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> list[Any]:
+    """A node with ``count`` GPUs as far as device choice goes; the devices made current."""
+    current: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    return current
+
+
+def test_a_training_rank_makes_its_gpu_current_before_it_joins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # all_gather_object on nccl (the settings check right after the join) puts its buffer
+    # on torch.cuda.current_device(): left at cuda:0, both ranks of the node meet on GPU 0
+    # and nccl stops them ("Duplicate GPU detected").
+    from pipetrain.train import loop
+
+    current = _fake_gpus(monkeypatch, 2)
+    at_join: list[list[Any]] = []
+
+    def join(role: ProcessRole, backend: str, timeout_s: float) -> None:
+        at_join.append([backend, *current])
+        raise _Joined
+
+    monkeypatch.setattr(loop, "join_process_group", join)
+    config = load_config(overrides={"run.name": "t", "pipeline.device": "cuda", "pipeline.pp": 2})
+    role = ProcessRole(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    with pytest.raises(_Joined):
+        loop.train(config, role, out=io.StringIO(), announced=True)
+    assert at_join == [["nccl", torch.device("cuda", 1)]]
+
+
+def test_a_cpu_run_never_touches_the_current_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipetrain.runtime.build import use_device
+
+    current = _fake_gpus(monkeypatch, 2)
+    use_device(torch.device("cpu"))
+    assert current == []
+    use_device(torch.device("cuda", 1))
+    assert current == [torch.device("cuda", 1)]
+
+
+def test_generate_makes_its_gpu_current_before_it_joins(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # Loading the checkpoint broadcasts objects over the group: on nccl from the current device.
+    import argparse
+
+    import torch.distributed as dist
+
+    from pipetrain.cli import ckpt, generate
+
+    current = _fake_gpus(monkeypatch, 2)
+    at_join: list[list[Any]] = []
+
+    def join(backend: str, **kwargs: Any) -> None:
+        at_join.append([backend, *current])
+        raise _Joined
+
+    monkeypatch.setattr(ckpt, "resolve_checkpoint", lambda directory: tmp_path)
+    monkeypatch.setattr(dist, "init_process_group", join)
+    for name, value in (("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    args = argparse.Namespace(
+        checkpoint=str(tmp_path),
+        prompt="a",
+        max_new_tokens=1,
+        temperature=0.0,
+        seed=0,
+        pp=None,
+        device="auto",
+    )
+    with pytest.raises(_Joined):
+        generate.run(args)
+    assert at_join == [["nccl", torch.device("cuda", 1)]]
