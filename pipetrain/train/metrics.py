@@ -59,7 +59,8 @@ def peak_memory_bytes(device: str) -> int:
     if device.startswith("cuda"):
         import torch
 
-        return int(torch.cuda.max_memory_allocated())
+        # This process's own GPU, whichever device is current.
+        return int(torch.cuda.max_memory_allocated(device))
     # Linux reports ru_maxrss in KiB.
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 

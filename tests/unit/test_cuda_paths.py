@@ -96,3 +96,21 @@ def test_generate_makes_its_gpu_current_before_it_joins(
     with pytest.raises(_Joined):
         generate.run(args)
     assert at_join == [["nccl", torch.device("cuda", 1)]]
+
+
+def test_peak_memory_is_read_from_the_process_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without a device, torch reads the current one: cuda:0 on a process that never made
+    # its own current reports another GPU's peak (or none).
+    from pipetrain.train.metrics import peak_memory_bytes
+
+    asked: list[Any] = []
+
+    def peak(device: Any = None) -> int:
+        asked.append(device)
+        return 123
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", peak)
+    assert peak_memory_bytes("cuda:1") == 123
+    assert asked == ["cuda:1"]
+    assert peak_memory_bytes("cpu") > 0
+    assert asked == ["cuda:1"]
