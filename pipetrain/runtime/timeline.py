@@ -4,10 +4,17 @@ Each rank writes ``time.perf_counter_ns()`` readings into a list allocated once 
 program (two slots per action), relative to a barrier at the start of the step. The lists
 become the simulator's ``Timeline`` type, in seconds, so the same metrics and pictures
 apply to a measured run and a simulated one.
+
+The ranks leave the barrier at different moments (a process woken late on a busy machine
+leaves it milliseconds after its peers), so their origins differ; ``merge_timelines``
+moves each rank's events by the least amount that makes every receive end after its
+send started, which a common clock would have shown.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -20,6 +27,7 @@ from pipetrain.sim import Bubble, bubble, simulate
 __all__ = [
     "ActionClock",
     "SimComparison",
+    "clock_shifts",
     "compare_with_simulation",
     "measured_costs",
     "merge_timelines",
@@ -56,9 +64,60 @@ def rank_events(
 
 
 def merge_timelines(name: str, num_ranks: int, per_rank: Sequence[tuple[Event, ...]]) -> Timeline:
-    """All ranks' events in one timeline, ordered by start time."""
-    events = sorted((e for events in per_rank for e in events), key=lambda e: (e.start, e.rank))
+    """All ranks' events in one timeline on one time axis, ordered by start time."""
+    shifts = clock_shifts(num_ranks, per_rank)
+    events = sorted(
+        (
+            dataclasses.replace(e, start=e.start + shifts[e.rank], end=e.end + shifts[e.rank])
+            if shifts[e.rank]
+            else e
+            for events in per_rank
+            for e in events
+        ),
+        key=lambda e: (e.start, e.rank),
+    )
     return Timeline(name, num_ranks, tuple(events))
+
+
+# A receive of (kind, stage, micro-batch) matches the send of (kind, stage, micro-batch).
+_SENT_BY = {Kind.RECV_F: (Kind.SEND_F, -1), Kind.RECV_B: (Kind.SEND_B, +1)}
+
+
+def clock_shifts(num_ranks: int, per_rank: Sequence[tuple[Event, ...]]) -> list[float]:
+    """Per rank, the least non-negative time to add to its events so that no receive ends
+    before its message's send started (each rank's times count from its own origin).
+
+    Each message from rank s to rank d bounds ``shift[d] - shift[s]`` from below; raising
+    shifts until every bound holds is a longest-path search (Bellman-Ford), which settles
+    within ``num_ranks`` rounds because real clocks satisfy every bound (no cycle of them
+    gains time). A timeline already causal (one process, one clock) is left as it is.
+    """
+    sends: dict[tuple[Kind, int, int | None], Event] = {}
+    for events in per_rank:
+        for e in events:
+            if e.action.kind in (Kind.SEND_F, Kind.SEND_B):
+                sends[(e.action.kind, e.action.stage, e.action.microbatch)] = e
+    bound: dict[tuple[int, int], float] = {}
+    for events in per_rank:
+        for e in events:
+            sent_by = _SENT_BY.get(e.action.kind)
+            if sent_by is None:
+                continue
+            send = sends.get((sent_by[0], e.action.stage + sent_by[1], e.action.microbatch))
+            if send is None or send.rank == e.rank:
+                continue
+            pair = (send.rank, e.rank)
+            bound[pair] = max(bound.get(pair, -math.inf), send.start - e.end)
+    shifts = [0.0] * num_ranks
+    for _ in range(num_ranks):
+        changed = False
+        for (src, dst), gap in bound.items():
+            if shifts[dst] < shifts[src] + gap:
+                shifts[dst] = shifts[src] + gap
+                changed = True
+        if not changed:
+            break
+    return shifts
 
 
 def measured_costs(timeline: Timeline, schedule: Schedule) -> Costs:

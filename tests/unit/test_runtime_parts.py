@@ -25,9 +25,13 @@ from pipetrain.runtime.messages import (
     specs_of,
     unpack,
 )
-from pipetrain.runtime.timeline import compare_with_simulation, measured_costs
+from pipetrain.runtime.timeline import (
+    compare_with_simulation,
+    measured_costs,
+    merge_timelines,
+)
 from pipetrain.runtime.transport import InMemoryTransport
-from pipetrain.schedules import Action, Kind, Placement, Schedule
+from pipetrain.schedules import Action, Kind, Placement, Schedule, parse_action
 from pipetrain.schedules.execution import Event, Timeline
 
 
@@ -128,6 +132,39 @@ def test_measured_costs_and_simulation_of_a_perfect_run():
     assert comparison.measured_makespan_s == comparison.simulated_makespan_s == 9.0
     assert comparison.ratio == 1.0
     assert comparison.measured_bubble == comparison.simulated_bubble
+
+
+def _ev(rank, text, start, end):
+    return Event(rank, parse_action(text), start, end)
+
+
+def test_merged_timeline_puts_ranks_that_left_the_barrier_apart_on_one_clock():
+    # Rank 1 left the start barrier 1.0 later than rank 0, so its readings (from its own
+    # origin) are 1.0 early: its receive of micro-batch 0 "ends" before rank 0 sent it.
+    rank0 = (
+        _ev(0, "0F0", 0.0, 1.0),
+        _ev(0, "0SEND_F0", 1.0, 1.1),
+        _ev(0, "0RECV_B0", 1.1, 4.25),
+        _ev(0, "0B0", 4.25, 6.25),
+    )
+    rank1 = (
+        _ev(1, "1RECV_F0", 0.0, 0.15),
+        _ev(1, "1F0", 0.15, 1.15),
+        _ev(1, "1B0", 1.15, 3.15),
+        _ev(1, "1SEND_B0", 3.15, 3.2),
+    )
+    timeline = merge_timelines("1f1b", 2, [rank0, rank1])
+    at = {str(e.action): e for e in timeline.events}
+    # Moved by the least that makes the receive end after the send started; durations kept.
+    assert at["1RECV_F0"].end == pytest.approx(at["0SEND_F0"].start)
+    assert at["0F0"].start == 0.0  # rank 0 stays: it needs no move
+    assert at["1F0"].start == pytest.approx(at["0F0"].end)  # not before its input existed
+    assert at["1B0"].duration == pytest.approx(2.0)
+    assert at["0RECV_B0"].end >= at["1SEND_B0"].start
+    assert timeline.makespan == pytest.approx(6.25)
+    # A causal timeline (one clock, as in the debug mode) is left exactly as it was.
+    causal = [rank0, tuple(_ev(1, str(e.action), e.start + 1.0, e.end + 1.0) for e in rank1)]
+    assert {e for e in merge_timelines("1f1b", 2, causal).events} == {*causal[0], *causal[1]}
 
 
 def test_debug_timeline_simulates_and_draws(tmp_path):
