@@ -128,19 +128,20 @@ def check_gradients(grads: Gradients, loss: float, group: dist.ProcessGroup | No
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for grad in local_grads(grads.counted):
         squares += torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
-    # Loss and every gradient, tied copies included, must be finite on every rank.
+    # Loss and every gradient, tied copies included, must be finite on every rank. The
+    # count stays on the device until the one read below: a test per tensor on the host
+    # would wait for the device once per gradient, every step.
     counted = {id(p) for p in grads.counted}
-    bad = 0 if math.isfinite(loss) else 1
-    bad += sum(
-        1
-        for grad in local_grads(p for p in grads.all if id(p) not in counted)
-        if not torch.isfinite(grad).all()
-    )
-    if not torch.isfinite(squares):
+    bad = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in local_grads(p for p in grads.all if id(p) not in counted):
+        bad += ~torch.isfinite(grad).all()
+    finite = torch.isfinite(squares)
+    bad += ~finite
+    # An inf or NaN in the sum would poison the norm: send the count instead.
+    squares = torch.where(finite, squares, torch.zeros_like(squares))
+    if not math.isfinite(loss):
         bad += 1
-        # An inf or NaN in the sum would poison the norm: send the count instead.
-        squares.zero_()
-    local = torch.stack([squares, torch.tensor(float(bad), dtype=torch.float64, device=device)])
+    local = torch.stack([squares, bad])
     if group is not None:
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     total, bad_count = local.tolist()

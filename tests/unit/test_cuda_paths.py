@@ -114,3 +114,36 @@ def test_peak_memory_is_read_from_the_process_own_gpu(monkeypatch: pytest.Monkey
     assert asked == ["cuda:1"]
     assert peak_memory_bytes("cpu") > 0
     assert asked == ["cuda:1"]
+
+
+def test_the_gradient_check_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each read of a CUDA value on the host waits for the queued work: the check runs every
+    # step over every gradient, so only its final result may be read (one .tolist()).
+    import math
+
+    from pipetrain.train.optim import Gradients, check_gradients
+
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
+    for p, value in zip(params, (1.0, 2.0, math.inf, 4.0), strict=True):
+        p.grad = torch.full((3,), value)
+    reads: list[str] = []
+    for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: Any, _name: str = name, _f: Any = original) -> Any:
+            reads.append(_name)
+            return _f(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    # Replica 1 of a data-parallel run: counts no squares, checks every gradient.
+    check = check_gradients(Gradients.of(params, not_counted=params[1:]), 0.5, None)
+    assert reads == ["tolist"]
+    assert not check.finite and check.norm == pytest.approx(math.sqrt(3.0))
+    reads.clear()
+    check = check_gradients(Gradients.of(params[:2], not_counted=params[1:2]), 0.5, None)
+    assert reads == ["tolist"]
+    assert check.finite and check.norm == pytest.approx(math.sqrt(3.0))
+    reads.clear()
+    check = check_gradients(Gradients.of(params), math.nan, None)
+    assert reads == ["tolist"]
+    assert not check.finite and check.norm == 0.0
