@@ -243,6 +243,48 @@ def test_ranks_beyond_the_gpus_of_a_node(root):
         assert "Traceback" not in done.stderr
 
 
+def test_data_parallel_on_nccl_saves_resumes_and_generates(root):
+    # The paths only several ranks on nccl take: the (pp, dp) mesh and the replicas'
+    # all-reduce, FSDP2 over the dp group, the object collectives of the settings check and
+    # of checkpoints (they use the current device), a checkpoint resumed by another layout,
+    # and generation over a process group.
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from local_port import reserved_port
+
+    ckpt = root / "ckpt-dp"
+    ref = _train(root, "dp-ref", "--pp", "1")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    for name, flags in (("dp", ()), ("dp-shard", ("--shard",))):
+        done = _train(
+            root, name, "--pp", "1", "--dp", "2", "--checkpoint-dir", str(ckpt / name), *flags
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        # The replicas' mean gradient is the full batch's (TF32 may differ a little).
+        assert _losses(root, name) == pytest.approx(_losses(root, "dp-ref"), rel=5e-3)
+    again = _train(
+        root, "dp-resumed", "--pp", "2", "--schedule", "1f1b",
+        "--checkpoint-dir", str(ckpt / "dp"), "--resume", "--steps", "8",
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(_losses(root, "dp-resumed")) == 2
+    repo = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    with reserved_port() as port:
+        generated = subprocess.run(
+            [
+                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "-m", "pipetrain.cli", "generate", "--checkpoint", str(ckpt / "dp"),
+                "--prompt", "def ", "--max-new-tokens", "5", "--device", "cuda",
+            ],
+            cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert generated.stdout.strip()
+
+
 def test_packed_messages_on_cuda():
     # A packed message is built and read on the device: the tensors come back as aligned
     # CUDA views equal to what was sent (nccl carries the uint8 buffer as it is).
