@@ -243,7 +243,7 @@ def test_ranks_beyond_the_gpus_of_a_node(root):
         assert "Traceback" not in done.stderr
 
 
-@pytest.mark.timeout(900)  # five launches of two processes each
+@pytest.mark.timeout(900)  # five launches, four of them of two processes
 def test_data_parallel_on_nccl_saves_resumes_and_generates(root):
     # The paths only several ranks on nccl take: the (pp, dp) mesh and the replicas'
     # all-reduce, FSDP2 over the dp group, the object collectives of the settings check and
