@@ -66,6 +66,11 @@ def use_device(device: torch.device) -> None:
     on ``torch.cuda.current_device()``, which is cuda:0 until set: every process of a node
     would then meet on GPU 0 and nccl stops them with "Duplicate GPU detected". Pinned
     host buffers and nccl's barrier also go by the current device.
+
+    ``init_process_group(device_id=...)`` would also bind the device, but it makes nccl
+    initialise eagerly, and then every point-to-point operation of the group shares the
+    group's one communicator and stream (pytorch/pytorch#154132) instead of one per pair
+    of ranks, which ``DistTransport``'s per-pair wire orders assume.
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
