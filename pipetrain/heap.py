@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import platform
 
-__all__ = ["keep_heap"]
+__all__ = ["keep_heap", "release_free_heap"]
 
 # <malloc.h>
 _M_TRIM_THRESHOLD = -1
@@ -50,3 +50,16 @@ def keep_heap(mmap_threshold: int = _MMAP_THRESHOLD, trim_threshold: int = _TRIM
         libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
         and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the kernel now (glibc's ``malloc_trim``), as
+    between two runs in one process whose peaks are measured apart; False where the C
+    library is not glibc or had nothing to give back."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.malloc_trim(0))

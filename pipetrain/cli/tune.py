@@ -106,8 +106,13 @@ def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
 
 
 def _measure(count: int, config: TrainConfig) -> Candidate:
+    from pipetrain.train.metrics import reset_peak_memory
+
     sys.stdout.write(f"--- micro-batches {count} (micro-batch size {config.microbatch_size})\n")
     sys.stdout.flush()
+    # A candidate with one process trains in this one, after the earlier candidates: its
+    # peak must not be theirs.
+    reset_peak_memory()
     code = run_config(config)
     summary = _summary_line(config.metrics_path) if code == 0 else None
     if summary is None:

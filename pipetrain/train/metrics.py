@@ -7,6 +7,8 @@ something goes wrong. On a terminal the progress is one line redrawn in place; o
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import resource
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipetrain.errors import InputError
+from pipetrain.heap import release_free_heap
 from pipetrain.schedules.execution import Timeline
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "free_name",
     "measured_bubble",
     "peak_memory_bytes",
+    "reset_peak_memory",
 ]
 
 
@@ -55,14 +59,47 @@ def measured_bubble(timeline: Timeline) -> float:
 
 
 def peak_memory_bytes(device: str) -> int:
-    """Peak memory of this process: CUDA allocations on a GPU, resident set size on a CPU."""
+    """Peak memory of this process: CUDA allocations on a GPU, resident set size on a CPU.
+
+    On Linux the resident peak is /proc's VmHWM, which ``reset_peak_memory`` can clear;
+    ru_maxrss cannot be cleared and starts from the launching process's resident size
+    (Linux carries it across fork and exec), so it is only the fallback.
+    """
     if device.startswith("cuda"):
         import torch
 
         # This process's own GPU, whichever device is current.
         return int(torch.cuda.max_memory_allocated(device))
-    # Linux reports ru_maxrss in KiB.
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    try:
+        status = Path("/proc/self/status").read_text(encoding="ascii")
+    except OSError:
+        status = ""
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # "VmHWM:   325484 kB"
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    # Linux reports ru_maxrss in KiB, macOS in bytes.
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_peak_memory() -> None:
+    """Start this process's peak memory afresh, so that a run measures its own peak when
+    an earlier run in the same process (``pipetrain tune`` with one process) went higher.
+
+    The earlier run's freed heap goes back to the system first (``keep_heap`` has glibc
+    keep it, so it would still be resident and count again); then the resident
+    high-water mark resets through /proc (Linux 4.0 and later; elsewhere it stays the
+    process's), and the CUDA peak of the current device (a run in this process uses that
+    one) when CUDA is in use.
+    """
+    gc.collect()
+    release_free_heap()
+    with contextlib.suppress(OSError):
+        # "5" resets the resident-set high-water mark (proc(5), /proc/pid/clear_refs).
+        Path("/proc/self/clear_refs").write_text("5", encoding="ascii")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
 
 
 class MetricsFile:

@@ -41,6 +41,38 @@ def test_tune_measures_each_candidate_and_marks_the_fastest(
     assert "eval loss" not in out and "sample (" not in out
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
+def test_a_candidate_in_this_process_reports_its_own_peak_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With one process, candidates train one after another in the tuning's own process:
+    # the peak of an earlier, larger candidate (here 400 MiB) is not the next one's.
+    import dataclasses
+
+    from pipetrain.cli import tune
+    from pipetrain.train.config import TrainConfig
+    from pipetrain.train.metrics import peak_memory_bytes, reset_peak_memory
+
+    reset_peak_memory()
+    before = peak_memory_bytes("cpu")
+    block = bytearray(400 * 2**20)
+    block[::4096] = b"\1" * len(block[::4096])
+    del block
+    config = TrainConfig()
+    config = dataclasses.replace(
+        config, run=dataclasses.replace(config.run, out_dir=str(tmp_path), name="tune-m4")
+    )
+
+    def run_config(candidate: TrainConfig) -> int:
+        record = {"summary": True, "tokens_per_s": 1.0, "peak_memory": [peak_memory_bytes("cpu")]}
+        candidate.metrics_path.parent.mkdir(parents=True)
+        candidate.metrics_path.write_text(json.dumps(record) + "\n")
+        return 0
+
+    monkeypatch.setattr(tune, "run_config", run_config)
+    assert tune._measure(4, config).peak_memory < before + 200 * 2**20
+
+
 def test_format_table_marks_the_highest_throughput() -> None:
     table = format_table(
         [Candidate(2, 16, 900.0, 2**30), Candidate(4, 8, 1200.0, 2**29), Candidate(8, 4, error="x")]

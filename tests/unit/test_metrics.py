@@ -20,6 +20,7 @@ from pipetrain.train.metrics import (
     format_duration,
     measured_bubble,
     peak_memory_bytes,
+    reset_peak_memory,
 )
 
 
@@ -99,6 +100,31 @@ def test_measured_bubble_of_a_two_rank_step() -> None:
 
 def test_peak_memory_is_positive() -> None:
     assert peak_memory_bytes("cpu") > 10 * 2**20
+
+
+def _touch(mib: int) -> None:
+    block = bytearray(mib * 2**20)
+    block[::4096] = b"\1" * len(block[::4096])  # every page resident
+    del block
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
+def test_peak_memory_is_the_runs_own_not_an_earlier_ones_nor_the_launchers() -> None:
+    import subprocess
+    import sys
+
+    reset_peak_memory()
+    before = peak_memory_bytes("cpu")
+    _touch(400)
+    assert peak_memory_bytes("cpu") > before + 300 * 2**20
+    # A tuning candidate run in this process after a bigger one: its peak, not theirs.
+    reset_peak_memory()
+    assert peak_memory_bytes("cpu") < before + 200 * 2**20
+    # A rank started from a process that was once larger (the launcher): its own peak.
+    _touch(400)
+    code = "from pipetrain.train.metrics import peak_memory_bytes as p; print(p('cpu'))"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(child.stdout) < 300 * 2**20
 
 
 def test_summary_text_and_json() -> None:
