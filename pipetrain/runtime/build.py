@@ -41,6 +41,7 @@ __all__ = [
     "default_device",
     "even_split",
     "forward_only",
+    "gpu_identity",
     "gpu_shortfall",
     "positive_count",
     "resolve_schedule",
@@ -74,6 +75,14 @@ def use_device(device: torch.device) -> None:
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def gpu_identity(device: torch.device) -> str | None:
+    """The UUID of the GPU behind ``device``, the same in every process whatever its
+    CUDA_VISIBLE_DEVICES numbers it; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def gpu_shortfall(local_world_size: int) -> str | None:

@@ -25,7 +25,7 @@ from pipetrain.errors import InputError
 from pipetrain.heap import keep_heap
 from pipetrain.models import build_full_model, model_spec
 from pipetrain.runtime import Pipeline
-from pipetrain.runtime.build import gpu_shortfall, use_device
+from pipetrain.runtime.build import gpu_identity, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
 from pipetrain.train.config import (
@@ -57,26 +57,20 @@ __all__ = ["ProcessRole", "resolve_device", "train"]
 _WARMUP_STEPS = 1
 
 
-def resolve_device(setting: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+def resolve_device(setting: str, local_rank: int) -> torch.device:
     """``cuda:<local rank>`` when asked for (or ``auto`` and present), else the CPU.
 
-    NCCL refuses two ranks on one GPU ("Duplicate GPU detected", deep inside the first
-    transfer), so more processes on a node than it has GPUs is named here, before any
-    process group exists.
+    Two processes on one GPU (more processes on a node than it has GPUs) are named at the
+    rendezvous, which compares the processes' GPUs (``rendezvous._shared_gpu``): counting
+    here could not tell a node that shares GPUs from one whose launcher gives each
+    process its own (each then sees one GPU).
     """
     if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError(
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu"
             )
-        gpus = torch.cuda.device_count()
-        problem = gpu_shortfall(local_world_size)
-        if problem:
-            raise ConfigError(
-                f"{problem}: start at most {gpus} per node (--pp x --dp, or torchrun "
-                f"--nproc-per-node), use --single-process, or --device cpu"
-            )
-        return torch.device("cuda", local_rank % gpus)
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
@@ -112,7 +106,9 @@ def train(
     group: Any = None
     mesh: Mesh | None = None
     if role.distributed and not dist.is_initialized():
-        join_process_group(role, "nccl" if device.type == "cuda" else "gloo", p.timeout_s)
+        join_process_group(
+            role, "nccl" if device.type == "cuda" else "gloo", p.timeout_s, gpu_identity(device)
+        )
     try:
         if role.distributed:
             # Before the groups are made: ranks that disagree on pp or dp would hang there.
@@ -139,9 +135,7 @@ def _set_up(
         )
     tokenizer = load_tokenizer(config.data.tokenizer)
     plan = plan_run(config, vocab_size=tokenizer.vocab_size, reporter=role.reporter)
-    device = resolve_device(
-        p.device, role.local_rank, role.local_world_size if role.distributed else 1
-    )
+    device = resolve_device(p.device, role.local_rank)
     # Before the process group: its object collectives on nccl use the current device.
     use_device(device)
     if device.type == "cpu":

@@ -84,14 +84,17 @@ def report_failure(role: ProcessRole, exc: BaseException) -> None:
         pass
 
 
-def join_process_group(role: ProcessRole, backend: str, timeout_s: float) -> None:
+def join_process_group(
+    role: ProcessRole, backend: str, timeout_s: float, gpu: str | None = None
+) -> None:
     """Post "ready", wait until every process has posted, then make the default process
     group on the same store. Raises ``ConfigError`` (exit status 2) when another process
-    reports bad input, ``PipelineError`` for any other failure of its set-up or when some
-    process has posted nothing within ``timeout_s``."""
+    reports bad input or shares this process's ``gpu`` (the UUID of its device, None on
+    the CPU), ``PipelineError`` for any other failure of its set-up or when some process
+    has posted nothing within ``timeout_s``."""
     store = _store(role, timeout_s)
     try:
-        problem = _await_everyone(store, role, timeout_s)
+        problem = _await_everyone(store, role, timeout_s, gpu)
     except RuntimeError as exc:  # c10d's store errors: its server went away
         raise PipelineError(
             f"rank {role.rank}: lost the run's launcher while waiting for the other ranks to "
@@ -122,11 +125,35 @@ def _failure(store: Any, keys: list[str]) -> Exception:
     return PipelineError("another rank could not start (its log names the error)")
 
 
-def _await_everyone(store: Any, role: ProcessRole, timeout_s: float) -> Exception | None:
+def _shared_gpu(outcomes: list[dict[str, Any]]) -> Exception | None:
+    """Two ready processes on one GPU, or None. nccl refuses them only inside the first
+    collective ("Duplicate GPU detected"). Compared by UUID, which names the device
+    whatever each process's CUDA_VISIBLE_DEVICES calls it, so one process per GPU is
+    also recognised where every process sees only its own (SLURM's per-task binding)."""
+    first: dict[str, int] = {}
+    for rank, outcome in enumerate(outcomes):
+        gpu = outcome.get("gpu")
+        if gpu is None:
+            continue
+        if gpu in first:
+            return ConfigError(
+                f"ranks {first[gpu]} and {rank} would share GPU {gpu}, and nccl needs one GPU "
+                f"per process: start at most one process per GPU of a node (--pp x --dp, or "
+                f"torchrun --nproc-per-node), use --single-process, or --device cpu"
+            )
+        first[gpu] = rank
+    return None
+
+
+def _await_everyone(
+    store: Any, role: ProcessRole, timeout_s: float, gpu: str | None = None
+) -> Exception | None:
     """Post "ready" and wait for every process's outcome; why this process must not
-    start (another's failure, or silence past ``timeout_s``), or None."""
+    start (another's failure, two processes on one GPU, or silence past ``timeout_s``),
+    or None."""
     prefix = _prefix()
-    store.set(f"{prefix}{role.rank}", json.dumps({"ready": True}))
+    ready: dict[str, Any] = {"ready": True} if gpu is None else {"ready": True, "gpu": gpu}
+    store.set(f"{prefix}{role.rank}", json.dumps(ready))
     keys = [f"{prefix}{rank}" for rank in range(role.world_size)]
     deadline = time.monotonic() + timeout_s
     while True:
@@ -136,8 +163,9 @@ def _await_everyone(store: Any, role: ProcessRole, timeout_s: float) -> Exceptio
             # A failing process posts its outcome before it counts itself failed: seen in
             # between, every key is there and the count still 0. Joining then would wait
             # in the group for a process that is exiting, until the timeout.
-            if all(json.loads(store.get(key)).get("ready") for key in keys):
-                return None
+            outcomes = [json.loads(store.get(key)) for key in keys]
+            if all(outcome.get("ready") for outcome in outcomes):
+                return _shared_gpu(outcomes)
             return _failure(store, keys)
         if time.monotonic() > deadline:
             missing = [rank for rank, key in enumerate(keys) if not store.check([key])]

@@ -27,6 +27,12 @@ def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> list[Any]:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
+
+    class _Properties:
+        def __init__(self, device: torch.device) -> None:
+            self.uuid = f"GPU-{device.index}"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", _Properties)
     return current
 
 
@@ -41,8 +47,8 @@ def test_a_training_rank_makes_its_gpu_current_before_it_joins(
     current = _fake_gpus(monkeypatch, 2)
     at_join: list[list[Any]] = []
 
-    def join(role: ProcessRole, backend: str, timeout_s: float) -> None:
-        at_join.append([backend, *current])
+    def join(role: ProcessRole, backend: str, timeout_s: float, gpu: str | None) -> None:
+        at_join.append([backend, gpu, *current])
         raise _Joined
 
     monkeypatch.setattr(loop, "join_process_group", join)
@@ -50,7 +56,8 @@ def test_a_training_rank_makes_its_gpu_current_before_it_joins(
     role = ProcessRole(rank=1, world_size=2, local_rank=1, local_world_size=2)
     with pytest.raises(_Joined):
         loop.train(config, role, out=io.StringIO(), announced=True)
-    assert at_join == [["nccl", torch.device("cuda", 1)]]
+    # The GPU is posted at the rendezvous, which names two processes on one.
+    assert at_join == [["nccl", "GPU-1", torch.device("cuda", 1)]]
 
 
 def test_a_cpu_run_never_touches_the_current_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

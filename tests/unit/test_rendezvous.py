@@ -59,3 +59,36 @@ def test_a_failure_posted_but_not_yet_counted_is_not_taken_for_ready(
     store = _Store({"pipetrain/start/0/1": json.dumps(failed)})
     with pytest.raises(ConfigError, match=r"rank 1 \(on node1\) could not start: data.path"):
         _join(monkeypatch, store)
+
+
+def _ready_on(gpus: dict[int, str]) -> _Store:
+    return _Store(
+        {
+            f"pipetrain/start/0/{rank}": json.dumps({"ready": True, "gpu": gpu})
+            for rank, gpu in gpus.items()
+        }
+    )
+
+
+def test_two_processes_on_one_gpu_are_named_before_joining(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # nccl refuses them only inside the first collective ("Duplicate GPU detected"). The
+    # GPUs are compared by UUID: processes that each see one GPU of their own join.
+    joined: list[Any] = []
+    monkeypatch.setattr(
+        rendezvous.dist, "init_process_group", lambda *args, **kwargs: joined.append(kwargs)
+    )
+    role = ProcessRole(rank=1, world_size=3)
+    store = _ready_on({0: "GPU-a", 2: "GPU-b"})
+    monkeypatch.setattr(rendezvous, "_store", lambda role, timeout_s: store)
+    with pytest.raises(ConfigError, match=r"ranks 0 and 1 would share GPU GPU-a.*one GPU per"):
+        rendezvous.join_process_group(role, "nccl", 5.0, "GPU-a")
+    # Others' sharing stops this process too: every process decides alike.
+    store = _ready_on({0: "GPU-b", 2: "GPU-b"})
+    with pytest.raises(ConfigError, match=r"ranks 0 and 2 would share GPU GPU-b"):
+        rendezvous.join_process_group(role, "nccl", 5.0, "GPU-a")
+    assert joined == []
+    store = _ready_on({0: "GPU-b", 2: "GPU-c"})
+    rendezvous.join_process_group(role, "nccl", 5.0, "GPU-a")
+    assert len(joined) == 1
