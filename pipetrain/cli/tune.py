@@ -43,6 +43,7 @@ class Candidate:
     peak_memory: int = 0  # bytes, the largest of the ranks
     error: str = ""
     exit_code: int = 0  # of the candidate's run; 2 is bad input
+    stopped: bool = False  # by SIGINT/SIGTERM: the tuning stops with it
 
 
 def add_parser(subparsers: Any) -> None:
@@ -115,6 +116,9 @@ def _measure(count: int, config: TrainConfig) -> Candidate:
     reset_peak_memory()
     code = run_config(config)
     summary = _summary_line(config.metrics_path) if code == 0 else None
+    if code == 0 and (summary is None or summary["steps"] < config.run.steps):
+        # A stop signal ends a run early with status 0 (at its start: no summary at all).
+        return Candidate(count, config.microbatch_size, error="stopped by a signal", stopped=True)
     if summary is None:
         return Candidate(
             count,
@@ -170,7 +174,8 @@ def format_table(candidates: list[Candidate]) -> str:
     lines = [f"{'micro-batches':>13}  {'size':>5}  {'tokens/s':>10}  {'peak memory':>12}"]
     for c in candidates:
         if c.error:
-            lines.append(f"{c.microbatches:>13}  {'':>5}  skipped: {c.error}")
+            said = c.error if c.stopped else f"skipped: {c.error}"
+            lines.append(f"{c.microbatches:>13}  {'':>5}  {said}")
             continue
         mark = " *" if c is best else ""
         lines.append(
@@ -200,16 +205,42 @@ def run(args: argparse.Namespace) -> int:
     if not configs:
         raise _refused(refusals)
     _refuse_earlier_tuning(configs.values())
+    candidates = _measure_all(counts, configs, refusals)
+    if candidates is None:
+        return 2
+    sys.stdout.write(format_table(candidates) + "\n")
+    if any(c.stopped for c in candidates):
+        # As for 'pipetrain train', a stop asked for is not a failure.
+        sys.stderr.write(
+            "pipetrain tune: stopped by a signal; the counts after the stopped one did not run\n"
+        )
+        return 0
+    return 0 if any(not c.error for c in candidates) else 1
+
+
+def _measure_all(
+    counts: list[int], configs: dict[int, TrainConfig], refusals: dict[int, str]
+) -> list[Candidate] | None:
+    """Each count's candidate, in order, until a stop signal; None after bad input."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     candidates: list[Candidate] = []
     for count in counts:
+        if any(c.stopped for c in candidates):
+            candidates.append(Candidate(count, 0, error="the tuning was stopped before it"))
+            continue
         if count not in configs:
             candidates.append(Candidate(count, 0, error=refusals[count]))
             continue
-        candidate = _measure(count, configs[count])
+        try:
+            candidate = _measure(count, configs[count])
+        except (KeyboardInterrupt, SignalException):
+            # Between a run's end and the next one's start: torch's launcher left its
+            # handler, which raises, in this process; before any launch, Python's.
+            candidate = Candidate(count, 0, error="stopped by a signal", stopped=True)
         if candidate.exit_code == 2:
             # Bad input only the run could check (an empty corpus, say), which its ranks
             # printed: every other count would start processes only to hit it again.
-            return 2
+            return None
         candidates.append(candidate)
-    sys.stdout.write(format_table(candidates) + "\n")
-    return 0 if any(not c.error for c in candidates) else 1
+    return candidates

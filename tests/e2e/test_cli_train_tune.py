@@ -64,13 +64,58 @@ def test_a_candidate_in_this_process_reports_its_own_peak_memory(
     )
 
     def run_config(candidate: TrainConfig) -> int:
-        record = {"summary": True, "tokens_per_s": 1.0, "peak_memory": [peak_memory_bytes("cpu")]}
+        record = {
+            "summary": True,
+            "steps": candidate.run.steps,
+            "tokens_per_s": 1.0,
+            "peak_memory": [peak_memory_bytes("cpu")],
+        }
         candidate.metrics_path.parent.mkdir(parents=True)
         candidate.metrics_path.write_text(json.dumps(record) + "\n")
         return 0
 
     monkeypatch.setattr(tune, "run_config", run_config)
     assert tune._measure(4, config).peak_memory < before + 200 * 2**20
+
+
+def test_a_stop_signal_ends_the_tuning_with_what_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Ctrl-C stops a candidate as it stops a train run: status 0, the steps so far
+    # summarised. The tuning went on with the next counts and called the stopped one "the
+    # run failed (exit status 0)"; a Ctrl-C between two runs was a traceback.
+    from pipetrain.cli import tune
+    from pipetrain.train.config import TrainConfig
+
+    ran: list[int] = []
+
+    def run_config(config: TrainConfig) -> int:
+        count = config.pipeline.microbatches
+        ran.append(count)
+        if count == 8:
+            raise KeyboardInterrupt  # as the run starts
+        steps = 2 if count == 2 else 4  # 2 is stopped after 2 of its 4 steps
+        record = {"summary": True, "steps": steps, "tokens_per_s": 9.0, "peak_memory": [2**20]}
+        config.metrics_path.parent.mkdir(parents=True)
+        config.metrics_path.write_text(json.dumps(record) + "\n")
+        return 0
+
+    monkeypatch.setattr(tune, "run_config", run_config)
+    argv = [
+        "tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "8", "--seq-len", "32",
+        "--set", "data.max_bytes=100000", "--set", f"run.out_dir={json.dumps(str(tmp_path))}",
+    ]  # fmt: skip
+    assert main([*argv, "--microbatches", "1,2,4,8"]) == 0
+    out, err = capsys.readouterr()
+    assert ran == [1, 2]
+    assert re.search(r"^\s+1\s+8\s+9 .* \*$", out, re.M)
+    assert re.search(r"^\s+2\s+stopped by a signal$", out, re.M)
+    for count in (4, 8):
+        assert re.search(rf"^\s+{count}\s+skipped: the tuning was stopped before it$", out, re.M)
+    assert "stopped by a signal" in err
+    assert main([*argv, "--microbatches", "1,8", "--name", "again"]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"^\s+8\s+stopped by a signal$", out, re.M) and "Traceback" not in err
 
 
 def test_format_table_marks_the_highest_throughput() -> None:
