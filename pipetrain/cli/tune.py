@@ -10,7 +10,7 @@ would resume from, or save among and prune, that run's checkpoints); its tokens/
 out the first step (allocations). Candidates are named ``<name>-m<count>`` (the run name of
 --name, --set run.name or --config; else ``tune-<date-time>-<process id>``, which keeps
 tunings started in the same second apart) and write their metrics in their own run
-folders.
+folders; a --timeline picture gets the count too (``step.png``: ``step-m4.png``, ...).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
@@ -54,7 +55,8 @@ def add_parser(subparsers: Any) -> None:
         "and peak memory per candidate, marking the fastest. Takes every flag of "
         "'pipetrain train'; candidates save no checkpoints and never resume, and each "
         "writes its metrics in its own run folder, <out_dir>/<name>-m<count> (--metrics "
-        "does not apply).",
+        "does not apply); --timeline step.png draws each candidate's last step to "
+        "step-m<count>.png.",
     )
     p.add_argument(
         "--microbatches",
@@ -101,6 +103,12 @@ def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
     # Each candidate is a run of its own, with its own metrics: the tuning's name gets the
     # count appended (the runs would otherwise meet in one folder and file).
     run = dataclasses.replace(config.run, name=f"{config.run.name}-m{count}", metrics="")
+    if run.timeline:
+        # One picture per candidate: in one file each would replace the one before.
+        picture = Path(run.timeline)
+        run = dataclasses.replace(
+            run, timeline=str(picture.with_name(f"{picture.stem}-m{count}{picture.suffix}"))
+        )
     config = dataclasses.replace(config, run=run)
     plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
     return config

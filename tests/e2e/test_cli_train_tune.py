@@ -118,6 +118,20 @@ def test_a_stop_signal_ends_the_tuning_with_what_it_measured(
     assert re.search(r"^\s+8\s+stopped by a signal$", out, re.M) and "Traceback" not in err
 
 
+def test_each_candidate_draws_its_own_timeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One --timeline file for all candidates kept only the last one's picture.
+    from pipetrain.cli import build_parser, tune
+
+    args = build_parser().parse_args(
+        ["tune", "--model", "llama-tiny", "--pp", "1", "--batch-size", "8", "--seq-len", "32",
+         "--timeline", str(tmp_path / "step.png"), "--set", "data.max_bytes=100000"]
+    )  # fmt: skip
+    pictures = {tune._resolve(args, m, "now").run.timeline for m in (2, 4)}
+    assert pictures == {str(tmp_path / "step-m2.png"), str(tmp_path / "step-m4.png")}
+
+
 def test_format_table_marks_the_highest_throughput() -> None:
     table = format_table(
         [Candidate(2, 16, 900.0, 2**30), Candidate(4, 8, 1200.0, 2**29), Candidate(8, 4, error="x")]
