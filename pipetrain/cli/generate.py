@@ -21,6 +21,10 @@ from pipetrain.cli.errors import UsageError
 
 __all__ = ["add_parser", "run"]
 
+# How long a rank waits for the others to start and for each transfer: the trainer's
+# default pipeline.timeout_s.
+_TIMEOUT_S = 300.0
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -63,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
 
     from pipetrain.checkpoint.generate import generate_tokens, load_pipeline_model
     from pipetrain.cli.ckpt import resolve_checkpoint
-    from pipetrain.runtime.build import gpu_shortfall, use_device
+    from pipetrain.runtime.build import gpu_identity, use_device
     from pipetrain.train.data import load_tokenizer
+    from pipetrain.train.rendezvous import join_process_group
+    from pipetrain.train.session import ProcessRole
 
     path = resolve_checkpoint(args.checkpoint)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -76,12 +82,6 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is available: use --device cpu")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    problem = gpu_shortfall(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if use_cuda and world > 1 and problem:
-        raise UsageError(
-            f"{problem}: start at most {torch.cuda.device_count()} per node "
-            f"(torchrun --nproc-per-node) or --device cpu"
-        )
     device = (
         torch.device("cuda", local_rank % torch.cuda.device_count())
         if use_cuda
@@ -92,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
     use_device(device)
     group = None
     if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # The trainer's start: two ranks on one GPU are named there, in one line.
+        role = ProcessRole(
+            rank=int(os.environ.get("RANK", "0")), world_size=world, local_rank=local_rank
+        )
+        join_process_group(role, "nccl" if use_cuda else "gloo", _TIMEOUT_S, gpu_identity(device))
         group = dist.group.WORLD
     try:
         stages = world if world > 1 else (args.pp or 1)

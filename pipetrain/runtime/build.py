@@ -42,7 +42,6 @@ __all__ = [
     "even_split",
     "forward_only",
     "gpu_identity",
-    "gpu_shortfall",
     "positive_count",
     "resolve_schedule",
     "token_table_rows",
@@ -83,18 +82,6 @@ def gpu_identity(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def gpu_shortfall(local_world_size: int) -> str | None:
-    """What is wrong when a node runs more nccl processes than it has GPUs (nccl cannot
-    place two ranks on one GPU and fails deep in the first transfer), else None."""
-    gpus = torch.cuda.device_count()
-    if local_world_size <= gpus:
-        return None
-    return (
-        f"{local_world_size} processes on this node but it has {gpus} GPU(s), and nccl "
-        f"needs one GPU per process"
-    )
 
 
 def even_split(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...]:

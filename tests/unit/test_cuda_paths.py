@@ -76,20 +76,25 @@ def test_generate_makes_its_gpu_current_before_it_joins(
     # Loading the checkpoint broadcasts objects over the group: on nccl from the current device.
     import argparse
 
-    import torch.distributed as dist
-
     from pipetrain.cli import ckpt, generate
+    from pipetrain.train import rendezvous
 
     current = _fake_gpus(monkeypatch, 2)
     at_join: list[list[Any]] = []
 
-    def join(backend: str, **kwargs: Any) -> None:
-        at_join.append([backend, *current])
+    def join(role: ProcessRole, backend: str, timeout_s: float, gpu: str | None) -> None:
+        at_join.append([role.rank, backend, gpu, *current])
         raise _Joined
 
     monkeypatch.setattr(ckpt, "resolve_checkpoint", lambda directory: tmp_path)
-    monkeypatch.setattr(dist, "init_process_group", join)
-    for name, value in (("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")):
+    monkeypatch.setattr(rendezvous, "join_process_group", join)
+    # Per-task binding would give each rank one GPU: its UUID, not a count, tells.
+    for name, value in (
+        ("WORLD_SIZE", "2"),
+        ("RANK", "1"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "8"),
+    ):
         monkeypatch.setenv(name, value)
     args = argparse.Namespace(
         checkpoint=str(tmp_path),
@@ -102,7 +107,7 @@ def test_generate_makes_its_gpu_current_before_it_joins(
     )
     with pytest.raises(_Joined):
         generate.run(args)
-    assert at_join == [["nccl", torch.device("cuda", 1)]]
+    assert at_join == [[1, "nccl", "GPU-1", torch.device("cuda", 1)]]
 
 
 def test_peak_memory_is_read_from_the_process_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
