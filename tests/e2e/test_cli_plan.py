@@ -151,3 +151,22 @@ def test_unknown_model_lists_the_presets() -> None:
     done = _plan("--model", "llama-huge", "--pp", "2")
     assert done.returncode == 2
     assert "llama-default" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_split_the_trainer_refuses_is_not_offered_as_a_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 5 stages of a 4-block model (embedding and head alone on a stage) plan fine, but
+    # `pipetrain train --split 1,1,1,1,0` refuses more stages than blocks.
+    from pipetrain.cli import main
+
+    args = ["plan", "--model", "llama-tiny", "--pp", "5", "--schedule", "gpipe"]
+    assert main([*args, "--balance", "params"]) == 0
+    text = capsys.readouterr().out
+    assert "--split" not in text
+    assert text.endswith(
+        "not trainable: pipetrain train needs at least as many blocks as stages, and "
+        "llama-tiny has 4 blocks for 5 stages: use fewer stages (--pp, --chunks)\n"
+    )
+    assert main([*args, "--balance", "params", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["train_split"] is None
