@@ -256,11 +256,16 @@ def _check_path(path: str | Path) -> Path:
     return out
 
 
-def _title(tl: Timeline) -> str:
+def _title(tl: Timeline, unit: str, taking_turns: bool) -> str:
+    suffix = f" {unit}" if unit else ""
+    head = f"{tl.name}    makespan {tl.makespan:g}{suffix}"
+    if taking_turns:
+        # Idle time between ranks that share one process is waiting for a turn, not bubble.
+        return f"{head}    ranks took turns in one process: idle time is not a bubble"
     b = bubble(tl)
     return (
-        f"{tl.name}    makespan {tl.makespan:g}    bubble: {b.idle_fraction:.1%} idle, "
-        f"{b.over_ideal:.1%} over ideal, worst rank span idle {b.per_rank_span_time:g}"
+        f"{head}    bubble: {b.idle_fraction:.1%} idle, {b.over_ideal:.1%} over ideal, "
+        f"worst rank span idle {b.per_rank_span_time:g}{suffix}"
     )
 
 
@@ -271,7 +276,7 @@ def _tint(colour: str, amount: float) -> str:
 
 
 def _draw(
-    ax: Any, tl: Timeline, t0: float, makespan: float, px_per_unit: float
+    ax: Any, tl: Timeline, t0: float, makespan: float, px_per_unit: float, title: str
 ) -> tuple[set[Kind], bool]:
     """Draw one timeline on ``ax``: ranks top to bottom, idle as a light band, a rank's
     later chunks in lighter shades of their kind's colour. All boxes of a panel go into
@@ -332,7 +337,7 @@ def _draw(
     ax.set_yticklabels([f"rank {tl.num_ranks - 1 - y}" for y in range(tl.num_ranks)])
     ax.set_ylim(-0.6, tl.num_ranks - 0.4)
     ax.set_xlim(0.0, makespan)
-    ax.set_title(_title(tl), fontsize=9, loc="left")
+    ax.set_title(title, fontsize=9, loc="left")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     return shown, any(count > 1 for _, count in chunks.values())
@@ -378,9 +383,16 @@ def _span(timelines: Sequence[Timeline]) -> tuple[list[float], float]:
     return starts, longest if longest > 0 else 1.0
 
 
-def plot(timeline: Timeline, path: str | Path) -> Path:
-    """A Gantt chart of ``timeline`` to ``path`` (.png or .svg, chosen by suffix)."""
-    return plot_compare([timeline], path)
+def plot(
+    timeline: Timeline, path: str | Path, *, unit: str = "", taking_turns: bool = False
+) -> Path:
+    """A Gantt chart of ``timeline`` to ``path`` (.png or .svg, chosen by suffix).
+
+    ``unit`` names the timeline's time unit on the axis and in the title (``"s"`` for a
+    measured step; a simulation's units have none). ``taking_turns``: every rank ran in
+    one process (the runtime's debug mode), so the title gives no bubble.
+    """
+    return plot_compare([timeline], path, unit=unit, taking_turns=taking_turns)
 
 
 # Layout in inches, fixed rather than computed by a layout engine, which would render
@@ -392,8 +404,11 @@ _LEFT_IN, _RIGHT_IN = 0.85, 0.25
 _DPI = 120
 
 
-def plot_compare(timelines: Sequence[Timeline], path: str | Path) -> Path:
-    """Several timelines stacked on one shared time axis, one panel each."""
+def plot_compare(
+    timelines: Sequence[Timeline], path: str | Path, *, unit: str = "", taking_turns: bool = False
+) -> Path:
+    """Several timelines stacked on one shared time axis, one panel each (``unit`` and
+    ``taking_turns`` as for ``plot``)."""
     out = _check_path(path)
     if not timelines:
         raise RenderError("nothing to plot: give at least one timeline")
@@ -422,10 +437,10 @@ def plot_compare(timelines: Sequence[Timeline], path: str | Path) -> Path:
     shown: set[Kind] = set()
     chunked = False
     for ax, tl, t0 in zip(axes, timelines, starts, strict=True):
-        kinds, multi = _draw(ax, tl, t0, longest, px_per_unit)
+        kinds, multi = _draw(ax, tl, t0, longest, px_per_unit, _title(tl, unit, taking_turns))
         shown |= kinds
         chunked = chunked or multi
-    axes[-1].set_xlabel("time")
+    axes[-1].set_xlabel(f"time ({unit})" if unit else "time")
     _legend(fig, shown, chunked)
     try:
         fig.savefig(out, dpi=_DPI)

@@ -226,7 +226,7 @@ def train_async(
         if r.timeline and role.reporter and results:
             from pipetrain.sim.render import plot
 
-            plot(results[-1].timeline, r.timeline)
+            plot(results[-1].timeline, r.timeline, unit="s", taking_turns=not role.distributed)
             say(
                 f"measured timeline of the last stream (steps {done - stream + 1}-{done}) "
                 f"drawn to {r.timeline}"

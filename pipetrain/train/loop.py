@@ -357,7 +357,7 @@ def _finish(
     if r.timeline and role.reporter and records:
         from pipetrain.sim.render import plot
 
-        plot(records[-1].timeline, r.timeline)
+        plot(records[-1].timeline, r.timeline, unit="s", taking_turns=not role.distributed)
         say(f"measured timeline of the last step drawn to {r.timeline}")
     # The replicas hold the same weights: the first one samples. Sharded, every replica
     # takes part in gathering the full weights.

@@ -111,3 +111,19 @@ def test_ascii_of_measured_times_at_any_scale(unit: float) -> None:
     assert rows[1].split() == ["t|", "0", f"{5 * unit:g}"]
     assert rows[2] == "r0| 0F0 .........0B0--- ."
     assert rows[3] == "r1| ....1F0 1B0- ........"
+
+
+def test_a_measured_plot_names_its_unit_and_no_bubble_when_ranks_took_turns(
+    tmp_path: Path,
+) -> None:
+    # The trainer draws measured seconds: the picture said "makespan 0.0291" and "time";
+    # in the debug mode it gave a bubble the run summary rightly refuses to give.
+    text = plot(GPIPE_2_2, tmp_path / "m.svg", unit="s").read_text()
+    assert "<!-- time (s) -->" in text and f"makespan {GPIPE_2_2.makespan:g} s" in text
+    assert "bubble: " in text
+    text = plot(GPIPE_2_2, tmp_path / "t.svg", unit="s", taking_turns=True).read_text()
+    assert "ranks took turns in one process: idle time is not a bubble" in text
+    assert "bubble: " not in text
+    # A simulation's units have no name, as before.
+    text = plot(GPIPE_2_2, tmp_path / "u.svg").read_text()
+    assert "<!-- time -->" in text and "bubble: " in text
