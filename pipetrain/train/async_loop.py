@@ -33,6 +33,7 @@ from pipetrain.train.data import Batch, Corpus, eval_batches, load_corpus, train
 from pipetrain.train.loop import peak_memory_per_rank
 from pipetrain.train.metrics import (
     RunSummary,
+    draw_timeline,
     measured_bubble,
 )
 from pipetrain.train.optim import build_optimizer, lr_at
@@ -224,12 +225,12 @@ def train_async(
             peak_memory=peak_memory_per_rank(role, device),
         )
         if r.timeline and role.reporter and results:
-            from pipetrain.sim.render import plot
-
-            plot(results[-1].timeline, r.timeline, unit="s", taking_turns=not role.distributed)
-            say(
-                f"measured timeline of the last stream (steps {done - stream + 1}-{done}) "
-                f"drawn to {r.timeline}"
+            draw_timeline(
+                results[-1].timeline,
+                r.timeline,
+                say,
+                taking_turns=not role.distributed,
+                what=f"stream (steps {done - stream + 1}-{done})",
             )
         if role.reporter:
             say(summary.format())

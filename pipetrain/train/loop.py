@@ -35,7 +35,7 @@ from pipetrain.train.config import (
     settings_disagree,
 )
 from pipetrain.train.data import Corpus, load_tokenizer
-from pipetrain.train.metrics import RunSummary, measured_bubble, peak_memory_bytes
+from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble, peak_memory_bytes
 from pipetrain.train.optim import StepOutcome
 from pipetrain.train.parallel import Mesh, build_mesh, replica_mean, state_bytes
 from pipetrain.train.plan import (
@@ -355,10 +355,9 @@ def _finish(
         session.output.record(dp_stats.to_json())
         say(dp_stats.format())
     if r.timeline and role.reporter and records:
-        from pipetrain.sim.render import plot
-
-        plot(records[-1].timeline, r.timeline, unit="s", taking_turns=not role.distributed)
-        say(f"measured timeline of the last step drawn to {r.timeline}")
+        draw_timeline(
+            records[-1].timeline, r.timeline, say, taking_turns=not role.distributed, what="step"
+        )
     # The replicas hold the same weights: the first one samples. Sharded, every replica
     # takes part in gathering the full weights.
     here = mesh is None or mesh.dp_rank == 0

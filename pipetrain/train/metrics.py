@@ -14,7 +14,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -29,6 +29,7 @@ __all__ = [
     "Progress",
     "RunSummary",
     "TensorBoard",
+    "draw_timeline",
     "format_duration",
     "free_name",
     "measured_bubble",
@@ -100,6 +101,26 @@ def reset_peak_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
+
+
+def draw_timeline(
+    timeline: Timeline, path: str, say: Callable[[str], None], *, taking_turns: bool, what: str
+) -> None:
+    """Draw the measured ``timeline`` (``what``: "step", "stream (steps 1-3)") to ``path``.
+
+    After the last step nothing else is at stake: a picture that cannot be written (a
+    path checked at the start can still fail: /proc, a full disk) is a warning, and the
+    run goes on to its sample and exits as it would have, where an error on this one rank
+    would have lost the sample and left its peers reporting a lost rank.
+    """
+    from pipetrain.sim.render import plot
+
+    try:
+        plot(timeline, path, unit="s", taking_turns=taking_turns)
+    except InputError as exc:
+        say(f"warning: the measured timeline of the last {what} was not drawn: {exc}")
+        return
+    say(f"measured timeline of the last {what} drawn to {path}")
 
 
 class MetricsFile:

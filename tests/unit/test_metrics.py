@@ -17,6 +17,7 @@ from pipetrain.train.metrics import (
     Progress,
     RunOutput,
     RunSummary,
+    draw_timeline,
     format_duration,
     measured_bubble,
     peak_memory_bytes,
@@ -244,3 +245,22 @@ def test_a_resumed_file_keeps_one_trajectory(tmp_path: Path) -> None:
     assert MetricsFile(path, append=True).resume_from(2) is None
     assert MetricsFile(path).resume_from(0) is None
     assert len(list(tmp_path.glob("metrics.superseded-*"))) == 1
+
+
+def test_a_timeline_that_cannot_be_drawn_is_a_warning_not_a_failed_run(tmp_path: Path) -> None:
+    # Found only after the last step (--timeline /proc/x.png passes the start's checks):
+    # rank 0 failed with exit status 2, the sample was lost and rank 1 reported it lost.
+    pytest.importorskip("matplotlib")
+    f0, b0 = Action(0, Kind.F, 0), Action(0, Kind.B, 0)
+    timeline = Timeline("t", 1, (Event(0, f0, 0.0, 0.01), Event(0, b0, 0.01, 0.03)))
+    said: list[str] = []
+    (tmp_path / "file").write_text("")
+    draw_timeline(
+        timeline, str(tmp_path / "file" / "x.png"), said.append, taking_turns=False, what="step"
+    )
+    assert len(said) == 1
+    assert said[0].startswith("warning: the measured timeline of the last step was not drawn: ")
+    assert "x.png" in said[0]
+    draw_timeline(timeline, str(tmp_path / "x.png"), said.append, taking_turns=False, what="step")
+    assert said[1] == f"measured timeline of the last step drawn to {tmp_path / 'x.png'}"
+    assert (tmp_path / "x.png").stat().st_size > 0
