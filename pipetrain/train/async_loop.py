@@ -290,6 +290,7 @@ def _summary(
         final_eval_loss=final_eval_loss,
         peak_memory=peak_memory,
         skipped_steps=0,
+        untimed_steps=sum(len(r.losses) for r in results) - sum(len(r.losses) for r in timed),
     )
 
 

@@ -398,6 +398,7 @@ def _summary(
         final_eval_loss=final_eval,
         peak_memory=peaks,
         skipped_steps=sum(int(m.outcome.skipped) for m in records),
+        untimed_steps=len(records) - len(timed),
     )
 
 

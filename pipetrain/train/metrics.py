@@ -345,6 +345,9 @@ class RunSummary:
     # Peak memory (bytes) of each rank, in rank order.
     peak_memory: tuple[int, ...]
     skipped_steps: int
+    # The first steps, left out of tokens_per_s (allocations; an asynchronous run's first
+    # stream); 0 when the run had no others.
+    untimed_steps: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -356,9 +359,9 @@ class RunSummary:
     def format(self) -> str:
         """A few lines for the end of the run log."""
         lines = [
-            f"trained {self.steps} steps, {self.tokens:,} tokens in {format_duration(self.wall_s)} "
+            f"trained {self.steps} step{'' if self.steps == 1 else 's'}, {self.tokens:,} tokens in {format_duration(self.wall_s)} "
             f"({self.wall_s:.1f} s with start-up and evaluation); {self.tokens_per_s:,.0f} "
-            f"tokens/s over the training steps after the first",
+            f"tokens/s over {self._timed()}",
         ]
         if math.isfinite(self.first_eval_loss) and math.isfinite(self.final_eval_loss):
             drop = 1.0 - self.final_eval_loss / self.first_eval_loss
@@ -376,6 +379,14 @@ class RunSummary:
         if self.skipped_steps:
             lines.append(f"skipped updates (non-finite loss or gradient): {self.skipped_steps}")
         return "\n".join(lines)
+
+    def _timed(self) -> str:
+        if self.untimed_steps == 0:
+            only = "its only step" if self.steps == 1 else f"all {self.steps} steps"
+            return f"{only} (allocations included: too few to leave the first out)"
+        if self.untimed_steps == 1:
+            return "the training steps after the first"
+        return f"the training steps after the first {self.untimed_steps} (the first stream)"
 
 
 def _mib(size: float) -> str:

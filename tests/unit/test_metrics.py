@@ -146,9 +146,35 @@ def test_summary_text_and_json() -> None:
     assert "eval loss 5.5000 -> 2.2000 (60% lower)" in text
     assert "bubble: measured 31.0%, simulated 20.0%" in text
     assert "peak memory per rank: 500 MiB, 400 MiB" in text
+    assert "tokens/s over the training steps after the first\n" in text
     record = summary.to_json()
     assert record["summary"] is True and record["peak_memory"] == [500 * 2**20, 400 * 2**20]
     json.dumps(record)
+
+
+@pytest.mark.parametrize(
+    ("steps", "untimed", "said"),
+    [
+        (
+            1,
+            0,
+            "tokens/s over its only step (allocations included: too few to leave the first out)",
+        ),
+        (2, 0, "tokens/s over all 2 steps (allocations included: too few to leave the first out)"),
+        (6, 3, "tokens/s over the training steps after the first 3 (the first stream)"),
+    ],
+)
+def test_summary_says_which_steps_its_tokens_per_second_counts(
+    steps: int, untimed: int, said: str
+) -> None:
+    # A 1-step run (tune --steps 1, say) said "over the training steps after the first" of
+    # a number that timed exactly that first step; a PipeDream run timed from its second
+    # stream, not its second step.
+    summary = RunSummary(
+        steps, 1.0, 100, 50.0, None, None, math.nan, math.nan, (2**20,), 0, untimed
+    )
+    assert said in summary.format()
+    assert summary.format().startswith(f"trained {steps} step{'' if steps == 1 else 's'}, ")
 
 
 def test_eta_counts_only_the_steps_this_process_trained() -> None:
