@@ -184,6 +184,24 @@ def _check_outputs(args: argparse.Namespace) -> None:
         raise UsageError(f"--save {args.save}: use a .csv or .json file name")
     if args.save and args.compare:
         raise UsageError("--save writes one schedule: pick it with --schedule instead of --compare")
+    if args.trace and Path(args.trace).suffix.lower() != ".json":
+        # Any other name could be a schedule file (.csv) or a picture the trace replaces.
+        raise UsageError(f"--trace {args.trace}: use a .json file name")
+    # Two outputs on one path keep only the last written; one on the input destroys it.
+    named: dict[Path, str] = {}
+    for flag, value in (
+        ("--schedule-file", args.schedule_file),
+        ("--save", args.save),
+        ("--trace", args.trace),
+    ):
+        if not value:
+            continue
+        path = Path(value).resolve()
+        if path in named:
+            raise UsageError(
+                f"{flag} {value} is the file of {named[path]} too: give each its own file name"
+            )
+        named[path] = flag
     if args.width < 20:
         raise UsageError(f"--width {args.width}: give at least 20 characters")
 

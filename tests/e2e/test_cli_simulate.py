@@ -341,3 +341,25 @@ def test_a_torchrun_rank_ends_without_finalization() -> None:
             timeout=60,
         )
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_outputs_never_land_on_each_other_or_on_the_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --trace wrote JSON to any name: over the --save of the same run, over the schedule
+    # file it had just read (--trace my.csv), over a picture; all with exit status 0.
+    base = ["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2"]
+    mine = tmp_path / "my.csv"
+    assert main([*base, "--save", str(mine)]) == 0
+    kept = mine.read_text()
+    for extra, said in [
+        (["--save", str(tmp_path / "s.json"), "--trace", str(tmp_path / "s.json")],
+         "is the file of --save too"),
+        (["--trace", str(mine)], "use a .json file name"),
+        (["--trace", str(tmp_path / "p.png")], "use a .json file name"),
+    ]:  # fmt: skip
+        assert main([*base, *extra]) == 2
+        assert said in capsys.readouterr().err
+    assert main(["simulate", "--schedule-file", str(mine), "--save", str(mine)]) == 2
+    assert "is the file of --schedule-file too" in capsys.readouterr().err
+    assert mine.read_text() == kept and not (tmp_path / "s.json").exists()

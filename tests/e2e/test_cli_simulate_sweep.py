@@ -35,7 +35,8 @@ def test_outputs_that_cannot_be_written(tmp_path: Path, capsys: pytest.CaptureFi
     assert "cannot write" in err and "t.json" in err
     err = refused(capsys, *SMALL, "--plot", str(missing / "p.svg"))
     assert "cannot write" in err and "p.svg" in err
-    assert "Is a directory" in refused(capsys, *SMALL, "--trace", str(tmp_path))
+    (tmp_path / "d.json").mkdir()
+    assert "Is a directory" in refused(capsys, *SMALL, "--trace", str(tmp_path / "d.json"))
     assert not missing.exists()
 
 
