@@ -7,8 +7,9 @@ The last step in choosing a micro-batch size: after the memory estimate of
 candidate is a short ``pipetrain train`` run without evaluation, sample or checkpoints
 (a train command line's --checkpoint-dir, --resume and --keep are ignored: candidates
 would resume from, or save among and prune, that run's checkpoints); its tokens/s leaves
-out the first step (allocations). Candidates are named ``<name>-m<count>`` (the run name of
---name, --set run.name or --config; else ``tune-<date-time>-<process id>``, which keeps
+out the first step (allocations; not with --steps 1, which a note under the table says).
+Candidates are named ``<name>-m<count>`` (the run name of --name, --set run.name or
+--config; else ``tune-<date-time>-<process id>``, which keeps
 tunings started in the same second apart) and write their metrics in their own run
 folders; a --timeline picture gets the count too (``step.png``: ``step-m4.png``, ...).
 """
@@ -217,6 +218,11 @@ def run(args: argparse.Namespace) -> int:
     if candidates is None:
         return 2
     sys.stdout.write(format_table(candidates) + "\n")
+    if next(iter(configs.values())).run.steps == 1:
+        sys.stdout.write(
+            "note: with --steps 1 tokens/s times each candidate's first step, allocations "
+            "included: use --steps 2 or more to leave it out\n"
+        )
     if any(c.stopped for c in candidates):
         # As for 'pipetrain train', a stop asked for is not a failure.
         sys.stderr.write(

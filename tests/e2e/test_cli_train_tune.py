@@ -116,6 +116,12 @@ def test_a_stop_signal_ends_the_tuning_with_what_it_measured(
     assert main([*argv, "--microbatches", "1,8", "--name", "again"]) == 0
     out, err = capsys.readouterr()
     assert re.search(r"^\s+8\s+stopped by a signal$", out, re.M) and "Traceback" not in err
+    assert "note:" not in out
+    # One step is timed with its allocations: said under the table.
+    assert main([*argv, "--microbatches", "1", "--name", "one", "--steps", "1"]) == 0
+    assert "note: with --steps 1 tokens/s times each candidate's first step" in (
+        capsys.readouterr().out
+    )
 
 
 def test_each_candidate_draws_its_own_timeline(
