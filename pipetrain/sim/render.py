@@ -259,7 +259,7 @@ def _check_path(path: str | Path) -> Path:
 def _title(tl: Timeline, unit: str, taking_turns: bool) -> str:
     suffix = f" {unit}" if unit else ""
     head = f"{tl.name}    makespan {tl.makespan:g}{suffix}"
-    if taking_turns:
+    if taking_turns and tl.num_ranks > 1:
         # Idle time between ranks that share one process is waiting for a turn, not bubble.
         return f"{head}    ranks took turns in one process: idle time is not a bubble"
     b = bubble(tl)

@@ -124,6 +124,9 @@ def test_a_measured_plot_names_its_unit_and_no_bubble_when_ranks_took_turns(
     text = plot(GPIPE_2_2, tmp_path / "t.svg", unit="s", taking_turns=True).read_text()
     assert "ranks took turns in one process: idle time is not a bubble" in text
     assert "bubble: " not in text
+    # One rank in one process (--pp 1) takes no turns.
+    one = Timeline("one", 1, tuple(e for e in GPIPE_2_2.events if e.rank == 0))
+    assert "bubble: " in plot(one, tmp_path / "o.svg", unit="s", taking_turns=True).read_text()
     # A simulation's units have no name, as before.
     text = plot(GPIPE_2_2, tmp_path / "u.svg").read_text()
     assert "<!-- time -->" in text and "bubble: " in text
