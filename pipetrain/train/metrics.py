@@ -375,7 +375,11 @@ class RunSummary:
             lines.append(
                 f"bubble: simulated {simulated} (not measured: every rank ran in one process)"
             )
-        lines.append("peak memory per rank: " + ", ".join(_mib(b) for b in self.peak_memory))
+        shared = self.measured_bubble is None and self.simulated_bubble is not None
+        lines.append(
+            ("peak memory of the one process: " if shared else "peak memory per rank: ")
+            + ", ".join(_mib(b) for b in self.peak_memory)
+        )
         if self.skipped_steps:
             lines.append(f"skipped updates (non-finite loss or gradient): {self.skipped_steps}")
         return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -147,6 +148,9 @@ def test_summary_text_and_json() -> None:
     assert "bubble: measured 31.0%, simulated 20.0%" in text
     assert "peak memory per rank: 500 MiB, 400 MiB" in text
     assert "tokens/s over the training steps after the first\n" in text
+    # The debug mode's ranks share one process: one peak, not one per rank.
+    shared = dataclasses.replace(summary, measured_bubble=None, peak_memory=(500 * 2**20,))
+    assert "peak memory of the one process: 500 MiB" in shared.format()
     record = summary.to_json()
     assert record["summary"] is True and record["peak_memory"] == [500 * 2**20, 400 * 2**20]
     json.dumps(record)
