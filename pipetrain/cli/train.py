@@ -56,7 +56,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--name": ("run.name", str, "run directory name under runs/"),
     "--grad-accum": ("optim.grad_accum", int, "pipeline steps per optimizer step"),
     "--eval-every": ("run.eval_every", int, "evaluate every N steps (0: start and end only)"),
-    "--timeline": ("run.timeline", str, "draw the measured timeline of the last step to this PNG"),
+    "--timeline": (
+        "run.timeline",
+        str,
+        "draw the measured timeline of the last step to this PNG, or a Chrome/Perfetto trace .json",
+    ),
     "--checkpoint-dir": ("run.checkpoint_dir", str, "save checkpoints into this directory"),
     "--checkpoint-every": (
         "run.checkpoint_every",

@@ -176,7 +176,8 @@ class RunConfig:
     eval_every: int = 40
     # Write TensorBoard logs to <run dir>/tensorboard (needs the tensorboard package).
     tensorboard: bool = False
-    # Draw the measured timeline of the last step into this PNG ("" = no picture).
+    # Draw the measured timeline of the last step into this PNG, or write it as a Chrome /
+    # Perfetto trace (.json, times in microseconds, a track per rank); "" = neither.
     timeline: str = ""
     # Bytes (tokens) of text to generate from the trained model at the end; 0 = none.
     sample_tokens: int = 200

@@ -186,9 +186,10 @@ def validate(config: TrainConfig, *, check_paths: bool = True) -> None:
         raise ConfigError(
             f"run.name {r.name!r} is not a plain folder name: use letters, digits, '.', '_' and '-'"
         )
-    if r.timeline and not r.timeline.endswith(".png"):
+    if r.timeline and not r.timeline.endswith((".png", ".json")):
         raise ConfigError(
-            f"run.timeline {r.timeline!r} must name a .png file, e.g. --timeline step.png"
+            f"run.timeline {r.timeline!r} must name a .png picture or a .json Chrome/Perfetto "
+            f"trace, e.g. --timeline step.png"
         )
     # After the checks above, whose messages are more specific for the fields they cover.
     _check_values(config)

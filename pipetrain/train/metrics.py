@@ -106,21 +106,26 @@ def reset_peak_memory() -> None:
 def draw_timeline(
     timeline: Timeline, path: str, say: Callable[[str], None], *, taking_turns: bool, what: str
 ) -> None:
-    """Draw the measured ``timeline`` (``what``: "step", "stream (steps 1-3)") to ``path``.
+    """Draw the measured ``timeline`` (``what``: "step", "stream (steps 1-3)") to ``path``,
+    a picture or (``.json``) a Chrome/Perfetto trace.
 
     After the last step nothing else is at stake: a picture that cannot be written (a
     path checked at the start can still fail: /proc, a full disk) is a warning, and the
     run goes on to its sample and exits as it would have, where an error on this one rank
     would have lost the sample and left its peers reporting a lost rank.
     """
-    from pipetrain.sim.render import plot
+    from pipetrain.sim.render import plot, write_chrome_trace
 
     try:
-        plot(timeline, path, unit="s", taking_turns=taking_turns)
+        if path.endswith(".json"):
+            write_chrome_trace(timeline, path, us_per_unit=1e6)  # seconds to microseconds
+        else:
+            plot(timeline, path, unit="s", taking_turns=taking_turns)
     except InputError as exc:
         say(f"warning: the measured timeline of the last {what} was not drawn: {exc}")
         return
-    say(f"measured timeline of the last {what} drawn to {path}")
+    done = "written" if path.endswith(".json") else "drawn"
+    say(f"measured timeline of the last {what} {done} to {path}")
 
 
 class MetricsFile:

@@ -253,7 +253,12 @@ def _check_optional_packages(config: TrainConfig, reporter: bool) -> None:
             "run.tensorboard",
             "drop --tensorboard",
         ),
-        (reporter and bool(config.run.timeline), "matplotlib", "run.timeline", "drop --timeline"),
+        (
+            reporter and config.run.timeline.endswith(".png"),
+            "matplotlib",
+            "run.timeline",
+            "drop --timeline, or write a trace: --timeline step.json",
+        ),
         (
             bool(config.data.tokenizer),
             "tokenizers",

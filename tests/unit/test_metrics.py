@@ -294,3 +294,21 @@ def test_a_timeline_that_cannot_be_drawn_is_a_warning_not_a_failed_run(tmp_path:
     draw_timeline(timeline, str(tmp_path / "x.png"), said.append, taking_turns=False, what="step")
     assert said[1] == f"measured timeline of the last step drawn to {tmp_path / 'x.png'}"
     assert (tmp_path / "x.png").stat().st_size > 0
+
+
+def test_a_measured_timeline_can_be_written_as_a_chrome_trace(tmp_path: Path) -> None:
+    # --timeline step.json: what Perfetto loads, a track per rank, seconds as microseconds.
+    f0, f1 = Action(0, Kind.F, 0), Action(1, Kind.F, 0)
+    timeline = Timeline("t", 2, (Event(0, f0, 0.0, 0.002), Event(1, f1, 0.002, 0.005)))
+    said: list[str] = []
+    path = tmp_path / "step.json"
+    draw_timeline(timeline, str(path), said.append, taking_turns=False, what="step")
+    assert said == [f"measured timeline of the last step written to {path}"]
+    trace = json.loads(path.read_text())
+    spans = [
+        (e["tid"], e["name"], e["ts"], e["dur"]) for e in trace["traceEvents"] if e["ph"] == "X"
+    ]
+    assert spans == [
+        (0, "0F0", 0.0, pytest.approx(2000.0)),
+        (1, "1F0", 2000.0, pytest.approx(3000.0)),
+    ]

@@ -42,6 +42,15 @@ def test_a_timeline_path_that_is_a_folder_is_refused_before_training(tmp_path: P
         load_config(overrides=overrides)
 
 
+def test_a_timeline_is_a_png_picture_or_a_json_trace(tmp_path: Path) -> None:
+    base = {"run.out_dir": str(tmp_path / "runs")}
+    for name in ("step.png", "step.json"):
+        path = str(tmp_path / name)
+        assert load_config(overrides={**base, "run.timeline": path}).run.timeline == path
+    with pytest.raises(ConfigError, match=r"must name a .png picture or a .json Chrome/Perfetto"):
+        load_config(overrides={**base, "run.timeline": str(tmp_path / "step.txt")})
+
+
 def _async_config(**overrides: object) -> TrainConfig:
     return load_config(
         overrides={
