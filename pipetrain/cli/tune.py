@@ -30,7 +30,7 @@ from typing import Any
 from pipetrain.cli.errors import UsageError
 from pipetrain.cli.train import add_config_flags, config_from_args, run_config
 from pipetrain.errors import InputError
-from pipetrain.train.config import TrainConfig
+from pipetrain.train.config import TrainConfig, parse_override
 
 __all__ = ["Candidate", "add_parser", "format_table", "parse_counts", "run"]
 
@@ -98,7 +98,9 @@ def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
         "run.checkpoint_every": 0,
         "run.keep": 0,
     }
-    if args.cfg_steps is None:
+    # A config file's steps are a training run's; --steps or --set run.steps are this tuning's.
+    asked = {parse_override(text)[0] for text in args.cfg_set}
+    if args.cfg_steps is None and "run.steps" not in asked:
         extra["run.steps"] = 4
     config = config_from_args(args, extra, default_name=f"tune-{stamp}")
     # Each candidate is a run of its own, with its own metrics: the tuning's name gets the

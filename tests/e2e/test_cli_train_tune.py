@@ -136,6 +136,12 @@ def test_each_candidate_draws_its_own_timeline(
     )  # fmt: skip
     pictures = {tune._resolve(args, m, "now").run.timeline for m in (2, 4)}
     assert pictures == {str(tmp_path / "step-m2.png"), str(tmp_path / "step-m4.png")}
+    assert tune._resolve(args, 2, "now").run.steps == 4  # the tuning's default
+    # --set run.steps=10 ran 4 steps without a word; --steps was the only way.
+    args = build_parser().parse_args(
+        ["tune", "--model", "llama-tiny", "--pp", "1", "--seq-len", "32", "--set", "run.steps=10"]
+    )
+    assert tune._resolve(args, 2, "now").run.steps == 10
 
 
 def test_format_table_marks_the_highest_throughput() -> None:
