@@ -35,14 +35,21 @@ _MMAP_THRESHOLD = 32 * 1024 * 1024
 _TRIM_THRESHOLD = 1024 * 1024 * 1024
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc (whose malloc these calls tune), else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def keep_heap(mmap_threshold: int = _MMAP_THRESHOLD, trim_threshold: int = _TRIM_THRESHOLD) -> bool:
     """Fix glibc's mmap and trim thresholds (module doc); False where the C library is not
     glibc or refuses, in which case nothing changed."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return False
     # mallopt returns 1 on success; setting either threshold turns glibc's dynamic
     # adjustment of both off.
@@ -56,10 +63,5 @@ def release_free_heap() -> bool:
     """Give the heap's free pages back to the kernel now (glibc's ``malloc_trim``), as
     between two runs in one process whose peaks are measured apart; False where the C
     library is not glibc or had nothing to give back."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.malloc_trim(0))
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
