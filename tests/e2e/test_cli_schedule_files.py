@@ -7,24 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from simulate_cli import cli, refused
 
 from pipetrain.cli import main
 from pipetrain.schedules import io, registry
 
 pytestmark = pytest.mark.e2e
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(["simulate", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    code, out, err = cli(capsys, *argv)
-    assert (code, out) == (2, ""), err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    return err
 
 
 @pytest.mark.parametrize(("name", "chunks"), [("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)])

@@ -7,26 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from simulate_cli import cli, refused
 
-from pipetrain.cli import main
 from pipetrain.schedules import io, registry
 
 pytestmark = pytest.mark.e2e
 
 SMALL = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2"]
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(["simulate", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    code, out, err = cli(capsys, *argv)
-    assert (code, out) == (2, ""), err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    return err
 
 
 def test_outputs_that_cannot_be_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
