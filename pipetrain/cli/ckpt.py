@@ -11,14 +11,17 @@ verify then checks every one, inspect and export take the newest valid one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.errors import InputError
 
-__all__ = ["add_parser", "resolve_checkpoint", "run"]
+__all__ = ["add_parser", "reading", "resolve_checkpoint", "run"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -77,6 +80,22 @@ def resolve_checkpoint(directory: str) -> Path:
     return choice.path
 
 
+@contextlib.contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """Reads of the checkpoint ``path``. A training run saving into the same directory with
+    ``--keep`` deletes its oldest checkpoints: one deleted while being read fails as a
+    missing or unreadable file, which would call it damaged; it is said to be gone."""
+    try:
+        yield
+    except (InputError, OSError):
+        if path.exists():
+            raise
+        raise UsageError(
+            f"checkpoint {path} was deleted while being read (a training run saving there "
+            f"with --keep removes its oldest): run the command again to read the newest"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     handlers = {"verify": _verify, "inspect": _inspect, "export": _export}
     code: int = handlers[args.ckpt_command](args)
@@ -102,6 +121,10 @@ def _verify(args: argparse.Namespace) -> int:
     bad = 0
     for target in targets:
         result = verify_checkpoint(target)
+        if not target.exists():
+            # Listed, then deleted by a training run's --keep: gone, not damaged.
+            print(f"note {target}: deleted while being verified (a training run's --keep)")
+            continue
         if result.ok and result.manifest is not None:
             files = result.manifest.files
             total = sum(f.size for f in files)
@@ -120,16 +143,17 @@ def _inspect(args: argparse.Namespace) -> int:
     from pipetrain.checkpoint.load import tensor_metadata
 
     path = resolve_checkpoint(args.dir)
-    manifest = read_manifest(path)
-    problems: tuple[str, ...] = ()
-    if path == Path(args.dir):
-        # Named directly, so not verified on the way (a directory of checkpoints yields
-        # only a valid one): say it is damaged before describing it, and before DCP
-        # unpickles a metadata file that may be what is damaged.
-        problems = verify_checkpoint(path).problems
-        for problem in problems:
-            print(f"warning: damaged checkpoint: {problem}", file=sys.stderr)
-    tensors = tensor_metadata(path)
+    with reading(path):
+        manifest = read_manifest(path)
+        problems: tuple[str, ...] = ()
+        if path == Path(args.dir):
+            # Named directly, so not verified on the way (a directory of checkpoints yields
+            # only a valid one): say it is damaged before describing it, and before DCP
+            # unpickles a metadata file that may be what is damaged.
+            problems = verify_checkpoint(path).problems
+            for problem in problems:
+                print(f"warning: damaged checkpoint: {problem}", file=sys.stderr)
+        tensors = tensor_metadata(path)
 
     def nbytes(size: Any, dtype: Any) -> int:
         count = 1
@@ -182,7 +206,8 @@ def _export(args: argparse.Namespace) -> int:
     from pipetrain.checkpoint.export import export_checkpoint
 
     path = resolve_checkpoint(args.dir)
-    result = export_checkpoint(path, args.out, format=args.format)
+    with reading(path):
+        result = export_checkpoint(path, args.out, format=args.format)
     # A directory of checkpoints exports its newest valid one: say which.
     print(
         f"wrote {result.path}: {result.tensors} tensors, {result.bytes} bytes "

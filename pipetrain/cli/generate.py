@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from pipetrain.checkpoint.generate import generate_tokens, load_pipeline_model
-    from pipetrain.cli.ckpt import resolve_checkpoint
+    from pipetrain.cli.ckpt import reading, resolve_checkpoint
     from pipetrain.runtime.build import gpu_identity, use_device
     from pipetrain.train.data import load_tokenizer
     from pipetrain.train.rendezvous import join_process_group
@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         group = dist.group.WORLD
     try:
         stages = world if world > 1 else (args.pp or 1)
-        model = load_pipeline_model(path, pp=stages, device=device, group=group)
+        with reading(path):
+            model = load_pipeline_model(path, pp=stages, device=device, group=group)
         data = dict(model.manifest.config.get("data", {}))
         tokenizer = load_tokenizer(str(data.get("tokenizer", "")))
         context = int(data["seq_len"]) if "seq_len" in data else None

@@ -222,3 +222,42 @@ def test_async_resume_between_streams_of_another_length_names_a_stream_that_fits
     assert code == 0, err
     assert "the run is already at step 4 of 4: nothing to train" in out
     assert "nan tokens/s" not in out
+
+
+def test_a_checkpoint_deleted_while_being_read_is_said_to_be_gone_not_damaged(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A training run saving into the directory with --keep deletes its oldest checkpoint
+    # while export, inspect, generate or verify reads it: here, as the read begins.
+    import pipetrain.checkpoint
+    import pipetrain.checkpoint.export
+
+    copy = _copy(root, tmp_path)
+    real_export = pipetrain.checkpoint.export.export_checkpoint
+
+    def export_pruned(path: Path, *args: object, **kwargs: object) -> object:
+        shutil.rmtree(path)
+        return real_export(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipetrain.checkpoint.export, "export_checkpoint", export_pruned)
+    code, out, err = cli(capsys, "ckpt", "export", str(copy), "--out", str(tmp_path / "m.st"))
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"pipetrain ckpt: error: checkpoint {copy / 'step_000002'} was deleted while being read "
+        "(a training run saving there with --keep removes its oldest): run the command again "
+        "to read the newest"
+    ]
+    monkeypatch.undo()
+
+    real_verify = pipetrain.checkpoint.verify_checkpoint
+
+    def verify_pruned(path: Path, **kwargs: bool) -> object:
+        if path.name == "step_000001":
+            shutil.rmtree(path)
+        return real_verify(path, **kwargs)
+
+    monkeypatch.setattr(pipetrain.checkpoint, "verify_checkpoint", verify_pruned)
+    code, out, _ = cli(capsys, "ckpt", "verify", str(copy))
+    assert code == 0, out
+    assert f"note {copy / 'step_000001'}: deleted while being verified" in out
+    assert "BAD" not in out
