@@ -31,7 +31,7 @@ from pipetrain.sim.data_parallel import (
     data_parallel_cost,
     sharded_cost,
 )
-from pipetrain.sim.render import ascii, plot, plot_compare, write_chrome_trace
+from pipetrain.sim.render import ascii, plot, plot_compare, transfers, write_chrome_trace
 from pipetrain.sim.simulator import SimResult, scale_costs, simulate
 
 __all__ = ["add_parser", "run"]
@@ -342,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(result.timeline, args.plot)
     if args.trace:
-        write_chrome_trace(result.timeline, args.trace)
+        sent = transfers(result.timeline, case.schedule.placement, costs.transfer())
+        write_chrome_trace(result.timeline, args.trace, messages=[sent])
     if args.json:
         print(json.dumps({**result.to_json(), **({"data_parallel": dp.to_json()} if dp else {})}))
         return 0
@@ -389,13 +390,16 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
         args, max(registry.get_spec(n).chunks(args.chunks) for n in registry.SCHEDULE_NAMES)
     )
     results: list[SimResult] = []
+    placements = []
     skipped: list[tuple[str, str]] = []
     for name in registry.SCHEDULE_NAMES:
         reason = registry.get_spec(name).check(args.pp, args.microbatches, args.chunks)
         if reason is not None:
             skipped.append((name, reason))
             continue
-        results.append(_run_case(_builtin(args, name), costs, args))
+        case = _builtin(args, name)
+        results.append(_run_case(case, costs, args))
+        placements.append(case.schedule.placement)
     if not results:
         raise UsageError(
             f"no schedule fits --pp {args.pp} --microbatches {args.microbatches}: "
@@ -405,7 +409,11 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
     if args.plot:
         plot_compare([r.timeline for r in pictured], args.plot)
     if args.trace:
-        write_chrome_trace([r.timeline for r in results], args.trace)
+        sent = [
+            transfers(r.timeline, where, costs.transfer())
+            for r, where in zip(results, placements, strict=True)
+        ]
+        write_chrome_trace([r.timeline for r in results], args.trace, messages=sent)
     if args.json:
         print(
             json.dumps(

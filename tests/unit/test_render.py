@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_sim_metrics import GPIPE_2_2, ONE_F_ONE_B_2_2, PIPEDREAM_2, timeline
 
 from pipetrain.errors import InputError
-from pipetrain.schedules.execution import Event, Timeline
-from pipetrain.sim.render import ascii, chrome_trace, plot, plot_compare, write_chrome_trace
+from pipetrain.schedules.actions import Kind
+from pipetrain.schedules.execution import Costs, Event, Timeline
+from pipetrain.schedules.registry import build_schedule
+from pipetrain.sim.render import (
+    ascii,
+    chrome_trace,
+    plot,
+    plot_compare,
+    transfers,
+    write_chrome_trace,
+)
+from pipetrain.sim.simulator import simulate
 
 
 def test_ascii_gpipe_golden() -> None:
@@ -130,3 +142,61 @@ def test_a_measured_plot_names_its_unit_and_no_bubble_when_ranks_took_turns(
     # A simulation's units have no name, as before.
     text = plot(GPIPE_2_2, tmp_path / "u.svg").read_text()
     assert "<!-- time -->" in text and "bubble: " in text
+
+
+def _comm_tracks(trace: dict[str, Any]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["name"] == "thread_name"
+    }
+    tracks: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X" and "comm" in names[(e["pid"], e["tid"])]:
+            tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    return tracks
+
+
+def test_chrome_trace_puts_timed_messages_on_comm_tracks() -> None:
+    # The trace held compute only: with a latency the gaps had no visible cause.
+    schedule = build_schedule("1f1b", 2, 2)
+    result = simulate(schedule, Costs(latency=1.0))
+    sent = transfers(result.timeline, schedule.placement, 1.0)
+    trace = chrome_trace(result.timeline, us_per_unit=10.0, messages=[sent])
+    tracks = _comm_tracks(trace)
+    comm = [e for events in tracks.values() for e in events]
+    # F0, F1 forward and two gradients back, each a send on one rank and a recv on the other.
+    assert sorted(e["name"] for e in comm) == sorted(
+        f"{way} {a}" for a in ("0F0", "0F1", "1B0", "1B1") for way in ("send", "recv")
+    )
+    # Off the compute tracks (tid = rank), and no two slices overlap on one track.
+    assert all(tid >= 2 for _, tid in tracks)
+    for events in tracks.values():
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+        assert all(a[1] <= b[0] for a, b in pairwise(spans))
+    # The times are the simulator's: each receive ends when its consumer starts.
+    start = {str(e.action): e.start * 10.0 for e in result.timeline.events}
+    recv = {e["name"]: e for e in comm if e["name"].startswith("recv")}
+    assert recv["recv 0F0"]["ts"] + recv["recv 0F0"]["dur"] == start["1F0"] == 20.0
+    assert recv["recv 1B0"]["ts"] + recv["recv 1B0"]["dur"] == start["0B0"]
+    # An arrow per message, from the send's track to the receive's.
+    flows = [e for e in trace["traceEvents"] if e["ph"] in ("s", "f")]
+    assert sorted(e["ph"] for e in flows) == ["f"] * 4 + ["s"] * 4
+    json.dumps(trace)
+    # Free messages (the default) add nothing.
+    free = simulate(schedule)
+    assert transfers(free.timeline, schedule.placement, 0.0) == ()
+    assert _comm_tracks(chrome_trace(free.timeline)) == {}
+
+
+def test_chrome_trace_puts_a_timed_allreduce_on_the_comm_track() -> None:
+    schedule = build_schedule("chimera", 4, 4)
+    result = simulate(schedule, Costs(allreduce=1.0))
+    tracks = _comm_tracks(chrome_trace(result.timeline))
+    reduces = [e for events in tracks.values() for e in events]
+    timed = [e for e in result.timeline.events if e.action.kind is Kind.ALLREDUCE]
+    assert len(reduces) == len(timed) > 0
+    assert all(e["cat"] == "step" and e["dur"] == 1000.0 for e in reduces)
+    # And none is left on a compute track, where it would overlap the compute.
+    on_compute = [e for e in chrome_trace(result.timeline)["traceEvents"] if e.get("tid", 0) < 4]
+    assert not any("ALLREDUCE" in e["name"] for e in on_compute if e["ph"] == "X")
