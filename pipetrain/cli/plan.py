@@ -295,28 +295,18 @@ def run(args: argparse.Namespace) -> int:
         ),
         whole_batch=spec.whole_batch,
     )
-    # Blocks per stage: what `pipetrain train --split` takes to train this split. The
-    # trainer wants no more stages than blocks (the embedding and head alone may plan a
-    # stage here), so a split it would refuse is not offered as a command.
-    stages = len(plan.partition.stages)
-    blocks: str | None = ",".join(
+    # Blocks per stage: what `pipetrain train --split` takes to train this split (a first
+    # stage of the embedding alone, or a last of the head alone, is 0 blocks there).
+    blocks = ",".join(
         str(sum(1 for i in stage if costs[i].kind == "block")) for stage in plan.partition.stages
     )
-    if stages > config.n_layers:
-        blocks = None
     if args.json:
         out = plan.to_json()
         out.update(model=config.name, seq_len=seq_len, train_split=blocks)
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
         sys.stdout.write(render(plan, config.name, seq_len))
-        sys.stdout.write(
-            f"to train this split: pipetrain train ... --split {blocks}\n"
-            if blocks is not None
-            else f"not trainable: pipetrain train needs at least as many blocks as stages, and "
-            f"{config.name} has {config.n_layers} blocks for {stages} stages: use fewer "
-            f"stages (--pp, --chunks)\n"
-        )
+        sys.stdout.write(f"to train this split: pipetrain train ... --split {blocks}\n")
     return 0
 
 

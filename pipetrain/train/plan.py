@@ -118,7 +118,11 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
     if p.shard:
         check_shardable(schedule)
     stages = schedule.placement.num_model_stages
-    if stages > model.n_layers:
+    # An explicit or balanced split may leave the first stage the embedding alone and the
+    # last the head alone (its own checks say what else it refuses); an even split of the
+    # blocks needs one per stage.
+    uniform = not p.split and p.balance == "uniform"
+    if stages > model.n_layers + (0 if uniform else 2):
         raise ConfigError(
             f"schedule {p.schedule!r} on {p.pp} ranks has {stages} model stages but model {model.name} "
             f"has {model.n_layers} blocks: use fewer --pp/--chunks or a model with more blocks"

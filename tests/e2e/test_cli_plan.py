@@ -153,20 +153,23 @@ def test_unknown_model_lists_the_presets() -> None:
     assert "llama-default" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-def test_a_split_the_trainer_refuses_is_not_offered_as_a_command(
+def test_a_split_with_the_embedding_or_the_head_alone_is_offered_and_trains(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # 5 stages of a 4-block model (embedding and head alone on a stage) plan fine, but
-    # `pipetrain train --split 1,1,1,1,0` refuses more stages than blocks.
+    # 5 stages of a 4-block model: the head alone on the last stage. The trainer refused
+    # more stages than blocks although a split may leave an end stage without blocks.
     from pipetrain.cli import main
+    from pipetrain.train.config import load_config
+    from pipetrain.train.plan import plan_run
 
     args = ["plan", "--model", "llama-tiny", "--pp", "5", "--schedule", "gpipe"]
     assert main([*args, "--balance", "params"]) == 0
     text = capsys.readouterr().out
-    assert "--split" not in text
-    assert text.endswith(
-        "not trainable: pipetrain train needs at least as many blocks as stages, and "
-        "llama-tiny has 4 blocks for 5 stages: use fewer stages (--pp, --chunks)\n"
-    )
+    assert text.endswith("to train this split: pipetrain train ... --split 1,1,1,1,0\n")
     assert main([*args, "--balance", "params", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["train_split"] is None
+    assert json.loads(capsys.readouterr().out)["train_split"] == "1,1,1,1,0"
+    for setting in ({"pipeline.split": "1,1,1,1,0"}, {"pipeline.balance": "params"}):
+        overrides = {"run.name": "t", "model.name": "llama-tiny", "data.seq_len": 16}
+        config = load_config(overrides={**overrides, "pipeline.pp": 5, **setting})
+        plan = plan_run(config, vocab_size=256)
+        assert [len(layers) for layers in plan.split] == [2, 1, 1, 1, 1]

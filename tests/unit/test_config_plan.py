@@ -182,3 +182,14 @@ def test_processes_whose_pipelines_differ_from_the_same_settings_are_named(
             f"{words} out differently on rank 2 than on rank 0 from the same settings: "
             "install the same pipetrain version on every node"
         )
+
+
+@pytest.mark.parametrize(
+    ("pp", "balance"), [(5, "uniform"), (7, "params")], ids=["even", "beyond-the-ends"]
+)
+def test_more_stages_than_a_split_can_fill_are_refused(pp: int, balance: str) -> None:
+    # An even split needs a block per stage; another may add a stage of the embedding alone
+    # and one of the head alone (5 and 6 stages of llama-tiny's 4 blocks), no more.
+    overrides = {"model.name": "llama-tiny", "data.seq_len": 16, "pipeline.balance": balance}
+    with pytest.raises(ConfigError, match=f"on {pp} ranks has {pp} model stages but model "):
+        _plan(**overrides, **{"pipeline.pp": pp})
