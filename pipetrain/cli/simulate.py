@@ -342,8 +342,11 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(result.timeline, args.plot)
     if args.trace:
-        sent = transfers(result.timeline, case.schedule.placement, costs.transfer())
-        write_chrome_trace(result.timeline, args.trace, messages=[sent])
+        # Sharded, the first forwards wait for their gathers: trace that replay.
+        traced = dp.timeline if isinstance(dp, ShardedCost) and dp.timeline else result.timeline
+        sent = transfers(traced, case.schedule.placement, costs.transfer())
+        links = [dp.spans if dp is not None else ()]
+        write_chrome_trace(traced, args.trace, messages=[sent], links=links)
     if args.json:
         print(json.dumps({**result.to_json(), **({"data_parallel": dp.to_json()} if dp else {})}))
         return 0

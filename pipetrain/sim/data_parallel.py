@@ -42,6 +42,7 @@ from pipetrain.schedules.schedule import Schedule
 __all__ = [
     "DataParallelCost",
     "DataParallelError",
+    "LinkSpan",
     "ShardedCost",
     "data_parallel_cost",
     "ring_allreduce_time",
@@ -85,6 +86,17 @@ def ring_gather_time(nbytes: float, replicas: int, bandwidth: float) -> float:
 
 
 @dataclass(frozen=True)
+class LinkSpan:
+    """One collective on a rank's data-parallel link, in the pipeline timeline's time
+    (what ``pipetrain simulate --trace`` shows)."""
+
+    rank: int
+    name: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class DataParallelCost:
     """The dp all-reduce of one step, per pipeline rank (tuples are indexed by rank)."""
 
@@ -98,6 +110,8 @@ class DataParallelCost:
     # When each rank's last all-reduce ends.
     finish: tuple[float, ...]
     pipeline_makespan: float
+    # Each all-reduce that takes time, when it runs.
+    spans: tuple[LinkSpan, ...] = ()
 
     @property
     def step_time(self) -> float:
@@ -156,6 +170,7 @@ def data_parallel_cost(
             ready[stage] = max(ready.get(stage, start), event.end)
     makespan = timeline.makespan
     totals, traffic, times, finishes = [], [], [], []
+    spans: list[LinkSpan] = []
     for rank in range(timeline.num_ranks):
         stages = sorted(placement.stages_of(rank), key=lambda s: (ready.get(s, start), s))
         clock = start
@@ -166,14 +181,23 @@ def data_parallel_cost(
             took = (
                 ring_allreduce_time(nbytes, replicas, bandwidth) if bandwidth is not None else 0.0
             )
-            clock = max(clock, ready.get(stage, start)) + took
+            begin = max(clock, ready.get(stage, start))
+            clock = begin + took
             busy += took
+            if took > 0:
+                spans.append(LinkSpan(rank, f"all-reduce stage {stage}", begin, clock))
         totals.append(total)
         traffic.append(2.0 * (replicas - 1) / replicas * total if replicas > 1 else 0.0)
         times.append(busy)
         finishes.append(clock - start)
     return DataParallelCost(
-        replicas, tuple(totals), tuple(traffic), tuple(times), tuple(finishes), makespan
+        replicas,
+        tuple(totals),
+        tuple(traffic),
+        tuple(times),
+        tuple(finishes),
+        makespan,
+        tuple(spans),
     )
 
 
@@ -197,6 +221,10 @@ class ShardedCost:
     # The pipeline alone, and with every stage's first F held back until its gather ends.
     pipeline_makespan: float
     gathered_makespan: float
+    # Each gather and reduce-scatter that takes time, in the time of ``timeline``: the
+    # replay with every first F held back until its gather ends.
+    spans: tuple[LinkSpan, ...] = ()
+    timeline: Timeline | None = None
 
     @property
     def traffic_per_rank(self) -> tuple[float, ...]:
@@ -291,10 +319,15 @@ def sharded_cost(
 
     gathered: dict[Action, float] = {}
     gather_times, rank_stages = [], []
+    spans: list[LinkSpan] = []
     for rank in range(len(schedule.actions)):
         stages = sorted(placement.stages_of(rank), key=gather_order)
         clock = 0.0
         for stage in stages:
+            if took(stage) > 0:
+                spans.append(
+                    LinkSpan(rank, f"all-gather stage {stage}", clock, clock + took(stage))
+                )
             clock += took(stage)
             if stage in first_f:
                 gathered[first_f[stage]] = clock
@@ -314,8 +347,11 @@ def sharded_cost(
         clock = gather_times[rank]
         busy = 0.0
         for stage in sorted(stages, key=lambda s: (ready.get(s, 0.0), s)):
-            clock = max(clock, ready.get(stage, 0.0)) + took(stage)
+            begin = max(clock, ready.get(stage, 0.0))
+            clock = begin + took(stage)
             busy += took(stage)
+            if took(stage) > 0:
+                spans.append(LinkSpan(rank, f"reduce-scatter stage {stage}", begin, clock))
         totals.append(sum(sizes[placement.model_stage(s)] for s in stages))
         scatter_times.append(busy)
         finishes.append(clock)
@@ -331,4 +367,6 @@ def sharded_cost(
         tuple(finishes),
         plain.makespan,
         held_end,
+        tuple(spans),
+        held,
     )

@@ -5,8 +5,9 @@ inside ``plot`` and ``plot_compare``, so the terminal and trace outputs work wit
 
 The trace also shows communication, on a "comm" track below each rank's compute track:
 the transfers between ranks (``transfers``: a compute-only schedule's are implicit, a
-delay on each edge that crosses ranks, so they are recomputed from the placement) and
-timed all-reduces. Communication of zero length (the default free network) is left out:
+delay on each edge that crosses ranks, so they are recomputed from the placement),
+timed all-reduces, and the data-parallel collectives (``LinkSpan``: ``--dp`` all-reduces,
+``--shard`` gathers and reduce-scatters). Communication of zero length (the default free network) is left out:
 it takes no time, and hundreds of empty slices would hide the work.
 """
 
@@ -24,6 +25,7 @@ from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.deps import requirements
 from pipetrain.schedules.execution import Event, Timeline
 from pipetrain.schedules.placement import Placement
+from pipetrain.sim.data_parallel import LinkSpan
 from pipetrain.sim.metrics import bubble, live_activations
 
 __all__ = [
@@ -218,9 +220,14 @@ def _thread(pid: int, tid: int, name: str, order: int) -> list[dict[str, Any]]:
 
 
 def _comm_events(
-    pid: int, tl: Timeline, messages: Sequence[Transfer], us_per_unit: float
+    pid: int,
+    tl: Timeline,
+    messages: Sequence[Transfer],
+    links: Sequence[LinkSpan],
+    us_per_unit: float,
 ) -> list[dict[str, Any]]:
-    """Sends, receives and timed all-reduces on comm tracks, with an arrow per message.
+    """Sends, receives, timed all-reduces and dp collectives on comm tracks, with an
+    arrow per message.
 
     Lane k of rank r is thread ``(k + 1) * num_ranks + r``, so the compute tracks keep
     thread = rank; it sorts right below rank r's compute track.
@@ -240,6 +247,9 @@ def _comm_events(
             a = e.action
             args = {"stage": a.stage, "kind": a.kind.value, "microbatch": a.microbatch}
             slices.append((e.rank, e.start, e.end, str(a), _category(a.kind), args, None))
+    for span in links:
+        if span.end > span.start:
+            slices.append((span.rank, span.start, span.end, span.name, "dp", {}, None))
     events: list[dict[str, Any]] = []
     named: set[int] = set()
     for rank in range(tl.num_ranks):
@@ -288,6 +298,7 @@ def chrome_trace(
     *,
     us_per_unit: float = 1000.0,
     messages: Sequence[Sequence[Transfer]] | None = None,
+    links: Sequence[Sequence[LinkSpan]] | None = None,
 ) -> dict[str, Any]:
     """Chrome trace JSON (Perfetto, chrome://tracing): process = schedule, thread = rank.
 
@@ -298,15 +309,19 @@ def chrome_trace(
 
     ``messages``, one sequence per timeline (``transfers``), puts each message on a comm
     track of its sender ("send") and of its receiver ("recv"), linked by a flow arrow;
-    timed all-reduces go there too. Sends, receives and all-reduces of zero length are
-    left out (see the module docstring).
+    timed all-reduces go there too, and ``links`` (one sequence per timeline), the dp
+    collectives. Communication of zero length is left out (see the module docstring).
     """
     group = [timelines] if isinstance(timelines, Timeline) else list(timelines)
     sent: list[Sequence[Transfer]] = [()] * len(group) if messages is None else list(messages)
-    if len(sent) != len(group):
-        raise ValueError(f"{len(sent)} message lists for {len(group)} timelines: give one each")
+    dp: list[Sequence[LinkSpan]] = [()] * len(group) if links is None else list(links)
+    if not len(sent) == len(dp) == len(group):
+        raise ValueError(
+            f"{len(sent)} message and {len(dp)} link lists for {len(group)} timelines: "
+            "give one each"
+        )
     events: list[dict[str, Any]] = []
-    for pid, (tl, tl_messages) in enumerate(zip(group, sent, strict=True)):
+    for pid, (tl, tl_messages, tl_links) in enumerate(zip(group, sent, dp, strict=True)):
         events.append(
             {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": tl.name}}
         )
@@ -328,7 +343,7 @@ def chrome_trace(
                     "args": {"stage": a.stage, "kind": a.kind.value, "microbatch": a.microbatch},
                 }
             )
-        events.extend(_comm_events(pid, tl, tl_messages, us_per_unit))
+        events.extend(_comm_events(pid, tl, tl_messages, tl_links, us_per_unit))
         # One counter track per rank: live activations over time, beside the actions.
         for rank, curve in enumerate(live_activations(tl)):
             for time, level in curve:
@@ -350,10 +365,11 @@ def write_chrome_trace(
     *,
     us_per_unit: float = 1000.0,
     messages: Sequence[Sequence[Transfer]] | None = None,
+    links: Sequence[Sequence[LinkSpan]] | None = None,
 ) -> Path:
-    """Write ``chrome_trace(timelines, messages=messages)`` to ``path``; return the path."""
+    """Write ``chrome_trace`` of the same arguments to ``path`` and return the path."""
     out = Path(path)
-    trace = chrome_trace(timelines, us_per_unit=us_per_unit, messages=messages)
+    trace = chrome_trace(timelines, us_per_unit=us_per_unit, messages=messages, links=links)
     text = json.dumps(trace) + "\n"
     try:
         out.write_text(text, encoding="utf-8")

@@ -14,6 +14,7 @@ from pipetrain.errors import InputError
 from pipetrain.schedules.actions import Kind
 from pipetrain.schedules.execution import Costs, Event, Timeline
 from pipetrain.schedules.registry import build_schedule
+from pipetrain.sim.data_parallel import data_parallel_cost, sharded_cost
 from pipetrain.sim.render import (
     ascii,
     chrome_trace,
@@ -200,3 +201,27 @@ def test_chrome_trace_puts_a_timed_allreduce_on_the_comm_track() -> None:
     # And none is left on a compute track, where it would overlap the compute.
     on_compute = [e for e in chrome_trace(result.timeline)["traceEvents"] if e.get("tid", 0) < 4]
     assert not any("ALLREDUCE" in e["name"] for e in on_compute if e["ph"] == "X")
+
+
+def test_chrome_trace_shows_dp_all_reduces_gathers_and_reduce_scatters() -> None:
+    schedule = build_schedule("1f1b", 2, 2)
+    result = simulate(schedule)
+    dp = data_parallel_cost(result.timeline, schedule.placement, 100.0, replicas=2, bandwidth=50.0)
+    tracks = _comm_tracks(chrome_trace(result.timeline, links=[dp.spans]))
+    # One ring all-reduce of 100 bytes over 2 replicas at 50 bytes/unit takes 2 units,
+    # after each stage's last B, and it ends when the cost says the rank finishes.
+    got = sorted((e["name"], e["ts"], e["dur"]) for events in tracks.values() for e in events)
+    assert got == [("all-reduce stage 0", 9000.0, 2000.0), ("all-reduce stage 1", 7000.0, 2000.0)]
+    assert dp.finish == (11.0, 9.0)
+    sharded = sharded_cost(schedule, Costs(), 100.0, replicas=2, bandwidth=50.0)
+    assert sharded.timeline is not None
+    tracks = _comm_tracks(chrome_trace(sharded.timeline, links=[sharded.spans]))
+    got = sorted((e["name"], e["ts"]) for events in tracks.values() for e in events)
+    assert got == [
+        ("all-gather stage 0", 0.0),
+        ("all-gather stage 1", 0.0),
+        ("reduce-scatter stage 0", 10000.0),
+        ("reduce-scatter stage 1", 8000.0),
+    ]
+    # The traced replay is the held one: the first F waits for its gather.
+    assert min(e.start for e in sharded.timeline.events) == 1.0
