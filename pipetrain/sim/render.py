@@ -238,8 +238,11 @@ def _comm_events(
         if m.end <= m.start:
             continue
         what = {"carries": str(m.carries), "for": str(m.needed_by), "from": m.src, "to": m.dst}
-        slices.append((m.src, m.start, m.end, f"send {m.carries}", "send", what, (i, "s")))
-        slices.append((m.dst, m.start, m.end, f"recv {m.carries}", "recv", what, (i, "f")))
+        # A lowered schedule's message goes from its SEND to its RECV: they name it.
+        send = str(m.carries) if m.carries.is_comm else f"send {m.carries}"
+        recv = str(m.needed_by) if m.needed_by.is_comm else f"recv {m.carries}"
+        slices.append((m.src, m.start, m.end, send, "send", what, (i, "s")))
+        slices.append((m.dst, m.start, m.end, recv, "recv", what, (i, "f")))
     for e in tl.events:
         # A simulated send or receive is a point (its time is in ``messages``); a measured
         # one, or a timed all-reduce, is a slice of its own.

@@ -12,7 +12,8 @@ from test_sim_metrics import GPIPE_2_2, ONE_F_ONE_B_2_2, PIPEDREAM_2, timeline
 
 from pipetrain.errors import InputError
 from pipetrain.schedules.actions import Kind
-from pipetrain.schedules.execution import Costs, Event, Timeline
+from pipetrain.schedules.execution import Costs, Event, Timeline, replay
+from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.registry import build_schedule
 from pipetrain.sim.data_parallel import data_parallel_cost, sharded_cost
 from pipetrain.sim.render import (
@@ -184,6 +185,12 @@ def test_chrome_trace_puts_timed_messages_on_comm_tracks() -> None:
     flows = [e for e in trace["traceEvents"] if e["ph"] in ("s", "f")]
     assert sorted(e["ph"] for e in flows) == ["f"] * 4 + ["s"] * 4
     json.dumps(trace)
+    # A lowered schedule's messages are named by its own SEND and RECV actions.
+    lowered = lower(schedule)
+    timed = replay(lowered, Costs(latency=1.0))
+    trace = chrome_trace(timed, messages=[transfers(timed, lowered.placement, 1.0)])
+    names = {e["name"] for events in _comm_tracks(trace).values() for e in events}
+    assert {"0SEND_F0", "1RECV_F0", "1SEND_B1", "0RECV_B1"} <= names
     # Free messages (the default) add nothing.
     free = simulate(schedule)
     assert transfers(free.timeline, schedule.placement, 0.0) == ()
