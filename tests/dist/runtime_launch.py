@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -77,3 +78,27 @@ def launch(world: int, args: list[str], timeout_s: float = 240.0, worker: Path =
         time.monotonic() - start,
         tuple(exited.get(r, float("inf")) for r in range(world)),
     )
+
+
+def torchrun(
+    script: Path, nproc: int, args: list[str], env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """``torchrun --nproc-per-node nproc script *args`` on a held local port: its exit
+    status and stderr. A session of its own, so a timeout takes the workers down with it."""
+    with reserved_port() as port:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        command += ["--master-addr", "127.0.0.1", "--master-port", str(port), str(script), *args]
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
+        try:
+            _, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return proc.returncode, stderr

@@ -16,15 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from local_port import reserved_port
+from runtime_launch import torchrun
 
 from pipetrain.checkpoint import (
     choose_resume,
@@ -120,23 +117,7 @@ def test_save_4_stages_load_same_and_other_layouts_and_survive_a_kill(
     out_base = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(KILL_BEFORE_RENAME_ENV, None)
-    with reserved_port() as port:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
-        command += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-        command += [str(script), str(root), str(out_base)]
-        proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # a timeout takes the workers down with torchrun
-            env=env,
-        )
-        try:
-            _, stderr = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+    returncode, stderr = torchrun(script, 4, [str(root), str(out_base)], env)
     results = []
     for rank in range(4):
         path = Path(f"{out_base}.{rank}")
@@ -153,7 +134,7 @@ def test_save_4_stages_load_same_and_other_layouts_and_survive_a_kill(
         assert losses == pytest.approx(reference, rel=1e-6, abs=0), (rank, name)
 
     # The killed save: the job failed, nobody got past it, the old checkpoint is intact.
-    assert proc.returncode != 0
+    assert returncode != 0
     assert not list(tmp_path.glob("out.*.survived"))
     found = list_checkpoints(root)
     assert [step for step, _ in found.complete] == [2]

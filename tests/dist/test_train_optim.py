@@ -9,15 +9,11 @@ then the same through a real 2-stage pipeline of gpt2-tiny, whose tied embedding
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from local_port import reserved_port
+from runtime_launch import torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -137,30 +133,8 @@ def test_global_clip_and_nan_skip_agree_across_ranks(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     result_base = tmp_path / "result"
-    with reserved_port() as port:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-        command += [
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            str(script),
-            str(result_base),
-        ]
-        # A session of its own, so that a timeout takes the workers down with torchrun.
-        proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            _, stderr = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    assert proc.returncode == 0, stderr[-3000:]
+    returncode, stderr = torchrun(script, 2, [str(result_base)])
+    assert returncode == 0, stderr[-3000:]
     results = [json.loads(Path(f"{result_base}.{rank}").read_text()) for rank in range(2)]
     for out in results:
         assert out["global_norm"] == pytest.approx(out["ref_norm"], rel=1e-6)
