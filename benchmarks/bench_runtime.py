@@ -105,12 +105,19 @@ def timed_steps(step_fn: Any, steps: int) -> tuple[float, float]:
     return float(elapsed) / steps, float(cpu) / steps
 
 
-def make_ours(spec: Any, name: str, m: int) -> tuple[Any, Any]:
-    """Our pipeline and AdamW: (step function, last result)."""
+def make_ours(spec: Any, name: str, m: int, early: bool = True) -> tuple[Any, Any]:
+    """Our pipeline and AdamW: (step function, last result). ``early``: early input
+    gradients (build_pipeline's default), else every B whole."""
     from pipetrain.runtime import build_pipeline
 
     pipe = build_pipeline(
-        spec, schedule=name, microbatches=m, group=dist.group.WORLD, device="cpu", seed=0
+        spec,
+        schedule=name,
+        microbatches=m,
+        group=dist.group.WORLD,
+        device="cpu",
+        seed=0,
+        early_grads=early,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     last: list[Any] = []
@@ -124,10 +131,10 @@ def make_ours(spec: Any, name: str, m: int) -> tuple[Any, Any]:
     return step, (pipe, last)
 
 
-def run_ours(spec: Any, name: str, m: int, steps: int) -> dict[str, float]:
+def run_ours(spec: Any, name: str, m: int, steps: int, early: bool) -> dict[str, float]:
     from pipetrain.runtime.timeline import compare_with_simulation
 
-    step, (pipe, last) = make_ours(spec, name, m)
+    step, (pipe, last) = make_ours(spec, name, m, early)
     per_step, cpu = timed_steps(step, steps)
     result = last[0]
     comparison = compare_with_simulation(result.timeline, pipe.schedule)
@@ -202,13 +209,15 @@ def run_torch(spec: Any, schedule_name: str, v: int, m: int, steps: int) -> dict
     return {"step_s": per_step, "cpu_s": cpu, "loss": summed_loss(losses)}
 
 
-def run_paired(spec: Any, pair: tuple[str, str, int], m: int, steps: int) -> dict[str, Any]:
+def run_paired(
+    spec: Any, pair: tuple[str, str, int], m: int, steps: int, early: bool
+) -> dict[str, Any]:
     """Both pipelines in the same processes, one step of each in turn (the order swapped
     every step), each step timed between barriers on the slower rank. Drift in the
     machine's speed (other tenants, clocks) then falls on both sides alike within a
     second, and the per-step ratios give a confidence interval for the ratio."""
     ours_name, theirs, v = pair
-    ours, (_, last) = make_ours(spec, ours_name, m)
+    ours, (pipe, last) = make_ours(spec, ours_name, m, early)
     them, losses = make_torch(spec, theirs, v, m)
     ours(0)
     them(0)
@@ -226,6 +235,8 @@ def run_paired(spec: Any, pair: tuple[str, str, int], m: int, steps: int) -> dic
     return {
         "m": m,
         "ours": ours_name,
+        "early_grads": early,
+        "split": [str(a) for row in pipe.schedule.actions for a in row if a.kind.value == "I"],
         "torch": theirs,
         "ours_s": times[0].tolist(),
         "torch_s": times[1].tolist(),
@@ -289,7 +300,7 @@ def worker(args: argparse.Namespace) -> None:
         for m in args.microbatches:
             for pair in selected(args):
                 release_memory()
-                rows.append(run_paired(spec, pair, m, args.paired))
+                rows.append(run_paired(spec, pair, m, args.paired, not args.no_early_grads))
                 if dist.get_rank() == 0:
                     print(format_paired(rows[-1]), flush=True)
         if dist.get_rank() == 0 and args.json:
@@ -305,7 +316,7 @@ def worker(args: argparse.Namespace) -> None:
                     dist.barrier()
                     reset_peak_rss()
                     if side == "ours":
-                        res = run_ours(spec, ours, m, args.steps)
+                        res = run_ours(spec, ours, m, args.steps, not args.no_early_grads)
                     else:
                         res = run_torch(spec, theirs, v, m, args.steps)
                     rss = torch.tensor([peak_rss_mb()])
@@ -401,6 +412,12 @@ def main() -> int:
         default="keep",
         help="keep: fix glibc's heap thresholds in both processes, as `pipetrain train` "
         "does (pipetrain.heap); glibc: its own dynamic thresholds",
+    )
+    parser.add_argument(
+        "--no-early-grads",
+        action="store_true",
+        help="our pipelines run every backward whole (build_pipeline(early_grads=False)); "
+        "default: early input gradients, as build_pipeline and pipetrain train run them",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -69,6 +69,12 @@ def add_parser(subparsers: Any) -> None:
         "B alone sets I = W = B/2; otherwise B = I + W, a missing one filled in (I or W "
         "alone keeps the other at 1). Default: F=I=W=1, B=2",
     )
+    p.add_argument(
+        "--early-grads",
+        action="store_true",
+        help="split the backwards that another rank waits for into I and W, as pipetrain train "
+        "and build_pipeline run a built-in schedule (pipetrain.schedules.early_grads)",
+    )
     p.add_argument("--latency", type=float, default=0.0, help="time per message (default 0)")
     p.add_argument(
         "--bandwidth", type=float, default=None, help="bytes per time unit (default: infinite)"
@@ -217,6 +223,10 @@ def _builtin(args: argparse.Namespace, name: str) -> _Case:
     spec = registry.get_spec(name)
     _check_size(args, spec.chunks(args.chunks))
     schedule = registry.build_schedule(name, args.pp, args.microbatches, args.chunks)
+    if args.early_grads:
+        from pipetrain.schedules.early_grads import early_grads
+
+        schedule = early_grads(schedule)
     return _Case(schedule, args.microbatches if spec.whole_batch else 1)
 
 
@@ -239,6 +249,11 @@ def _from_file(args: argparse.Namespace) -> _Case:
     from pipetrain.schedules import io
 
     path = Path(args.schedule_file)
+    if args.early_grads:
+        raise UsageError(
+            "--early-grads changes a built-in schedule; a schedule file runs as written "
+            "(pipetrain train too): drop --early-grads, or save the file with it"
+        )
     if args.chunks is not None:
         raise UsageError(
             f"--chunks {args.chunks}: a schedule file fixes the stages per rank by the stages "

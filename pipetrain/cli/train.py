@@ -79,6 +79,13 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "--resume": ("run.resume", "continue from the newest valid checkpoint in --checkpoint-dir"),
     "--vertical-sync": ("pipeline.vertical_sync", "pipedream: stage 0's weight version for all"),
 }
+# Switches that turn off a field whose default is on.
+OFF_SWITCHES: dict[str, tuple[str, str]] = {
+    "--no-early-grads": (
+        "pipeline.early_grads",
+        "run every backward of a built-in schedule whole (no early input gradients)",
+    ),
+}
 
 
 def _dest(flag: str) -> str:
@@ -95,7 +102,7 @@ def add_config_flags(p: argparse.ArgumentParser, *, skip: frozenset[str] = froze
         p.add_argument(
             flag, dest=_dest(flag), type=kind, default=None, metavar=metavar, help=f"{text} [{key}]"
         )
-    for flag, (key, text) in SWITCHES.items():
+    for flag, (key, text) in (SWITCHES | OFF_SWITCHES).items():
         p.add_argument(
             flag, dest=_dest(flag), action="store_true", default=None, help=f"{text} [{key}]"
         )
@@ -119,9 +126,10 @@ def config_from_args(
         value = getattr(args, _dest(flag), None)
         if value is not None:
             overrides[key] = value
-    for flag, (key, _) in SWITCHES.items():
-        if getattr(args, _dest(flag)):
-            overrides[key] = True
+    for switches, value in ((SWITCHES, True), (OFF_SWITCHES, False)):
+        for flag, (key, _) in switches.items():
+            if getattr(args, _dest(flag)):
+                overrides[key] = value
     overrides.update(extra or {})
     return load_config(args.config, overrides, default_name=default_name)
 

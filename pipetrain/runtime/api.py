@@ -127,6 +127,7 @@ class Pipeline:
         self._partial: str | None = None
         self._stage_modules = stage_modules
         placement = schedule.placement
+        split_mbs = _split_microbatches(schedule)  # stage -> its split backwards, None: all
         runners = {
             s: StageRunner(
                 s,
@@ -134,7 +135,8 @@ class Pipeline:
                 is_first=placement.is_first(s),
                 is_last=placement.is_last(s),
                 loss_fn=loss_fn,
-                split_backward=schedule.splits_backward,
+                split_backward=s in split_mbs,
+                split_only=split_mbs.get(s),
             )
             for s, module in stage_modules.items()
         }
@@ -516,6 +518,25 @@ class Pipeline:
         ]
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
+
+
+def _split_microbatches(schedule: Schedule) -> dict[int, frozenset[int] | None]:
+    """The stages whose backward the schedule splits into I and W, each with the
+    micro-batches it splits, or None where it splits every one (the zero-bubble family)."""
+    split: dict[int, set[int]] = {}
+    forwards: dict[int, set[int]] = {}
+    for row in schedule.actions:
+        for action in row:
+            if action.microbatch is None:
+                continue
+            if action.kind is Kind.I:
+                split.setdefault(action.stage, set()).add(action.microbatch)
+            elif action.kind is Kind.F:
+                forwards.setdefault(action.stage, set()).add(action.microbatch)
+    return {
+        stage: None if mbs == forwards.get(stage) else frozenset(mbs)
+        for stage, mbs in split.items()
+    }
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:

@@ -25,6 +25,7 @@ from pipetrain.runtime.executor import ComputeHook, GradsHook
 from pipetrain.runtime.stage import LossFn, token_cross_entropy
 from pipetrain.runtime.transport import backend_for
 from pipetrain.schedules import Kind, Schedule
+from pipetrain.schedules.early_grads import early_grads as with_early_grads
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.validate import validate
 
@@ -101,8 +102,15 @@ def even_split(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
 
 
 def resolve_schedule(
-    schedule: str | Schedule, ranks: int, microbatches: int, chunks: int | None
+    schedule: str | Schedule,
+    ranks: int,
+    microbatches: int,
+    chunks: int | None,
+    early: bool = True,
 ) -> Schedule:
+    """The lowered, validated program of ``schedule``. A built-in one named by ``schedule``
+    gets early input gradients (``pipetrain.schedules.early_grads``) unless ``early`` is
+    False; a ``Schedule`` runs as given."""
     if isinstance(schedule, Schedule):
         if schedule.num_ranks != ranks:
             raise PipelineInputError(
@@ -129,6 +137,8 @@ def resolve_schedule(
         from pipetrain.schedules.registry import build_schedule
 
         built = build_schedule(schedule, ranks, microbatches, chunks=chunks)
+        if early:
+            built = with_early_grads(built)
     validate(built)
     lowered = lower(built)
     validate(lowered)
@@ -270,6 +280,7 @@ def build_pipeline(
     step_hook: Callable[[int, int], None] | None = None,
     compute_hook: ComputeHook | None = None,
     grads_hook: GradsHook | None = None,
+    early_grads: bool = True,
 ) -> Pipeline:
     """Build this rank's stages of ``model`` for ``schedule``.
 
@@ -280,7 +291,10 @@ def build_pipeline(
     asynchronous schedules; ``compute_hook(action)`` runs before each F, B, I and W (where
     pipetrain.runtime.weights picks a micro-batch's weight version); ``grads_hook(stage)``
     runs right after a stage's last B or W of a training step (data parallelism). Every
-    wait gives up after ``timeout_s`` seconds.
+    wait gives up after ``timeout_s`` seconds. ``early_grads``: a schedule given by name
+    splits the backwards that another rank waits for into I and W, and sends the input
+    gradient between them (``pipetrain.schedules.early_grads``: the same order of work and
+    the same gradients, 1F1B's cool-down shorter); False runs the named schedule's Bs whole.
     """
     # Imported here: api imports this module at its top.
     from pipetrain.runtime.api import Pipeline
@@ -329,7 +343,7 @@ def build_pipeline(
                 f"ranks={ranks} but the group has {num_ranks} ranks: drop ranks (the group's "
                 f"size is the number of pipeline ranks) or launch {ranks} processes"
             )
-    built = resolve_schedule(schedule, num_ranks, microbatches, chunks)
+    built = resolve_schedule(schedule, num_ranks, microbatches, chunks, early=early_grads)
     placement = built.placement
     stage_split = (
         even_split(len(spec), placement.num_model_stages) if split is None else _as_split(split)

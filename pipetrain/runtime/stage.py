@@ -9,6 +9,13 @@ is deferring, its backward returns the input gradient at once and queues the sav
 and output gradient; ``W`` later runs only those queued weight products. So I + W does the
 work of one B, not more. Parameters outside linear layers (norm weights, embeddings) are
 small and get their gradients during I from autograd as usual.
+
+The custom function costs Python time per linear layer (a few per cent of a backward on
+small layers), so only the micro-batches whose backward the schedule splits go through
+it: the runner sets ``WeightGradQueue.recording`` for each forward, and a linear whose
+forward ran natively gets a native backward. Early input gradients
+(``pipetrain.schedules.early_grads``) split a few backwards of 1F1B; the zero-bubble
+schedules split them all.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ class WeightGradQueue:
     def __init__(self) -> None:
         # The list that linear backwards append to while an I runs; None outside an I.
         self.active: list[_Deferred] | None = None
+        # Whether linear forwards go through ``_SplitLinear`` (a micro-batch whose backward
+        # may be split) or run natively (one whose backward is a whole B, and evaluation).
+        self.recording = True
         self._by_microbatch: dict[int, list[_Deferred]] = {}
 
     def begin(self, microbatch: int) -> None:
@@ -153,6 +163,8 @@ class _SplitLinear(torch.autograd.Function):
 
 
 def _split_forward(linear: nn.Linear, queue: WeightGradQueue, x: torch.Tensor) -> torch.Tensor:
+    if not queue.recording:
+        return F.linear(x, linear.weight, linear.bias)  # what nn.Linear.forward does
     out: torch.Tensor = _SplitLinear.apply(x, linear.weight, linear.bias, queue)  # type: ignore[no-untyped-call]
     return out
 
@@ -190,13 +202,17 @@ class StageRunner:
         is_last: bool,
         loss_fn: LossFn,
         split_backward: bool,
+        split_only: frozenset[int] | None = None,
     ) -> None:
+        """``split_backward``: some backwards of this stage run as I and W; ``split_only``:
+        the micro-batches whose do (None: every one)."""
         self.stage = stage
         self.module = module
         self.is_first = is_first
         self.is_last = is_last
         self.loss_fn = loss_fn
         self.queue = install_split_backward(module) if split_backward else None
+        self._split_only = split_only
         self.saved: dict[int, _Saved] = {}
         # Sum over this stage's micro-batches of loss / batch tokens (0-d, detached).
         self.loss_sum: torch.Tensor | None = None
@@ -210,6 +226,7 @@ class StageRunner:
         training: bool,
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage; returns its outputs (nothing on a last stage, which keeps the loss)."""
+        self._record(microbatch, training)
         if not training:
             with torch.no_grad():
                 outputs = _as_tuple(self.module(*inputs))
@@ -264,6 +281,9 @@ class StageRunner:
         saved = self.saved.pop(microbatch)
         if grads is not None:
             self._check_grads(microbatch, saved.outputs, grads)
+        # As in this micro-batch's forward: a recomputed forward (activation checkpointing)
+        # must take the same path through the linear layers.
+        self._record(microbatch, True)
         if self.queue is not None and not weights:
             self.queue.begin(microbatch)
         outputs: tuple[torch.Tensor, ...] = saved.outputs
@@ -282,6 +302,10 @@ class StageRunner:
             for t in saved.inputs
             if t.requires_grad
         )
+
+    def _record(self, microbatch: int, training: bool) -> None:
+        if self.queue is not None and self._split_only is not None:
+            self.queue.recording = training and microbatch in self._split_only
 
     def weight(self, microbatch: int) -> None:
         """W: the weight gradients that the I of this micro-batch left queued."""

@@ -104,6 +104,10 @@ class PipelineConfig:
     stream_steps: int = 0
     # PipeDream: every stage uses the weight version the first stage chose for a micro-batch.
     vertical_sync: bool = False
+    # A built-in schedule splits the backwards that another rank waits for into I and W
+    # and sends the input gradient between them (pipetrain.schedules.early_grads): the
+    # same order of work and gradients, a shorter 1F1B cool-down. False: the Bs run whole.
+    early_grads: bool = True
 
 
 @dataclass(frozen=True)

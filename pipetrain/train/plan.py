@@ -40,6 +40,8 @@ class RunPlan:
     # Layer indices of each model stage: blocks spread evenly, the embedding on the first
     # stage and the head on the last.
     split: tuple[tuple[int, ...], ...]
+    # The backwards that early input gradients split (``1I7``; pipeline.early_grads).
+    early_splits: tuple[str, ...] = ()
 
 
 def plan_fingerprint(plan: RunPlan) -> dict[str, str]:
@@ -111,10 +113,16 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
             f"model {model.name}: use --seq-len {model.max_seq_len} or less"
         )
     p = config.pipeline
+    early: tuple[str, ...] = ()
     if is_schedule_file(p.schedule):
         schedule = _schedule_from_file(config, tied_embeddings=model.tie_embeddings)
     else:
         schedule = _builtin_schedule(config, tied_embeddings=model.tie_embeddings)
+        if p.early_grads:
+            from pipetrain.schedules.early_grads import early_grads, early_splits
+
+            plain, schedule = schedule, early_grads(schedule)
+            early = tuple(early_splits(plain, schedule))
     if p.shard:
         check_shardable(schedule)
     stages = schedule.placement.num_model_stages
@@ -135,7 +143,7 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
             raise ConfigError(
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
             )
-    return RunPlan(model, schedule, _stage_layers(config, model, schedule))
+    return RunPlan(model, schedule, _stage_layers(config, model, schedule), early)
 
 
 def is_schedule_file(schedule: str) -> bool:

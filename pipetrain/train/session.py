@@ -283,6 +283,12 @@ def open_session(
             f"schedule {plan.schedule.name} on {p.pp} rank{'s' if p.pp > 1 else ''}, split {[len(s) for s in plan.split]} layers, "
             f"{n_params:,} parameters in this process, device {device}"
         )
+        if plan.early_splits:
+            n = len(plan.early_splits)
+            output.say(
+                f"early input gradients: {n} backward{'s' if n > 1 else ''} run as I then W "
+                f"({' '.join(plan.early_splits)}; --no-early-grads runs them whole)"
+            )
     checkpoints = _checkpoints(config, plan, pipeline, optimizer, everyone, device, output)
     return Session(
         config=config,

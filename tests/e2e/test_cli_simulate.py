@@ -363,3 +363,30 @@ def test_outputs_never_land_on_each_other_or_on_the_input(
     assert main(["simulate", "--schedule-file", str(mine), "--save", str(mine)]) == 2
     assert "is the file of --schedule-file too" in capsys.readouterr().err
     assert mine.read_text() == kept and not (tmp_path / "s.json").exists()
+
+
+def test_early_grads_shows_the_schedule_the_trainer_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = cli(capsys, "--schedule", "1f1b", "--pp", "4", "--microbatches", "8")
+    assert code == 0 and "makespan            33" in out and " I7 " not in out
+    code, out, _ = cli(
+        capsys, "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--early-grads"
+    )
+    assert code == 0 and "makespan            30" in out
+    assert "F7 I7 W7" in out  # the last stage's last backward, split
+
+
+def test_early_grads_is_refused_for_a_schedule_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "s.csv"
+    assert (
+        cli(capsys, "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--save", str(path))[
+            0
+        ]
+        == 0
+    )
+    code, out, err = cli(capsys, "--schedule-file", str(path), "--early-grads")
+    assert (code, out, err.count("\n")) == (2, "", 1)
+    assert "--early-grads changes a built-in schedule" in err

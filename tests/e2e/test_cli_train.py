@@ -111,6 +111,8 @@ def test_short_run_on_the_default_data(reference: list[dict[str, Any]], tmp_path
     # Plain lines (stdout is not a terminal), the summary, the sample; rank 1 stays quiet.
     assert "\r" not in done.stdout
     assert "step 5/5  loss" in done.stdout
+    # 1F1B's last backward on the last stage sends its input gradient before its weights'.
+    assert "early input gradients: 1 backward run as I then W (1I3;" in done.stdout
     assert "Python" in done.stdout and "standard library" in done.stdout
     assert "peak memory per rank:" in done.stdout and "sample (temperature" in done.stdout
     assert (tmp_path / "step.png").stat().st_size > 1000
@@ -126,6 +128,7 @@ def test_short_run_on_the_default_data(reference: list[dict[str, Any]], tmp_path
         ("--pp", "4", "--single-process", "--schedule", "zb-h1"),
         ("--pp", "2", "--single-process", "--schedule", "zb-v"),
         ("--pp", "2", "--single-process", "--recompute"),
+        ("--pp", "4", "--single-process", "--no-early-grads"),
     ],
     ids=lambda flags: " ".join(flags),
 )

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipetrain.runtime.errors import StageMismatchError
 from pipetrain.runtime.stage import StageRunner, install_split_backward
+from pipetrain.schedules import Kind
 
 
 @pytest.fixture(autouse=True)
@@ -167,3 +168,44 @@ def test_w_gives_the_gradient_of_b_under_bf16_autocast():
     for name, grad in grads(model).items():
         assert grad.dtype == torch.float32, name
         torch.testing.assert_close(grad, ref[name], rtol=0, atol=0)
+
+
+def test_early_input_gradients_route_only_their_microbatches_through_the_split_linear(
+    monkeypatch,
+):
+    from pipetrain.models import get_model_config, model_spec
+    from pipetrain.runtime import build_pipeline
+    from pipetrain.runtime import stage as stage_module
+
+    spec = model_spec(get_model_config("llama-tiny"))
+    ids = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1], ids[:, 1:]
+    calls: list[int] = []
+    apply = stage_module._SplitLinear.apply
+
+    def counted(*args):
+        calls.append(1)
+        return apply(*args)
+
+    monkeypatch.setattr(stage_module._SplitLinear, "apply", counted)
+    runs = {}
+    for early in (False, True):
+        calls.clear()
+        pipe = build_pipeline(spec, schedule="1f1b", microbatches=4, ranks=2, early_grads=early)
+        result = pipe.step(x, y)
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+        runs[early] = (result.loss, grads, len(calls), pipe)
+    (loss_b, grads_b, calls_b, _), (loss_iw, grads_iw, calls_iw, pipe) = runs[False], runs[True]
+    assert [str(a) for a in pipe.schedule.actions[1] if a.kind in (Kind.I, Kind.W)] == [
+        "1I3",
+        "1W3",
+    ]
+    assert loss_iw == loss_b
+    for name, grad in grads_b.items():
+        torch.testing.assert_close(grads_iw[name], grad, rtol=1e-6, atol=1e-7)
+    # Only micro-batch 3 of stage 1 ran its linears through the custom function: the
+    # others' forwards, and every forward without early gradients, ran natively.
+    linears = sum(isinstance(m, nn.Linear) for m in pipe.modules[1].modules())
+    assert calls_b == 0 and calls_iw == linears
+    pipe.eval_loss(x, y)  # evaluation runs natively too
+    assert len(calls) == linears
