@@ -210,15 +210,22 @@ def run_torch(spec: Any, schedule_name: str, v: int, m: int, steps: int) -> dict
 
 
 def run_paired(
-    spec: Any, pair: tuple[str, str, int], m: int, steps: int, early: bool
+    spec: Any, pair: tuple[str, str, int], m: int, steps: int, early: bool, plain: bool = False
 ) -> dict[str, Any]:
     """Both pipelines in the same processes, one step of each in turn (the order swapped
     every step), each step timed between barriers on the slower rank. Drift in the
     machine's speed (other tenants, clocks) then falls on both sides alike within a
-    second, and the per-step ratios give a confidence interval for the ratio."""
+    second, and the per-step ratios give a confidence interval for the ratio.
+
+    ``plain``: the other side is our own pipeline with every B whole (what early input
+    gradients buy), not torch's."""
     ours_name, theirs, v = pair
     ours, (pipe, last) = make_ours(spec, ours_name, m, early)
-    them, losses = make_torch(spec, theirs, v, m)
+    if plain:
+        them, (_, last_plain) = make_ours(spec, ours_name, m, early=False)
+        theirs = f"{ours_name} (B whole)"
+    else:
+        them, losses = make_torch(spec, theirs, v, m)
     ours(0)
     them(0)
     times = torch.zeros(2, steps, dtype=torch.float64)
@@ -243,7 +250,7 @@ def run_paired(
         "ours_cpu_s": cpu[0].tolist(),
         "torch_cpu_s": cpu[1].tolist(),
         "loss_ours": last[0].loss,
-        "loss_torch": summed_loss(losses),
+        "loss_torch": last_plain[0].loss if plain else summed_loss(losses),
     }
 
 
@@ -300,7 +307,11 @@ def worker(args: argparse.Namespace) -> None:
         for m in args.microbatches:
             for pair in selected(args):
                 release_memory()
-                rows.append(run_paired(spec, pair, m, args.paired, not args.no_early_grads))
+                rows.append(
+                    run_paired(
+                        spec, pair, m, args.paired, not args.no_early_grads, args.against_plain
+                    )
+                )
                 if dist.get_rank() == 0:
                     print(format_paired(rows[-1]), flush=True)
         if dist.get_rank() == 0 and args.json:
@@ -418,6 +429,12 @@ def main() -> int:
         action="store_true",
         help="our pipelines run every backward whole (build_pipeline(early_grads=False)); "
         "default: early input gradients, as build_pipeline and pipetrain train run them",
+    )
+    parser.add_argument(
+        "--against-plain",
+        action="store_true",
+        help="with --paired: pair our pipeline with our own with every backward whole, not "
+        "with torch's (what early input gradients buy)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -16,15 +16,16 @@ Each rank keeps its order of work and its memory (the W follows its I at once, s
 is held longer), and the gradients are the same sums; only the moment the input gradient
 leaves changes. It is not a zero-bubble schedule: those also move the Ws later.
 
-Which backwards. Splitting is not free (the runtime's split backward costs a few per cent
-more than one B, ``SPLIT_OVERHEAD``), and a gradient that arrives while its consumer is
-still busy gains nothing. So the choice is made by replay: a B whose consumer waited for
-it, idle, is split when that shortens the replayed step; rounds repeat until no split
-helps. The decision uses the papers' unit costs plus the overhead (or the costs given), so
-every rank derives the same schedule from the same inputs without measuring anything.
-1F1B and naive gain (p = 2: one W per step; p = 4, m = 8: 33 -> 30.4 units), GPipe and
-interleaved 1F1B keep their Bs (their consumers are busy, or every B would have to split
-for any gain), the zero-bubble family has no B left to split.
+Which backwards. Splitting is not free (the split backward costs a few per cent of the
+micro-batch's F + B, ``SPLIT_OVERHEAD``), and a gradient that arrives while its consumer
+is still busy gains nothing. So the choice is made by replay (``early_grads`` says how it
+searches): only a B whose consumer waited for it, idle, is a candidate, and the splits
+kept are those that shorten the replayed step. The decision uses the papers' unit costs
+plus the overhead (or the costs given), so every rank derives the same schedule from the
+same inputs without measuring anything. With unit costs: 1F1B gains one W per step on
+p = 2 and 33 -> 30 on p = 4, m = 8; interleaved 1F1B (v = 2) one W on p = 2; naive one W
+per rank; GPipe only where few micro-batches make the chain of splits pay (p = 2, m = 4);
+the zero-bubble family has no B left to split.
 """
 
 from __future__ import annotations
@@ -35,17 +36,26 @@ from pipetrain.schedules.schedule import Schedule
 
 __all__ = ["SPLIT_OVERHEAD", "decision_costs", "early_grads", "early_splits", "split_backwards"]
 
-# Extra time of I + W over one B, as a share of B: the split backward runs every linear
-# layer through a custom autograd function (runtime/stage.py). Measured on llama-default,
-# one CPU thread, micro-batches of 2-8 sequences: 3-6%; 5% is charged, half on I, half on W.
+# What splitting one micro-batch's backward adds, as a share of its F + B: its forward and
+# backward run every linear layer through a custom autograd function (runtime/stage.py).
+# Measured on llama-default's stages, one CPU thread, micro-batches of 8 and 2 sequences:
+# 3.8% and 6.1% (F +1.5 and +1.4 ms, I + W over B +4.1 and +1.4 ms).
 SPLIT_OVERHEAD = 0.05
 _EPS = 1e-9
+# Replays one search may run: the search ends there (the same on every rank).
+_MOST_REPLAYS = 400
 
 
 def decision_costs(overhead: float = SPLIT_OVERHEAD) -> Costs:
-    """Unit costs (F = 1, B = 2) with I and W each carrying half of the split's overhead."""
-    half = 1.0 + overhead
-    return Costs(forward=1.0, backward=2.0, backward_input=half, backward_weight=half)
+    """Unit costs (F = 1, B = 2) with the split's overhead on I (two thirds: the slower
+    forward runs on the same rank before it) and W (one third)."""
+    extra = 3.0 * overhead  # of F + B = 3
+    return Costs(
+        forward=1.0,
+        backward=2.0,
+        backward_input=1.0 + 2.0 * extra / 3.0,
+        backward_weight=1.0 + extra / 3.0,
+    )
 
 
 def split_backwards(schedule: Schedule, chosen: frozenset[Action]) -> Schedule:
@@ -74,10 +84,10 @@ def _makespan(schedule: Schedule, costs: Costs) -> float:
     return replay(schedule, costs).makespan
 
 
-def _awaited(schedule: Schedule, costs: Costs) -> list[Action]:
-    """The Bs whose input gradient a rank waited for, idle, on another rank; latest first."""
+def _awaited(schedule: Schedule, costs: Costs, events: tuple[Event, ...]) -> list[Action]:
+    """The Bs whose input gradient a rank waited for, idle, on another rank, in the
+    replay ``events`` of ``schedule``; latest first."""
     placement = schedule.placement
-    events = replay(schedule, costs).events
     by_action = {e.action: e for e in events}
     # Whether the rank sat idle right before each action (events come grouped by rank,
     # each rank's in program order).
@@ -104,29 +114,51 @@ def _awaited(schedule: Schedule, costs: Costs) -> list[Action]:
     return [action for _, action in sorted(found, key=lambda item: -item[0])]
 
 
-def early_grads(schedule: Schedule, costs: Costs | None = None) -> Schedule:
+def early_grads(
+    schedule: Schedule, costs: Costs | None = None, patience: int | None = None
+) -> Schedule:
     """``schedule`` with the awaited backwards split where that shortens the step.
 
     Takes a compute-only schedule (lower the result); asynchronous schedules (their Bs
     are followed by weight updates) and schedules with nothing to gain come back as they
     are. ``costs``: the durations to decide with (default ``decision_costs()``).
+
+    The search splits, one at a time, the awaited B whose consumer starts last, and keeps
+    the shortest step seen. A split may gain nothing alone and pay off with the next ones
+    (interleaved 1F1B's cool-down alternates two stages of a rank, GPipe's ranks follow one
+    another micro-batch by micro-batch), so up to ``patience`` splits in a row may gain
+    nothing (default: two per stage, the length of such a chain on short pipelines); then
+    the splits the best step does not need are undone.
     """
     if schedule.asynchronous or schedule.is_lowered:
         return schedule
     costs = costs or decision_costs()
+    patience = 2 * schedule.placement.num_stages if patience is None else patience
     chosen: frozenset[Action] = frozenset()
-    best = _makespan(schedule, costs)
-    current = schedule
-    while True:
-        accepted = False
-        for action in _awaited(current, costs):
-            trial = chosen | {action}
-            candidate = split_backwards(schedule, trial)
-            span = _makespan(candidate, costs)
-            if span < best - _EPS:
-                chosen, best, current, accepted = trial, span, candidate, True
-        if not accepted:
-            return current
+    current, idle = schedule, 0
+    timeline = replay(current, costs)
+    best, best_chosen = timeline.makespan, chosen
+    gained_nothing: list[Action] = []  # splits that did not shorten the step when made
+    replays = 1
+    while idle < patience and replays < _MOST_REPLAYS:
+        options = [a for a in _awaited(current, costs, timeline.events) if a not in chosen]
+        if not options:
+            break
+        chosen = chosen | {options[0]}
+        current = split_backwards(schedule, chosen)
+        timeline = replay(current, costs)
+        replays += 1
+        if timeline.makespan < best - _EPS:
+            best, best_chosen, idle = timeline.makespan, chosen, 0
+        else:
+            gained_nothing.append(options[0])
+            idle += 1
+    for action in (a for a in gained_nothing if a in best_chosen):
+        trial = best_chosen - {action}
+        span = _makespan(split_backwards(schedule, trial), costs)
+        if span <= best + _EPS:
+            best, best_chosen = min(best, span), trial
+    return split_backwards(schedule, best_chosen) if best_chosen else schedule
 
 
 def early_splits(plain: Schedule, early: Schedule) -> list[str]:

@@ -31,12 +31,13 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.models import build_full_model, get_model_config, model_spec
+from pipetrain.process_exit import exit_rank
 from pipetrain.runtime import PipelineError, api, build_pipeline
 from pipetrain.runtime.stage import token_cross_entropy
 from pipetrain.schedules import Schedule
+from pipetrain.schedules.early_grads import early_grads
 from pipetrain.schedules.io import load_csv
 from pipetrain.schedules.registry import build_schedule
-from pipetrain.process_exit import exit_rank
 
 RTOL = 1e-5
 
@@ -78,6 +79,13 @@ def schedules(p: int, out: Path, names: tuple[str, ...] | None = None) -> dict[s
         for name, by_p in SCHEDULES.items()
         if names is None or name in names
     }
+    if names is None:
+        # Early input gradients: the backwards that another rank waits for split into I and
+        # W (some micro-batches of a stage split, the others whole), where they change.
+        for name in list(cases):
+            early = early_grads(cases[name])
+            if early.actions != cases[name].actions:
+                cases[f"{name}-early"] = early
     if p == 2 and names is None:
         path = out / f"user-{dist.get_rank()}.csv"
         path.write_text(USER_CSV)

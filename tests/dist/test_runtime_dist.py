@@ -57,12 +57,30 @@ def check_one_step(reports, name: str) -> None:
         assert res["events"] == res["actions"]
 
 
-@pytest.mark.parametrize("name", (*SCHEDULES, "user-csv"))
+# Early input gradients (pipetrain.schedules.early_grads) of the schedules they change
+# at these sizes (the worker adds every one that changes; the test names are fixed).
+EARLY_2 = ("naive-early", "gpipe-early", "1f1b-early", "interleaved-1f1b-early")
+EARLY_4 = (
+    "naive-early",
+    "gpipe-early",
+    "1f1b-early",
+    "interleaved-1f1b-early",
+    "chimera-early",
+)
+
+
+@pytest.mark.parametrize("name", (*SCHEDULES, *EARLY_2, "user-csv"))
 def test_two_ranks_equal_one_process(two, name):
     check_one_step(two, name)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+def test_early_variants_are_the_ones_named(two, four):
+    for reports, names in ((two, EARLY_2), (four, EARLY_4)):
+        for report in reports:
+            assert sorted(k for k in report if k.endswith("-early")) == sorted(names)
+
+
+@pytest.mark.parametrize("name", (*SCHEDULES, *EARLY_4))
 def test_four_ranks_equal_one_process(four, name):
     check_one_step(four, name)
 
