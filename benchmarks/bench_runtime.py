@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.process_exit import exit_rank
+from pipetrain.schedules import Kind
 
 BATCH, SEQ = 32, 128
 PAIRS = (
@@ -243,7 +244,7 @@ def run_paired(
         "m": m,
         "ours": ours_name,
         "early_grads": early,
-        "split": [str(a) for row in pipe.schedule.actions for a in row if a.kind.value == "I"],
+        "split": [str(a) for row in pipe.schedule.actions for a in row if a.kind is Kind.I],
         "torch": theirs,
         "ours_s": times[0].tolist(),
         "torch_s": times[1].tolist(),

@@ -66,7 +66,9 @@ class WeightGradQueue:
         # The list that linear backwards append to while an I runs; None outside an I.
         self.active: list[_Deferred] | None = None
         # Whether linear forwards go through ``_SplitLinear`` (a micro-batch whose backward
-        # may be split) or run natively (one whose backward is a whole B, and evaluation).
+        # may be split) or run natively. The runner clears it for the micro-batches of a
+        # partly split stage that run whole, and for their evaluation; a stage that splits
+        # every backward (the zero-bubble family) keeps it set.
         self.recording = True
         self._by_microbatch: dict[int, list[_Deferred]] = {}
 

@@ -32,6 +32,8 @@ the zero-bubble family has no B left to split.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.execution import Costs, Event, replay
 from pipetrain.schedules.schedule import Schedule
@@ -72,14 +74,7 @@ def split_backwards(schedule: Schedule, chosen: frozenset[Action]) -> Schedule:
             else:
                 out.append(action)
         rows.append(tuple(out))
-    return Schedule(
-        schedule.name,
-        schedule.placement,
-        schedule.microbatches,
-        tuple(rows),
-        schedule.asynchronous,
-        schedule.params,
-    )
+    return replace(schedule, actions=tuple(rows))
 
 
 def _makespan(schedule: Schedule, costs: Costs) -> float:
