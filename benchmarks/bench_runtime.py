@@ -25,9 +25,13 @@ frees the top of the heap at the end of its step pays its pages again at the nex
 faults, system time), which depends on what each side happens to keep alive between
 steps, not on its work. ``--heap glibc`` leaves glibc as it is.
 
-Pairs: gpipe / ScheduleGPipe, 1f1b / Schedule1F1B, zb-h1 / ScheduleInterleavedZeroBubble
-(2 stages per rank on torch's side: it is a looped schedule), interleaved-1f1b (v=2) /
-ScheduleInterleaved1F1B (v=2).
+Rows (``--only`` takes their labels): gpipe / ScheduleGPipe, 1f1b / Schedule1F1B, zb-h1 /
+ScheduleInterleavedZeroBubble on one stage per rank (its ZB1P ordering on one stage per
+rank is ZB-H1's, action for action), interleaved-1f1b (v=2) / ScheduleInterleaved1F1B
+(v=2): the issue's four pairs, each side on the same stages. Two more rows compare zero
+bubble on two stages per rank: zb-h1-vs-looped, our ZB-H1 (one stage per rank) against
+ScheduleInterleavedZeroBubble on two (looped: a different split and a smaller bubble),
+and zb-v / ScheduleZBVZeroBubble (both V-shaped, two stages per rank).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +57,30 @@ from pipetrain.process_exit import exit_rank
 from pipetrain.schedules import Kind
 
 BATCH, SEQ = 32, 128
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One row: our schedule against torch's, with torch's stages per rank and where they
+    sit (looped: stage s on rank s mod p; v: rank r holds r and 2p - 1 - r)."""
+
+    label: str
+    ours: str
+    torch: str
+    v: int = 1
+    torch_placement: str = "looped"
+
+
 PAIRS = (
-    ("gpipe", "ScheduleGPipe", 1),
-    ("1f1b", "Schedule1F1B", 1),
-    ("zb-h1", "ScheduleInterleavedZeroBubble", 2),
-    ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2),
+    Pair("gpipe", "gpipe", "ScheduleGPipe"),
+    Pair("1f1b", "1f1b", "Schedule1F1B"),
+    Pair("zb-h1", "zb-h1", "ScheduleInterleavedZeroBubble"),
+    Pair("interleaved-1f1b", "interleaved-1f1b", "ScheduleInterleaved1F1B", 2),
+    Pair("zb-h1-vs-looped", "zb-h1", "ScheduleInterleavedZeroBubble", 2),
+    Pair("zb-v", "zb-v", "ScheduleZBVZeroBubble", 2, "v"),
 )
+# The issue's four pairs, run by default; the others with --only.
+DEFAULT = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
 
 
 def reset_peak_rss() -> None:
@@ -151,7 +174,7 @@ def run_ours(spec: Any, name: str, m: int, steps: int, early: bool) -> dict[str,
     }
 
 
-def make_torch(spec: Any, schedule_name: str, v: int, m: int) -> tuple[Any, list[torch.Tensor]]:
+def make_torch(spec: Any, pair: Pair, m: int) -> tuple[Any, list[torch.Tensor]]:
     """torch.distributed.pipelining's schedule on the same stages: (step function, the
     last step's micro-batch losses on the last stage's rank)."""
     from torch.distributed import pipelining
@@ -160,9 +183,13 @@ def make_torch(spec: Any, schedule_name: str, v: int, m: int) -> tuple[Any, list
     from pipetrain.runtime import even_split
 
     rank, p = dist.get_rank(), dist.get_world_size()
+    v = pair.v
     n = p * v
     split = even_split(len(spec), n)
-    stage_ids = [rank + k * p for k in range(v)]  # looped: stage s on rank s mod p
+    if pair.torch_placement == "v":
+        stage_ids = [rank, 2 * p - 1 - rank]
+    else:
+        stage_ids = [rank + k * p for k in range(v)]  # looped: stage s on rank s mod p
     modules = [build_stage(spec, split[s], seed=0, device="cpu") for s in stage_ids]
     stages = [
         pipelining.PipelineStage(mod, s, n, torch.device("cpu"))
@@ -179,8 +206,11 @@ def make_torch(spec: Any, schedule_name: str, v: int, m: int) -> tuple[Any, list
             / tokens
         )
 
-    cls = getattr(pipelining, schedule_name)
-    schedule = cls(stages[0] if v == 1 else stages, m, loss_fn=loss_fn, scale_grads=False)
+    cls = getattr(pipelining, pair.torch)
+    # The multi-stage schedules (ScheduleInterleavedZeroBubble among them) take a list
+    # even for one stage per rank.
+    multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
+    schedule = cls(stages if multi else stages[0], m, loss_fn=loss_fn, scale_grads=False)
     params = [q for mod in modules for q in mod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3)
     first, last = 0 in stage_ids, n - 1 in stage_ids
@@ -204,14 +234,14 @@ def summed_loss(losses: list[torch.Tensor]) -> float:
     return float(loss)
 
 
-def run_torch(spec: Any, schedule_name: str, v: int, m: int, steps: int) -> dict[str, float]:
-    step, losses = make_torch(spec, schedule_name, v, m)
+def run_torch(spec: Any, pair: Pair, m: int, steps: int) -> dict[str, float]:
+    step, losses = make_torch(spec, pair, m)
     per_step, cpu = timed_steps(step, steps)
     return {"step_s": per_step, "cpu_s": cpu, "loss": summed_loss(losses)}
 
 
 def run_paired(
-    spec: Any, pair: tuple[str, str, int], m: int, steps: int, early: bool, plain: bool = False
+    spec: Any, pair: Pair, m: int, steps: int, early: bool, plain: bool = False
 ) -> dict[str, Any]:
     """Both pipelines in the same processes, one step of each in turn (the order swapped
     every step), each step timed between barriers on the slower rank. Drift in the
@@ -220,13 +250,13 @@ def run_paired(
 
     ``plain``: the other side is our own pipeline with every B whole (what early input
     gradients buy), not torch's."""
-    ours_name, theirs, v = pair
+    ours_name, theirs = pair.ours, f"{pair.torch} v={pair.v}"
     ours, (pipe, last) = make_ours(spec, ours_name, m, early)
     if plain:
         them, (_, last_plain) = make_ours(spec, ours_name, m, early=False)
         theirs = f"{ours_name} (B whole)"
     else:
-        them, losses = make_torch(spec, theirs, v, m)
+        them, losses = make_torch(spec, pair, m)
     ours(0)
     them(0)
     times = torch.zeros(2, steps, dtype=torch.float64)
@@ -243,6 +273,7 @@ def run_paired(
     return {
         "m": m,
         "ours": ours_name,
+        "label": pair.label,
         "early_grads": early,
         "split": [str(a) for row in pipe.schedule.actions for a in row if a.kind is Kind.I],
         "torch": theirs,
@@ -272,7 +303,7 @@ def ratio_interval(ours_s: list[float], torch_s: list[float]) -> tuple[float, fl
 
 
 PAIRED_HEADER = (
-    f"{'m':>3} {'ours':<17} {'tok/s':>7} | {'torch':<30} {'tok/s':>7} | "
+    f"{'m':>3} {'ours':<17} {'tok/s':>7} | {'torch':<34} {'tok/s':>7} | "
     f"{'ratio':>5} {'95% interval':>13} | {'cpu ratio':>9} {'95% interval':>13} | "
     f"{'last loss ours/torch':>20}"
 )
@@ -284,7 +315,7 @@ def format_paired(row: dict[str, Any]) -> str:
     tps_ours = BATCH * SEQ / statistics.median(row["ours_s"])
     tps_torch = BATCH * SEQ / statistics.median(row["torch_s"])
     return (
-        f"{row['m']:>3} {row['ours']:<17} {tps_ours:>7.0f} | {row['torch']:<30} "
+        f"{row['m']:>3} {row['ours']:<17} {tps_ours:>7.0f} | {row['torch']:<34} "
         f"{tps_torch:>7.0f} | {ratio:>5.3f} {lo:>6.3f}-{hi:<6.3f} | "
         f"{cpu:>9.3f} {cpu_lo:>6.3f}-{cpu_hi:<6.3f} | "
         f"{row['loss_ours']:>10.5f}/{row['loss_torch']:.5f}"
@@ -320,7 +351,8 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
         return
     for m in args.microbatches:
-        for ours, theirs, v in selected(args):
+        for pair in selected(args):
+            ours, theirs = pair.ours, f"{pair.torch} v={pair.v}"
             samples: dict[str, list[dict[str, float]]] = {"ours": [], "torch": []}
             for _ in range(args.rounds):
                 for side in ("ours", "torch"):
@@ -330,12 +362,14 @@ def worker(args: argparse.Namespace) -> None:
                     if side == "ours":
                         res = run_ours(spec, ours, m, args.steps, not args.no_early_grads)
                     else:
-                        res = run_torch(spec, theirs, v, m, args.steps)
+                        res = run_torch(spec, pair, m, args.steps)
                     rss = torch.tensor([peak_rss_mb()])
                     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
                     res["peak_rss_mb"] = float(rss)
                     samples[side].append(res)
-            rows.append({"m": m, "ours": ours, "torch": theirs, "samples": samples})
+            rows.append(
+                {"m": m, "label": pair.label, "ours": ours, "torch": theirs, "samples": samples}
+            )
             if dist.get_rank() == 0:
                 print(format_row(rows[-1]), flush=True)
     if dist.get_rank() == 0 and args.json:
@@ -343,8 +377,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def selected(args: argparse.Namespace) -> list[tuple[str, str, int]]:
-    return [pair for pair in PAIRS if not args.only or pair[0] in args.only]
+def selected(args: argparse.Namespace) -> list[Pair]:
+    wanted = args.only or DEFAULT
+    return [pair for pair in PAIRS if pair.label in wanted]
 
 
 def med(samples: list[dict[str, float]], key: str) -> float:
@@ -352,7 +387,7 @@ def med(samples: list[dict[str, float]], key: str) -> float:
 
 
 HEADER = (
-    f"{'m':>3} {'ours':<17} {'tok/s':>7} {'RSS MB':>7} {'cpu s':>6} | {'torch':<30} {'tok/s':>7} "
+    f"{'m':>3} {'ours':<17} {'tok/s':>7} {'RSS MB':>7} {'cpu s':>6} | {'torch':<34} {'tok/s':>7} "
     f"{'RSS MB':>7} {'cpu s':>6} | {'ratio':>5} | {'step s':>6} {'span s':>6} {'sim s':>6} {'step/sim':>8} | {'bubble meas/sim':>15} | "
     f"{'last loss ours/torch':>20}"
 )
@@ -369,7 +404,7 @@ def format_row(row: dict[str, Any]) -> str:
     )
     return (
         f"{row['m']:>3} {row['ours']:<17} {tps_ours:>7.0f} {med(ours, 'peak_rss_mb'):>7.0f} "
-        f"{med(ours, 'cpu_s'):>6.2f} | {row['torch']:<30} {tps_torch:>7.0f} {med(theirs, 'peak_rss_mb'):>7.0f} "
+        f"{med(ours, 'cpu_s'):>6.2f} | {row['torch']:<34} {tps_torch:>7.0f} {med(theirs, 'peak_rss_mb'):>7.0f} "
         f"{med(theirs, 'cpu_s'):>6.2f} | "
         f"{tps_ours / tps_torch:>5.2f} | {step:>6.3f} {span:>6.3f} {sim:>6.3f} {step / sim:>8.3f} | "
         f"{med(ours, 'bubble_measured'):>7.3f}/{med(ours, 'bubble_simulated'):.3f} | "
@@ -402,8 +437,8 @@ def main() -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=[pair[0] for pair in PAIRS],
-        help="only these of our schedules (default: all four)",
+        choices=[pair.label for pair in PAIRS],
+        help="these rows (default: the issue's four, " + ", ".join(DEFAULT) + ")",
     )
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument(
