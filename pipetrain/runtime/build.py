@@ -293,8 +293,9 @@ def build_pipeline(
     runs right after a stage's last B or W of a training step (data parallelism). Every
     wait gives up after ``timeout_s`` seconds. ``early_grads``: a schedule given by name
     splits the backwards that another rank waits for into I and W, and sends the input
-    gradient between them (``pipetrain.schedules.early_grads``: the same order of work and
-    the same gradients, 1F1B's cool-down shorter); False runs the named schedule's Bs whole.
+    gradient between them (``pipetrain.schedules.early_grads``: the same order of F, B and
+    I, a W in place or moved to the end of its rank, the same gradients to rounding;
+    1F1B's cool-down and GPipe's turn shorter); False runs the named schedule's Bs whole.
     """
     # Imported here: api imports this module at its top.
     from pipetrain.runtime.api import Pipeline

@@ -12,11 +12,18 @@ rank r + 1. With p = 2, m = 4 and unit costs (F = 1, B = 2, I = W = 1; ``pipetra
     early grads   rank 0 | 0F0 0F1 .   .   0B0 0B0 0F2 0B1 0B1 0F3 0B2 0B2 0B3 0B3
                   rank 1 | .   1F0 1B0 1B0 1F1 1B1 1B1 1F2 1B2 1B2 1F3 1I3 1W3
 
-Each rank keeps its order of work, and the gradients are the same sums; only the moment
-the input gradient leaves changes. Memory grows a little: from I to W the stage keeps the
-output gradient of each linear layer for one micro-batch (llama-default, 8 sequences of 128
-tokens: about 20 MB of peak RSS). It is not a zero-bubble schedule: those also move the Ws
-later.
+Each rank keeps its order of F, B and I. A W stays right after its I, or, where that
+shortens the step, moves to the end of the rank's compute: GPipe's ranks run their Bs in
+lockstep, so rank 0 waits only for ``1B0``, and ``1W0`` in place would delay ``1B1`` by as
+much as the I saved; at the end of rank 1, which finishes before rank 0 anyway, it delays
+nothing (p = 2, m = 4: 15 -> 14 units; measured 3.9% faster than whole Bs). A W moves only
+where the rank then holds no more micro-batches at once than it did (``live_peaks``: a
+pending W still needs the inputs of its weight products), which keeps 1F1B's steady state
+as it is. The gradients are the same sums; where a W moves, its micro-batch is added last
+(equal to rounding, not bit for bit). Memory grows a little: from I to W the stage keeps
+the output gradient of each linear layer for that micro-batch (llama-default, 8 sequences
+of 128 tokens: about 20 MB of peak RSS). It is not a zero-bubble schedule: those move every
+W, at a higher peak.
 
 Which backwards. Splitting is not free (the split backward costs a few per cent of the
 micro-batch's F + B, ``SPLIT_OVERHEAD``), and a gradient that arrives while its consumer
@@ -25,9 +32,9 @@ searches): only a B whose consumer waited for it, idle, is a candidate, and the 
 kept are those that shorten the replayed step. The decision uses the papers' unit costs
 plus the overhead (or the costs given), so every rank derives the same schedule from the
 same inputs without measuring anything. With unit costs: 1F1B gains one W per step on
-p = 2 and 33 -> 30 on p = 4, m = 8; interleaved 1F1B (v = 2) one W on p = 2; naive one W
-per rank; GPipe only where few micro-batches make the chain of splits pay (p = 2, m = 4);
-the zero-bubble family has no B left to split.
+p = 2 and 33 -> 30 on p = 4, m = 8; interleaved 1F1B (v = 2) and GPipe one W on p = 2,
+57 -> 55 and 33 -> 30 on p = 4, m = 8; naive one W per rank; the zero-bubble family has no
+B left to split.
 """
 
 from __future__ import annotations
@@ -38,7 +45,14 @@ from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.execution import Costs, Event, replay
 from pipetrain.schedules.schedule import Schedule
 
-__all__ = ["SPLIT_OVERHEAD", "decision_costs", "early_grads", "early_splits", "split_backwards"]
+__all__ = [
+    "SPLIT_OVERHEAD",
+    "decision_costs",
+    "early_grads",
+    "early_splits",
+    "live_peaks",
+    "split_backwards",
+]
 
 # What splitting one micro-batch's backward adds, as a share of its F + B: its forward and
 # backward run every linear layer through a custom autograd function (runtime/stage.py).
@@ -48,6 +62,7 @@ SPLIT_OVERHEAD = 0.05
 _EPS = 1e-9
 # Replays one search may run: the search ends there (the same on every rank).
 _MOST_REPLAYS = 400
+_COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
 
 
 def decision_costs(overhead: float = SPLIT_OVERHEAD) -> Costs:
@@ -62,19 +77,46 @@ def decision_costs(overhead: float = SPLIT_OVERHEAD) -> Costs:
     )
 
 
-def split_backwards(schedule: Schedule, chosen: frozenset[Action]) -> Schedule:
-    """``schedule`` with each B in ``chosen`` replaced by its I and W, in its place."""
+def split_backwards(
+    schedule: Schedule, chosen: frozenset[Action], deferred: frozenset[Action] = frozenset()
+) -> Schedule:
+    """``schedule`` with each B in ``chosen`` replaced by its I and W, in its place; the W
+    of a B also in ``deferred`` moves to the end of its rank's compute, in the order of the
+    Is (before the first all-reduce or step that follows, where there is one)."""
     rows = []
     for row in schedule.actions:
         out: list[Action] = []
+        held: list[Action] = []
         for action in row:
+            if action.kind not in _COMPUTE and held:
+                out.extend(held)
+                held = []
             if action in chosen:
                 out.append(Action(action.stage, Kind.I, action.microbatch))
-                out.append(Action(action.stage, Kind.W, action.microbatch))
+                weight = Action(action.stage, Kind.W, action.microbatch)
+                (held if action in deferred else out).append(weight)
             else:
                 out.append(action)
-        rows.append(tuple(out))
+        rows.append(tuple(out + held))
     return replace(schedule, actions=tuple(rows))
+
+
+def live_peaks(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank, the most micro-batches whose activations it holds at once: one from its F
+    until its B, or its W where the backward is split (a W that waits still needs the
+    inputs of its weight products). A rank runs its row in order, so the row alone gives it.
+    """
+    peaks = []
+    for row in schedule.actions:
+        live = peak = 0
+        for action in row:
+            if action.kind is Kind.F:
+                live += 1
+                peak = max(peak, live)
+            elif action.kind in (Kind.B, Kind.W):
+                live -= 1
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def _makespan(schedule: Schedule, costs: Costs) -> float:
@@ -120,57 +162,90 @@ def early_grads(
     are followed by weight updates) and schedules with nothing to gain come back as they
     are. ``costs``: the durations to decide with (default ``decision_costs()``).
 
-    The search splits, one at a time, the awaited B whose consumer starts last, and keeps
-    the shortest step seen. A split may gain nothing alone and pay off with the next ones
-    (interleaved 1F1B's cool-down alternates a rank's stages; 1F1B's on many ranks runs
-    down a diagonal), so up to ``patience`` splits in a row may gain nothing (default: two
-    per stage), then the splits the best step does not need are undone. Within such a run
-    a stage takes at most its rank's stages + 1 splits: that leaves out GPipe's chain,
-    where the ranks go in lockstep and every B of a stage must split for one W, which
-    measured did not pay (p = 2, m = 4, all four split: the same wall time as whole Bs and
-    4.6% more CPU over 48 paired steps).
+    The search splits, one at a time, the awaited B whose consumer starts last, its W in
+    place or at the end of the rank (whichever replays shorter, in place on a tie, and
+    the end only within the rank's peak of live micro-batches), and keeps the shortest
+    step seen. A split may gain nothing alone and pay off with the next ones (1F1B's
+    cool-down on many ranks runs down a diagonal), so up to ``patience`` splits in a row
+    may gain nothing (default: two per stage); then the splits the best step does not need
+    are undone, and the moves of Ws it does not need. Within such a run a stage takes at
+    most its rank's stages + 1 splits: that leaves out chains where every B of a stage
+    must split for one W (GPipe's with Ws in place, which measured did not pay: p = 2,
+    m = 4, all four split, the same wall time as whole Bs and 4.6% more CPU).
     """
     if schedule.asynchronous or schedule.is_lowered:
         return schedule
     costs = costs or decision_costs()
     patience = 2 * schedule.placement.num_stages if patience is None else patience
     per_stage = schedule.placement.stages_per_rank + 1
+    peaks = live_peaks(schedule)
     chosen: frozenset[Action] = frozenset()
-    current, idle = schedule, 0
+    deferred: frozenset[Action] = frozenset()
+    idle = 0
     idle_on: dict[int, int] = {}  # stage -> its splits since the last gain
-    timeline = replay(current, costs)
-    best, best_chosen = timeline.makespan, chosen
+    timeline = replay(schedule, costs)
+    best, best_chosen, best_deferred = timeline.makespan, chosen, deferred
     gained_nothing: list[Action] = []  # splits that did not shorten the step when made
     replays = 1
     while idle < patience and replays < _MOST_REPLAYS:
         options = [
             a
-            for a in _awaited(current, costs, timeline.events)
+            for a in _awaited(schedule, costs, timeline.events)
             if a not in chosen and idle_on.get(a.stage, 0) < per_stage
         ]
         if not options:
             break
         pick = options[0]
         chosen = chosen | {pick}
-        current = split_backwards(schedule, chosen)
-        timeline = replay(current, costs)
-        replays += 1
+        # Its W in place, or at the end of the rank where that holds no more micro-batches
+        # at once than the schedule did: the shorter step wins, in place on a tie (its
+        # weight products leave memory sooner).
+        trials = []
+        for later in (deferred, deferred | {pick}):
+            candidate = split_backwards(schedule, chosen, later)
+            if later is not deferred and not _fits(live_peaks(candidate), peaks):
+                continue
+            trials.append((replay(candidate, costs), later))
+            replays += 1
+        shortest = min(t.makespan for t, _ in trials)
+        timeline, deferred = next((t, d) for t, d in trials if t.makespan <= shortest + _EPS)
         if timeline.makespan < best - _EPS:
-            best, best_chosen, idle = timeline.makespan, chosen, 0
+            best, best_chosen, best_deferred, idle = timeline.makespan, chosen, deferred, 0
             idle_on.clear()
         else:
             gained_nothing.append(pick)
             idle += 1
             idle_on[pick.stage] = idle_on.get(pick.stage, 0) + 1
+    # Undo what the best step does not need: splits that gained nothing, then deferrals.
     for action in (a for a in gained_nothing if a in best_chosen):
-        trial = best_chosen - {action}
-        span = _makespan(split_backwards(schedule, trial), costs)
+        trial, trial_deferred = best_chosen - {action}, best_deferred - {action}
+        span = _makespan(split_backwards(schedule, trial, trial_deferred), costs)
         if span <= best + _EPS:
-            best, best_chosen = min(best, span), trial
-    return split_backwards(schedule, best_chosen) if best_chosen else schedule
+            best, best_chosen, best_deferred = min(best, span), trial, trial_deferred
+    for action in sorted(best_deferred, key=lambda a: (a.stage, a.microbatch or 0)):
+        trial_deferred = best_deferred - {action}
+        span = _makespan(split_backwards(schedule, best_chosen, trial_deferred), costs)
+        if span <= best + _EPS:
+            best, best_deferred = min(best, span), trial_deferred
+    if not best_chosen:
+        return schedule
+    return split_backwards(schedule, best_chosen, best_deferred)
+
+
+def _fits(peaks: tuple[int, ...], limits: tuple[int, ...]) -> bool:
+    return all(peak <= limit for peak, limit in zip(peaks, limits, strict=True))
 
 
 def early_splits(plain: Schedule, early: Schedule) -> list[str]:
-    """The backwards that ``early`` splits and ``plain`` runs whole, as text (``1I7``)."""
+    """The backwards that ``early`` splits and ``plain`` runs whole, as text: ``1I7``, or
+    ``1I0 with 1W0 at the end`` where the W moved."""
     before = {a for row in plain.actions for a in row if a.kind is Kind.I}
-    return [str(a) for row in early.actions for a in row if a.kind is Kind.I and a not in before]
+    out = []
+    for row in early.actions:
+        for k, action in enumerate(row):
+            if action.kind is not Kind.I or action in before:
+                continue
+            weight = Action(action.stage, Kind.W, action.microbatch)
+            in_place = k + 1 < len(row) and row[k + 1] == weight
+            out.append(str(action) if in_place else f"{action} with {weight} at the end")
+    return out

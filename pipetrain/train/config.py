@@ -106,7 +106,8 @@ class PipelineConfig:
     vertical_sync: bool = False
     # A built-in schedule splits the backwards that another rank waits for into I and W
     # and sends the input gradient between them (pipetrain.schedules.early_grads): the
-    # same order of work and gradients, a shorter 1F1B cool-down. False: the Bs run whole.
+    # same order of work (a W may move to the end of its rank) and gradients, a shorter
+    # 1F1B cool-down and GPipe turn. False: the Bs run whole.
     early_grads: bool = True
 
 

@@ -287,7 +287,7 @@ def open_session(
             n = len(plan.early_splits)
             output.say(
                 f"early input gradients: {n} backward{'s' if n > 1 else ''} run as I then W "
-                f"({' '.join(plan.early_splits)}; --no-early-grads runs them whole)"
+                f"({', '.join(plan.early_splits)}; --no-early-grads runs them whole)"
             )
     checkpoints = _checkpoints(config, plan, pipeline, optimizer, everyone, device, output)
     return Session(

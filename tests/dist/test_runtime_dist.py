@@ -59,8 +59,9 @@ def check_one_step(reports, name: str) -> None:
 
 # Early input gradients (pipetrain.schedules.early_grads) of the schedules they change
 # at these sizes (the worker adds every one that changes; the test names are fixed).
-EARLY_2 = ("naive-early", "1f1b-early", "interleaved-1f1b-early")
-EARLY_4 = ("naive-early", "1f1b-early", "chimera-early")
+# The schedules that early input gradients change (some with a W moved to the end).
+EARLY_2 = ("naive-early", "gpipe-early", "1f1b-early", "interleaved-1f1b-early", "looped-bfs-early")
+EARLY_4 = (*EARLY_2, "chimera-early")
 
 
 @pytest.mark.parametrize("name", (*SCHEDULES, *EARLY_2, "user-csv"))
