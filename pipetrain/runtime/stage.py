@@ -67,8 +67,7 @@ class WeightGradQueue:
         self.active: list[_Deferred] | None = None
         # Whether linear forwards go through ``_SplitLinear`` (a micro-batch whose backward
         # may be split) or run natively. The runner clears it for the micro-batches of a
-        # partly split stage that run whole, and for their evaluation; a stage that splits
-        # every backward (the zero-bubble family) keeps it set.
+        # partly split stage that run whole, and for every evaluation forward.
         self.recording = True
         self._by_microbatch: dict[int, list[_Deferred]] = {}
 
@@ -306,8 +305,11 @@ class StageRunner:
         )
 
     def _record(self, microbatch: int, training: bool) -> None:
-        if self.queue is not None and self._split_only is not None:
-            self.queue.recording = training and microbatch in self._split_only
+        # Evaluation runs natively on every stage: it has no backward to split.
+        if self.queue is not None:
+            self.queue.recording = training and (
+                self._split_only is None or microbatch in self._split_only
+            )
 
     def weight(self, microbatch: int) -> None:
         """W: the weight gradients that the I of this micro-batch left queued."""

@@ -209,3 +209,30 @@ def test_early_input_gradients_route_only_their_microbatches_through_the_split_l
     assert calls_b == 0 and calls_iw == linears
     pipe.eval_loss(x, y)  # evaluation runs natively too
     assert len(calls) == linears
+
+
+def test_evaluation_of_a_zero_bubble_pipeline_runs_natively(monkeypatch):
+    from pipetrain.models import get_model_config, model_spec
+    from pipetrain.runtime import build_pipeline
+    from pipetrain.runtime import stage as stage_module
+
+    spec = model_spec(get_model_config("llama-tiny"))
+    ids = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1], ids[:, 1:]
+    pipe = build_pipeline(spec, schedule="zb-h1", microbatches=4, ranks=2)
+    reference = build_pipeline(spec, schedule="1f1b", microbatches=4, ranks=2, early_grads=False)
+    calls: list[int] = []
+    apply = stage_module._SplitLinear.apply
+
+    def counted(*args):
+        calls.append(1)
+        return apply(*args)
+
+    monkeypatch.setattr(stage_module._SplitLinear, "apply", counted)
+    loss = pipe.eval_loss(x, y)
+    assert calls == []
+    assert loss == reference.eval_loss(x, y)
+    # Training afterwards still splits every backward (every linear of every micro-batch).
+    pipe.step(x, y)
+    linears = sum(isinstance(m, nn.Linear) for mod in pipe.modules for m in mod.modules())
+    assert len(calls) == 4 * linears
