@@ -48,6 +48,26 @@ def split_backward(
     return leaf.grad
 
 
+def count_deferring_linears(monkeypatch) -> list[str]:
+    """Record each linear forward that defers its weight products: "hook" or "function"."""
+    from pipetrain.runtime import stage as stage_module
+
+    calls: list[str] = []
+    apply, hooked = stage_module._SplitLinear.apply, stage_module._hooked_linear
+
+    def counted_function(*args):
+        calls.append("function")
+        return apply(*args)
+
+    def counted_hook(*args):
+        calls.append("hook")
+        return hooked(*args)
+
+    monkeypatch.setattr(stage_module._SplitLinear, "apply", counted_function)
+    monkeypatch.setattr(stage_module, "_hooked_linear", counted_hook)
+    return calls
+
+
 def test_w_gives_the_gradient_of_b():
     model = mlp(32, 64)
     queue = install_split_backward(model)
@@ -175,19 +195,11 @@ def test_early_input_gradients_route_only_their_microbatches_through_the_split_l
 ):
     from pipetrain.models import get_model_config, model_spec
     from pipetrain.runtime import build_pipeline
-    from pipetrain.runtime import stage as stage_module
 
     spec = model_spec(get_model_config("llama-tiny"))
     ids = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1], ids[:, 1:]
-    calls: list[int] = []
-    apply = stage_module._SplitLinear.apply
-
-    def counted(*args):
-        calls.append(1)
-        return apply(*args)
-
-    monkeypatch.setattr(stage_module._SplitLinear, "apply", counted)
+    calls = count_deferring_linears(monkeypatch)
     runs = {}
     for early in (False, True):
         calls.clear()
@@ -203,7 +215,7 @@ def test_early_input_gradients_route_only_their_microbatches_through_the_split_l
     assert loss_iw == loss_b
     for name, grad in grads_b.items():
         torch.testing.assert_close(grads_iw[name], grad, rtol=1e-6, atol=1e-7)
-    # Only micro-batch 3 of stage 1 ran its linears through the custom function: the
+    # Only micro-batch 3 of stage 1 ran its linears through a deferring path: the
     # others' forwards, and every forward without early gradients, ran natively.
     linears = sum(isinstance(m, nn.Linear) for m in pipe.modules[1].modules())
     assert calls_b == 0 and calls_iw == linears
@@ -214,21 +226,13 @@ def test_early_input_gradients_route_only_their_microbatches_through_the_split_l
 def test_evaluation_of_a_zero_bubble_pipeline_runs_natively(monkeypatch):
     from pipetrain.models import get_model_config, model_spec
     from pipetrain.runtime import build_pipeline
-    from pipetrain.runtime import stage as stage_module
 
     spec = model_spec(get_model_config("llama-tiny"))
     ids = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
     x, y = ids[:, :-1], ids[:, 1:]
     pipe = build_pipeline(spec, schedule="zb-h1", microbatches=4, ranks=2)
     reference = build_pipeline(spec, schedule="1f1b", microbatches=4, ranks=2, early_grads=False)
-    calls: list[int] = []
-    apply = stage_module._SplitLinear.apply
-
-    def counted(*args):
-        calls.append(1)
-        return apply(*args)
-
-    monkeypatch.setattr(stage_module._SplitLinear, "apply", counted)
+    calls = count_deferring_linears(monkeypatch)
     loss = pipe.eval_loss(x, y)
     assert calls == []
     assert loss == reference.eval_loss(x, y)
@@ -236,3 +240,44 @@ def test_evaluation_of_a_zero_bubble_pipeline_runs_natively(monkeypatch):
     pipe.step(x, y)
     linears = sum(isinstance(m, nn.Linear) for mod in pipe.modules for m in mod.modules())
     assert len(calls) == 4 * linears
+
+
+def test_the_hook_defers_where_it_may_and_the_function_under_checkpointing(monkeypatch):
+    from torch.utils.checkpoint import checkpoint
+
+    calls = count_deferring_linears(monkeypatch)
+    model = mlp(32, 64)
+    queue = install_split_backward(model)
+    x, g = torch.randn(4, 8, 32), torch.randn(4, 8, 32)
+    gx_b = full_backward(model, x, g)
+    ref = grads(model)
+    for recompute in (False, True):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        leaf = x.detach().requires_grad_()
+        out = checkpoint(model, leaf, use_reentrant=False) if recompute else model(leaf)
+        queue.begin(0)
+        out.backward(g)
+        queue.end()
+        assert model[0].weight.grad is None  # deferred either way
+        queue.run(0)
+        torch.testing.assert_close(leaf.grad, gx_b, rtol=0, atol=0)
+        for name, grad in grads(model).items():
+            torch.testing.assert_close(grad, ref[name], rtol=1e-6, atol=1e-6)
+        # Checkpointing packs saved tensors by hooks: the function saves through them (and
+        # runs again in the recomputation); without it, the hook.
+        want = {"function"} if recompute else {"hook"}
+        assert set(calls) == want and len(calls) >= 2
+
+
+def test_an_input_changed_in_place_after_the_forward_is_an_error_not_a_wrong_w():
+    model = nn.Linear(8, 8)
+    queue = install_split_backward(model)
+    leaf = torch.randn(2, 8, requires_grad=True)
+    h = leaf * 1.0
+    out = model(h)
+    h.mul_(2.0)  # the linear's input, which its weight gradient needs
+    queue.begin(0)
+    with pytest.raises(RuntimeError, match="modified in place after its forward"):
+        out.sum().backward()
+    queue.end()
