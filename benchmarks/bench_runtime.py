@@ -70,6 +70,10 @@ class Pair:
     v: int = 1
     torch_placement: str = "looped"
 
+    @property
+    def torch_name(self) -> str:
+        return f"{self.torch} v={self.v}"
+
 
 PAIRS = (
     Pair("gpipe", "gpipe", "ScheduleGPipe"),
@@ -250,7 +254,7 @@ def run_paired(
 
     ``plain``: the other side is our own pipeline with every B whole (what early input
     gradients buy), not torch's."""
-    ours_name, theirs = pair.ours, f"{pair.torch} v={pair.v}"
+    ours_name, theirs = pair.ours, pair.torch_name
     ours, (pipe, last) = make_ours(spec, ours_name, m, early)
     if plain:
         them, (_, last_plain) = make_ours(spec, ours_name, m, early=False)
@@ -352,7 +356,7 @@ def worker(args: argparse.Namespace) -> None:
         return
     for m in args.microbatches:
         for pair in selected(args):
-            ours, theirs = pair.ours, f"{pair.torch} v={pair.v}"
+            ours, theirs = pair.ours, pair.torch_name
             samples: dict[str, list[dict[str, float]]] = {"ours": [], "torch": []}
             for _ in range(args.rounds):
                 for side in ("ours", "torch"):

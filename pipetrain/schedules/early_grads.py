@@ -54,10 +54,11 @@ __all__ = [
     "split_backwards",
 ]
 
-# What splitting one micro-batch's backward adds, as a share of its F + B: its forward and
-# backward run every linear layer through a custom autograd function (runtime/stage.py).
-# Measured on llama-default's stages, one CPU thread, micro-batches of 8 and 2 sequences:
-# 3.8% and 6.1% (F +1.5 and +1.4 ms, I + W over B +4.1 and +1.4 ms).
+# What splitting one micro-batch's backward adds, as a share of its F + B: its linear
+# layers defer their weight products (runtime/stage.py). Measured on llama-default's
+# stages, one CPU thread, 8 sequences: 1.8-3.5% by the hook the runtime uses where it may,
+# 4.2-6.8% through the custom function (checkpointing, autocast, compile). 5% is charged,
+# the function's case; the hook's lower cost would let a few more splits pay (not retuned).
 SPLIT_OVERHEAD = 0.05
 _EPS = 1e-9
 # Replays one search may run: the search ends there (the same on every rank).
@@ -104,8 +105,9 @@ def split_backwards(
 def live_peaks(schedule: Schedule) -> tuple[int, ...]:
     """Per rank, the most micro-batches whose activations it holds at once: one from its F
     until its B, or its W where the backward is split (a W that waits still needs the
-    inputs of its weight products). A rank runs its row in order, so the row alone gives it.
-    """
+    inputs of its weight products). A rank runs its row in order, so the row alone gives it,
+    without a replay: ``pipetrain.sim.metrics.peak_activations`` of any replay of the
+    schedule says the same (tests/unit/test_early_grads.py checks it)."""
     peaks = []
     for row in schedule.actions:
         live = peak = 0

@@ -213,3 +213,21 @@ def test_the_result_is_valid_never_slower_and_does_the_same_work_in_the_same_ord
     assert span(early, costs) <= span(plain, costs) + 1e-9
     if early.actions != plain.actions:
         assert span(early, costs) < span(plain, costs)
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m"),
+    [
+        ("gpipe", 2, 4),
+        ("1f1b", 4, 8),
+        ("interleaved-1f1b", 4, 8),
+        ("zb-h2", 4, 8),
+        ("chimera", 4, 4),
+    ],
+)
+def test_live_peaks_agree_with_the_simulators_peak_activations(name, p, m):
+    from pipetrain.sim.metrics import peak_activations
+
+    for schedule in (build_schedule(name, p, m), early_grads(build_schedule(name, p, m))):
+        for costs in (Costs(), decision_costs()):
+            assert live_peaks(schedule) == peak_activations(replay(schedule, costs))
