@@ -506,6 +506,8 @@ class Pipeline:
         rows = dist_step_summary(
             self._group, ex.rank, where, row, width, self._timeout_s, self.device
         )
+        # Every rank got this far: this step's shapes are the next step's guess.
+        self._transport.commit_step()
         loss = 0.0
         for r in rows:
             loss += r[0]

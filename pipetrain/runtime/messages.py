@@ -14,7 +14,8 @@ Packed messages. Once the first message of a boundary in a step has announced th
 the receiver knows the size of the later ones (all micro-batches of a step have the same
 shapes there, which the sender enforces), so those of up to ``PACK_LIMIT`` bytes travel as
 one byte buffer holding the header and every tensor (``pack``/``unpack``): one transfer
-instead of 1 + n, with the header still checked on every message. Each part starts on a 64-byte boundary, so the
+instead of 1 + n, with the header still checked on every message. So does a later step's
+first message when the shapes it was guessed to have are small enough (``DistTransport``). Each part starts on a 64-byte boundary, so the
 tensors are views of the buffer with their natural alignment.
 """
 

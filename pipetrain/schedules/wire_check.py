@@ -204,7 +204,10 @@ def check_order_matched(
     the first header of a boundary is posted as soon as the pump reaches it; everything
     else once the boundary's shapes are known (that header read earlier in the step) and
     at most ``lookahead`` ahead of use; past that a pump stops, and a SEND or RECV that
-    needs the pump further makes its host read the header (blocking) first.
+    needs the pump further makes its host read the header (blocking) first. (In a later
+    step the transport posts a first message with the shapes it guesses from the step
+    before: in the same place in the order, its payload only posted earlier; a guess that
+    misses puts a filler before the payload, in the same place too.)
     """
     try:
         problem = _Model(schedule, issue, headers, lookahead, packed).run()

@@ -155,18 +155,23 @@ class FakeRunner:
     shows up as another size or value.
     """
 
-    def __init__(self, stage: int, placement: Placement, steps: list[int]) -> None:
+    def __init__(
+        self, stage: int, placement: Placement, steps: list[int], widen: tuple[int, ...] = ()
+    ) -> None:
         self.stage = stage
         self.is_first = placement.is_first(stage)
         self.is_last = placement.is_last(stage)
         self.saved: dict[int, bool] = {}
         self.loss_sum = None
         self._steps = steps  # the step being run, shared with the test
+        self._widen = widen  # per step, added to every width (shapes that change)
 
     def reset(self) -> None:
         self.saved.clear()
 
     def _pair(self, value: float, width: int) -> tuple[torch.Tensor, ...]:
+        step = self._steps[0]
+        width += self._widen[step] if step < len(self._widen) else 0
         return torch.full((2, width), value), torch.full((width,), int(value))
 
     def _check(self, got: tuple[torch.Tensor, ...], value: float, width: int) -> None:
@@ -206,7 +211,9 @@ def run_over_fake_nccl(
         return _run_threads(nccl, program, steps, timeout_s)
 
 
-def _run_threads(nccl: FakeNccl, program: Schedule, steps: int, timeout_s: float) -> str:
+def _run_threads(
+    nccl: FakeNccl, program: Schedule, steps: int, timeout_s: float, widen: tuple[int, ...] = ()
+) -> str:
     placement = program.placement
     errors: list[str] = []
     current = [0]
@@ -215,7 +222,9 @@ def _run_threads(nccl: FakeNccl, program: Schedule, steps: int, timeout_s: float
         try:
             group, cpu = FakeGroup(rank), torch.device("cpu")
             transport = DistTransport(group, placement.stage_to_rank, cpu, timeout_s)
-            runners = {s: FakeRunner(s, placement, current) for s in placement.stages_of(rank)}
+            runners = {
+                s: FakeRunner(s, placement, current, widen) for s in placement.stages_of(rank)
+            }
             ex = RankExecutor(
                 program, rank, runners, transport, _NoReducer(), step_hook=lambda s, k: None
             )
@@ -226,6 +235,7 @@ def _run_threads(nccl: FakeNccl, program: Schedule, steps: int, timeout_s: float
                 ex.run()
                 transport.end_step()
                 barrier.wait(timeout_s)
+                transport.commit_step()  # every rank ended the step (Pipeline: its summary)
                 if rank == 0:
                     current[0] = step + 1
                 barrier.wait(timeout_s)
@@ -349,6 +359,72 @@ def test_later_messages_of_a_boundary_travel_packed():
     assert len(sends[0]) == 6 and len(sends[1]) == 5
     packed = [t for ts in sends.values() for t in ts if t.dtype == torch.uint8]
     assert len(packed) == 4
+
+
+def _sends(nccl: FakeNccl, rank: int) -> list[torch.Tensor]:
+    return [
+        op.tensor for (r, _, _), ops in nccl.streams.items() if r == rank for op in ops if op.send
+    ]
+
+
+def test_first_messages_of_later_steps_are_posted_with_the_last_steps_shapes():
+    # GPipe, p = 2, m = 3, 3 steps of the same shapes. Step 0 as above (6 + 5 sends); from
+    # step 1 on, the first message of each boundary is posted with step 0's shapes, so all
+    # three of each boundary travel packed: 3 more sends per rank and step.
+    program = resolve_schedule("gpipe", 2, 3, None)
+    nccl = FakeNccl(True, init_timeout_s=TIMEOUT_S)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transport_module, "dist", nccl)
+        assert _run_threads(nccl, program, 3, TIMEOUT_S) == ""
+    assert len(_sends(nccl, 0)) == 6 + 3 + 3 and len(_sends(nccl, 1)) == 5 + 3 + 3
+    packed = [t for r in (0, 1) for t in _sends(nccl, r) if t.dtype == torch.uint8]
+    assert len(packed) == 4 + 6 + 6
+
+
+def test_without_a_commit_every_step_starts_header_first(monkeypatch):
+    # A step not known to have ended on every rank leaves no guess: step 1 sends as step 0.
+    monkeypatch.setattr(DistTransport, "commit_step", lambda self: None)
+    program = resolve_schedule("gpipe", 2, 3, None)
+    nccl = FakeNccl(True, init_timeout_s=TIMEOUT_S)
+    monkeypatch.setattr(transport_module, "dist", nccl)
+    assert _run_threads(nccl, program, 2, TIMEOUT_S) == ""
+    assert len(_sends(nccl, 0)) == 6 + 5 and len(_sends(nccl, 1)) == 5 + 5
+
+
+@pytest.mark.parametrize("pack_limit", [None, 0])
+@pytest.mark.parametrize("one_stream", [True, False])
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v"),
+    [("1f1b", 4, 5, None), ("interleaved-1f1b", 2, 4, 2), ("zb-v", 2, 4, None)],
+)
+def test_shapes_that_change_between_steps_send_a_filler_then_the_payload(
+    monkeypatch, name, p, m, v, one_stream, pack_limit
+):
+    # Widths grow, stay, shrink, stay: steps 1 and 3 miss the guess (the sender fills the
+    # posted buffers, then sends the payload the header announces), steps 2 and 4 hit it.
+    # The runners check every tensor's values and the fake every pairing's size.
+    if pack_limit is not None:
+        import pipetrain.runtime.messages as messages
+
+        monkeypatch.setattr(messages, "PACK_LIMIT", pack_limit)
+    program = resolve_schedule(name, p, m, v)
+    nccl = FakeNccl(one_stream, init_timeout_s=TIMEOUT_S)
+    monkeypatch.setattr(transport_module, "dist", nccl)
+    assert _run_threads(nccl, program, 5, TIMEOUT_S, widen=(0, 7, 7, 2, 2)) == ""
+
+
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v"),
+    [("1f1b", 4, 5, None), ("interleaved-1f1b", 2, 4, 2), ("zb-v", 2, 4, None)],
+)
+def test_receives_posted_only_by_the_receive_that_needs_them(monkeypatch, name, p, m, v):
+    # With ``progress`` idle, every receive is first reached by a RECV pumping through it
+    # (gloo's semantics: sends never wait for receives), guessed or header first.
+    monkeypatch.setattr(DistTransport, "progress", lambda self: None)
+    program = resolve_schedule(name, p, m, v)
+    gloo = FakeNccl(False, init_timeout_s=TIMEOUT_S)
+    monkeypatch.setattr(transport_module, "dist", gloo)
+    assert _run_threads(gloo, program, 4, TIMEOUT_S, widen=(0, 0, 3, 3)) == ""
 
 
 def test_wire_entries_are_built_once_per_program(monkeypatch):
