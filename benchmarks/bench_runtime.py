@@ -417,10 +417,16 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def launch(argv: list[str]) -> int:
+    print(PAIRED_HEADER if "--paired" in argv else HEADER, flush=True)
+    return spawn_pair(__file__, argv)
+
+
+def spawn_pair(script: str, argv: list[str]) -> int:
+    """Run ``script --worker argv`` as ranks 0 and 1 of a gloo group on this host, one
+    thread each; the worse exit status."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    print(PAIRED_HEADER if "--paired" in argv else HEADER, flush=True)
     procs = []
     for rank in range(2):
         env = dict(
@@ -431,7 +437,7 @@ def launch(argv: list[str]) -> int:
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
         )
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, script, "--worker", *argv], env=env))
     return max(proc.wait() for proc in procs)
 
 

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_runtime import BATCH, SEQ, batch
+from bench_runtime import BATCH, SEQ, batch, spawn_pair
 
 from pipetrain.schedules import Kind
 
@@ -125,24 +122,6 @@ def report(per_rank: list[list[list[tuple[Any, int, int]]]], args: argparse.Name
             )
 
 
-def launch(argv: list[str]) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env))
-    return max(proc.wait() for proc in procs)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="interleaved-1f1b")
@@ -156,7 +135,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    return launch(sys.argv[1:])
+    return spawn_pair(__file__, sys.argv[1:])
 
 
 if __name__ == "__main__":

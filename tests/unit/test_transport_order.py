@@ -337,16 +337,15 @@ def test_the_fake_fails_a_transport_that_posts_in_program_order(monkeypatch):
     assert re.search(r"rank (0|1): step 0, receiving .* peer rank (1|0) did not answer", problem)
 
 
-def test_later_messages_of_a_boundary_travel_packed():
-    # GPipe, p = 2, m = 3, each message two tensors: the first message of each boundary
-    # in a step goes as header + 2 tensors, the other two as one packed buffer each, so
-    # rank 0 issues 1 (its meeting token) + 3 + 2 sends and rank 1 issues 3 + 2.
+def _gpipe_sends(steps: int) -> dict[int, list[torch.Tensor]]:
+    """GPipe, p = 2, m = 3, each message two tensors, run ``steps`` steps over the fake of
+    NCCL: the tensors each rank sent, in order."""
     program = resolve_schedule("gpipe", 2, 3, None)
     nccl = FakeNccl(True, init_timeout_s=TIMEOUT_S)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(transport_module, "dist", nccl)
-        assert _run_threads(nccl, program, 1, TIMEOUT_S) == ""
-    sends = {
+        assert _run_threads(nccl, program, steps, TIMEOUT_S) == ""
+    return {
         rank: [
             op.tensor
             for (r, _, _), ops in nccl.streams.items()
@@ -356,39 +355,33 @@ def test_later_messages_of_a_boundary_travel_packed():
         ]
         for rank in (0, 1)
     }
+
+
+def test_later_messages_of_a_boundary_travel_packed():
+    # The first message of each boundary in a step goes as header + 2 tensors, the other
+    # two as one packed buffer each, so rank 0 issues 1 (its meeting token) + 3 + 2 sends
+    # and rank 1 issues 3 + 2.
+    sends = _gpipe_sends(1)
     assert len(sends[0]) == 6 and len(sends[1]) == 5
     packed = [t for ts in sends.values() for t in ts if t.dtype == torch.uint8]
     assert len(packed) == 4
 
 
-def _sends(nccl: FakeNccl, rank: int) -> list[torch.Tensor]:
-    return [
-        op.tensor for (r, _, _), ops in nccl.streams.items() if r == rank for op in ops if op.send
-    ]
-
-
 def test_first_messages_of_later_steps_are_posted_with_the_last_steps_shapes():
-    # GPipe, p = 2, m = 3, 3 steps of the same shapes. Step 0 as above (6 + 5 sends); from
-    # step 1 on, the first message of each boundary is posted with step 0's shapes, so all
-    # three of each boundary travel packed: 3 more sends per rank and step.
-    program = resolve_schedule("gpipe", 2, 3, None)
-    nccl = FakeNccl(True, init_timeout_s=TIMEOUT_S)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transport_module, "dist", nccl)
-        assert _run_threads(nccl, program, 3, TIMEOUT_S) == ""
-    assert len(_sends(nccl, 0)) == 6 + 3 + 3 and len(_sends(nccl, 1)) == 5 + 3 + 3
-    packed = [t for r in (0, 1) for t in _sends(nccl, r) if t.dtype == torch.uint8]
+    # 3 steps of the same shapes. Step 0 as above (6 + 5 sends); from step 1 on, the first
+    # message of each boundary is posted with step 0's shapes, so all three of each
+    # boundary travel packed: 3 more sends per rank and step.
+    sends = _gpipe_sends(3)
+    assert len(sends[0]) == 6 + 3 + 3 and len(sends[1]) == 5 + 3 + 3
+    packed = [t for ts in sends.values() for t in ts if t.dtype == torch.uint8]
     assert len(packed) == 4 + 6 + 6
 
 
 def test_without_a_commit_every_step_starts_header_first(monkeypatch):
     # A step not known to have ended on every rank leaves no guess: step 1 sends as step 0.
     monkeypatch.setattr(DistTransport, "commit_step", lambda self: None)
-    program = resolve_schedule("gpipe", 2, 3, None)
-    nccl = FakeNccl(True, init_timeout_s=TIMEOUT_S)
-    monkeypatch.setattr(transport_module, "dist", nccl)
-    assert _run_threads(nccl, program, 2, TIMEOUT_S) == ""
-    assert len(_sends(nccl, 0)) == 6 + 5 and len(_sends(nccl, 1)) == 5 + 5
+    sends = _gpipe_sends(2)
+    assert len(sends[0]) == 6 + 5 and len(sends[1]) == 5 + 5
 
 
 @pytest.mark.parametrize("pack_limit", [None, 0])
