@@ -39,7 +39,9 @@ __all__ = [
     "describe_failure",
     "header_values",
     "pack",
+    "packed_header",
     "packed_size",
+    "packed_tensors",
     "packs",
     "parse_header",
     "specs_of",
@@ -207,10 +209,18 @@ def pack(header: list[int], tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def unpack(buf: torch.Tensor, specs: Specs) -> tuple[list[int], tuple[torch.Tensor, ...]]:
     """The header values and the tensors (views of ``buf``) of a packed message, once its
     transfer is complete."""
-    header = host_ints(buf[: HEADER_LEN * 8].view(torch.int64))
+    return packed_header(buf), packed_tensors(buf, specs)
+
+
+def packed_header(buf: torch.Tensor) -> list[int]:
+    """The header values of a packed message, once its transfer is complete."""
+    return host_ints(buf[: HEADER_LEN * 8].view(torch.int64))
+
+
+def packed_tensors(buf: torch.Tensor, specs: Specs) -> tuple[torch.Tensor, ...]:
+    """The tensors of a packed message with ``specs``: views of ``buf``."""
     offsets, _ = _layout(tuple(specs))
-    tensors = tuple(
+    return tuple(
         buf[at : at + _nbytes(dtype, shape)].view(dtype).view(shape)
         for at, (dtype, shape) in zip(offsets, specs, strict=True)
     )
-    return header, tensors

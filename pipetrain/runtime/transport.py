@@ -33,11 +33,12 @@ from pipetrain.runtime.messages import (
     describe_failure,
     header_values,
     pack,
+    packed_header,
     packed_size,
+    packed_tensors,
     packs,
     parse_header,
     specs_of,
-    unpack,
 )
 from pipetrain.runtime.peers import Entry, Peer, PeerEntries, Pending, peer_entries
 from pipetrain.runtime.waits import finish, host_ints, to_device
@@ -346,29 +347,16 @@ class DistTransport:
         """Read a boundary's first header of the step; its shapes become the step's. Where
         they are not the posted guess, the guessed buffers hold the sender's filler: wait
         for it, then post the payload the header announces (class doc)."""
-        if pending.packed is not None:
-            assert pending.predicted is not None
-            for work in pending.payload_works:
-                self._wait(work, key)
-            pending.payload_works = []  # complete: ``_unpack`` waits for nothing more
-            values = host_ints(pending.packed[: HEADER_LEN * 8].view(torch.int64))
-            pending.specs = parse_header(values, self._step, pending.src, key, self._label)
-            self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), pending.specs)
-            if pending.specs == pending.predicted:
-                return
-            pending.packed = None
-        else:
-            specs = self._read_header(key, pending)
-            if pending.predicted is None:
-                self._post_payload(pending, key, peer, specs)
-                return
-            if specs == pending.predicted:
-                return
-            for work in pending.payload_works:
-                self._wait(work, key)
-        pending.predicted = None
-        assert pending.specs is not None
-        self._post_payload(pending, key, peer, pending.specs)
+        specs = self._read_header(key, pending)
+        if pending.predicted is None:  # header first: the payload is posted now
+            self._post_payload(pending, key, peer, specs)
+            return
+        if specs == pending.predicted:
+            return
+        for work in pending.payload_works:
+            self._wait(work, key)
+        pending.packed = pending.predicted = None
+        self._post_payload(pending, key, peer, specs)
 
     def _post_header(self, entry: Entry, peer: int) -> Pending:
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
@@ -378,13 +366,19 @@ class DistTransport:
         return pending
 
     def _read_header(self, key: MessageKey, pending: Pending) -> Specs:
-        """Wait for a header and check it; the first of a boundary sets its shapes."""
+        """Wait for a header (a packed message: all of it) and check it, once; the first of
+        a boundary sets its shapes."""
         if pending.specs is None:
-            assert pending.header is not None  # only unpacked messages read a header alone
-            self._wait(pending.header_work, key)
-            pending.specs = parse_header(
-                host_ints(pending.header), self._step, pending.src, key, self._label
-            )
+            if pending.packed is not None:
+                for work in pending.payload_works:
+                    self._wait(work, key)
+                pending.payload_works = []  # complete
+                values = packed_header(pending.packed)
+            else:
+                assert pending.header is not None
+                self._wait(pending.header_work, key)
+                values = host_ints(pending.header)
+            pending.specs = parse_header(values, self._step, pending.src, key, self._label)
             self._recv_specs.setdefault((pending.src, key.dst_stage, key.is_grad), pending.specs)
         return pending.specs
 
@@ -477,13 +471,10 @@ class DistTransport:
     def _unpack(self, key: MessageKey, pending: Pending) -> tuple[torch.Tensor, ...]:
         """A packed message's tensors, once its header says it is the one expected."""
         assert pending.packed is not None and pending.predicted is not None
-        for work in pending.payload_works:
-            self._wait(work, key)
-        values, tensors = unpack(pending.packed, pending.predicted)
-        specs = parse_header(values, self._step, pending.src, key, self._label)
+        specs = self._read_header(key, pending)
         if specs != pending.predicted:
             raise self._mismatch(key, pending, specs)
-        return tensors
+        return packed_tensors(pending.packed, pending.predicted)
 
     def _mismatch(self, key: MessageKey, pending: Pending, specs: Specs) -> StageMismatchError:
         return StageMismatchError(

@@ -43,6 +43,7 @@ from dataclasses import replace
 
 from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.execution import Costs, Event, replay
+from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.schedule import Schedule
 
 __all__ = [
@@ -125,10 +126,9 @@ def _makespan(schedule: Schedule, costs: Costs) -> float:
     return replay(schedule, costs).makespan
 
 
-def _awaited(schedule: Schedule, costs: Costs, events: tuple[Event, ...]) -> list[Action]:
+def _awaited(placement: Placement, costs: Costs, events: tuple[Event, ...]) -> list[Action]:
     """The Bs whose input gradient a rank waited for, idle, on another rank, in the
-    replay ``events`` of ``schedule``; latest first."""
-    placement = schedule.placement
+    replay ``events`` of a schedule on ``placement``; latest first."""
     by_action = {e.action: e for e in events}
     # Whether the rank sat idle right before each action (events come grouped by rank,
     # each rank's in program order).
@@ -192,7 +192,7 @@ def early_grads(
     while idle < patience and replays < _MOST_REPLAYS:
         options = [
             a
-            for a in _awaited(schedule, costs, timeline.events)
+            for a in _awaited(schedule.placement, costs, timeline.events)
             if a not in chosen and idle_on.get(a.stage, 0) < per_stage
         ]
         if not options:
