@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.checkpoint import load_checkpoint, save_checkpoint
+from pipetrain.launch.process_exit import exit_rank
 from pipetrain.models import build_stage, get_model_config, model_spec
-from pipetrain.process_exit import exit_rank
 
 
 def build(args: argparse.Namespace, rank: int, ranks: int):

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.process_exit import exit_rank
+from pipetrain.launch.process_exit import exit_rank
 from pipetrain.schedules import Kind
 
 BATCH, SEQ = 32, 128

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.errors import InputError
-from pipetrain.process_exit import exit_rank, launched_rank
+from pipetrain.launch.process_exit import exit_rank, launched_rank
 
 __all__ = ["UsageError", "main"]
 
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = _main(argv)
     if launched_rank():
         # A rank of a torchrun launch (train, generate) may leave gloo threads behind:
-        # it ends without the interpreter's finalization (pipetrain.process_exit).
+        # it ends without the interpreter's finalization (pipetrain.launch.process_exit).
         exit_rank(code)
     return code
 

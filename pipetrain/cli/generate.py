@@ -67,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
 
     from pipetrain.checkpoint.generate import generate_tokens, load_pipeline_model
     from pipetrain.cli.ckpt import reading, resolve_checkpoint
+    from pipetrain.launch.rendezvous import join_process_group
+    from pipetrain.launch.role import ProcessRole
     from pipetrain.runtime.build import gpu_identity, use_device
     from pipetrain.train.data import load_tokenizer
-    from pipetrain.train.rendezvous import join_process_group
-    from pipetrain.train.session import ProcessRole
 
     path = resolve_checkpoint(args.checkpoint)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any
 
-from pipetrain.train.config import TrainConfig, load_config, parse_override
+from pipetrain.config.schema import TrainConfig, load_config, parse_override
 
 __all__ = ["FLAGS", "add_config_flags", "add_parser", "config_from_args", "run"]
 
@@ -148,7 +148,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipetrain.train.launch import role_from_env
+    from pipetrain.launch.role import role_from_env
 
     role = role_from_env()
     try:
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         if role is not None:
             # Under torchrun the other nodes would wait for this process until the timeout.
-            from pipetrain.train.rendezvous import report_failure
+            from pipetrain.launch.rendezvous import report_failure
 
             report_failure(role, exc)
         raise
@@ -167,13 +167,14 @@ def run_config(config: TrainConfig) -> int:
     """Train with a resolved config in the right kind of process(es); the exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from pipetrain.config.run_folder import announce
+    from pipetrain.errors import RunFailed
+    from pipetrain.launch.local import LaunchFailed, launch_local
+    from pipetrain.launch.role import ProcessRole, role_from_env
     from pipetrain.runtime import PipelineError
     from pipetrain.train.data import load_tokenizer
-    from pipetrain.train.launch import LaunchFailed, launch_local, role_from_env
-    from pipetrain.train.loop import ProcessRole, train
-    from pipetrain.train.optim import TrainingDiverged
+    from pipetrain.train.loop import train
     from pipetrain.train.plan import plan_run
-    from pipetrain.train.run_folder import announce
 
     role = role_from_env()
     try:
@@ -186,9 +187,9 @@ def run_config(config: TrainConfig) -> int:
             train(config, ProcessRole())
             return 0
         announce(config, sys.stdout)
-        launch_local(config.run_dir / "config.toml", processes)
+        launch_local(config.run_dir / "config.toml", processes, entry="pipetrain.train.loop:train")
         return 0
-    except (TrainingDiverged, PipelineError) as exc:
+    except (RunFailed, PipelineError) as exc:
         sys.stderr.write(f"pipetrain train: {exc}\n")
         return 1
     except LaunchFailed as exc:

@@ -29,8 +29,8 @@ from typing import Any
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.cli.train import add_config_flags, config_from_args, run_config
+from pipetrain.config.schema import TrainConfig, parse_override
 from pipetrain.errors import InputError
-from pipetrain.train.config import TrainConfig, parse_override
 
 __all__ = ["Candidate", "add_parser", "format_table", "parse_counts", "run"]
 
@@ -155,7 +155,7 @@ def _refuse_earlier_tuning(configs: Iterable[TrainConfig]) -> None:
     """A tuning whose candidates' run folders an earlier tuning of the same --name left
     is refused before any candidate runs (one would be refused at its start, after the
     others had run, and with a train run's advice: --resume does not apply here)."""
-    from pipetrain.train.run_folder import earlier_run_error
+    from pipetrain.config.run_folder import earlier_run_error
 
     for config in configs:
         if earlier_run_error(config) is not None:

@@ -289,7 +289,7 @@ def build_pipeline(
     model stage (default: ``even_split``). ``loss_fn(logits, targets)`` returns the loss
     summed over tokens. ``step_hook(stage, microbatch)`` runs the STEP actions of
     asynchronous schedules; ``compute_hook(action)`` runs before each F, B, I and W (where
-    pipetrain.runtime.weights picks a micro-batch's weight version); ``grads_hook(stage)``
+    pipetrain.train.pipedream.weights picks a micro-batch's weight version); ``grads_hook(stage)``
     runs right after a stage's last B or W of a training step (data parallelism). Every
     wait gives up after ``timeout_s`` seconds. ``early_grads``: a schedule given by name
     splits the backwards that another rank waits for into I and W, and sends the input

@@ -33,7 +33,7 @@ __all__ = ["ComputeHook", "GradReducer", "GradsHook", "RankExecutor", "StepHook"
 # stage (asynchronous schedules).
 StepHook = Callable[[int, int], None]
 # Called with each F, B, I and W action just before it runs: asynchronous schedules choose
-# the weight version a micro-batch uses there (pipetrain.runtime.weights).
+# the weight version a micro-batch uses there (pipetrain.train.pipedream.weights).
 ComputeHook = Callable[[Action], None]
 # Called with a stage right after the last action of a step that adds to its weight
 # gradients (its last B or W): data parallelism starts that stage's all-reduce there.

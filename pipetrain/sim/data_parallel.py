@@ -2,7 +2,7 @@
 
 With ``dp`` replicas of the pipeline, every rank all-reduces the gradients of each of its
 stages with that stage's replicas once per step. As the runtime does
-(``pipetrain.train.parallel``), a stage's all-reduce starts when its last B or W of the
+(``pipetrain.parallel.mesh``), a stage's all-reduce starts when its last B or W of the
 step ends, and a rank's all-reduces run one after another on its link, in the order the
 stages became ready. A ring all-reduce of ``n`` bytes over ``d`` replicas moves
 ``2 (d - 1) / d * n`` bytes through every member's link. The step ends when the
@@ -15,7 +15,7 @@ pipeline and every all-reduce are done; what sticks out past the pipeline is exp
 Sharded (``--shard``, FSDP2 per stage; ``sharded_cost``): a replica holds 1/d of each
 stage's parameters, so every step all-gathers them and reduce-scatters the gradients
 instead; each moves (d - 1) / d of the stage's bytes through every member's link, the
-pair as much as one all-reduce. As the runtime does (``pipetrain.train.sharded``), all of
+pair as much as one all-reduce. As the runtime does (``pipetrain.parallel.sharded``), all of
 a rank's gathers are issued at the start of the step, one after another on its link in
 the order of the stages' first F, and a stage's first F cannot start before its gather
 has ended: the schedule is replayed again with those F held back, so a gather that ends

@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pipetrain.train.config import ConfigError, DataConfig
+from pipetrain.config.schema import ConfigError, DataConfig
 
 __all__ = [
     "Batch",

@@ -21,37 +21,35 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.config.run_folder import announce
+from pipetrain.config.schema import (
+    ConfigError,
+    TrainConfig,
+)
 from pipetrain.errors import InputError
 from pipetrain.heap import keep_heap
+from pipetrain.launch.rendezvous import join_process_group, report_failure
+from pipetrain.launch.role import ProcessRole
 from pipetrain.models import build_full_model, model_spec
+from pipetrain.parallel import Mesh, build_mesh, replica_mean, state_bytes
 from pipetrain.runtime import Pipeline
 from pipetrain.runtime.build import gpu_identity, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
-from pipetrain.train.config import (
-    ConfigError,
-    TrainConfig,
-    config_to_dict,
-    settings_disagree,
-)
 from pipetrain.train.data import Corpus, load_tokenizer
-from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble, peak_memory_bytes
+from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble
 from pipetrain.train.optim import StepOutcome
-from pipetrain.train.parallel import Mesh, build_mesh, replica_mean, state_bytes
 from pipetrain.train.plan import (
     RunPlan,
-    plan_fingerprint,
     plan_run,
-    plans_disagree,
     threads_per_process,
 )
-from pipetrain.train.rendezvous import join_process_group, report_failure
-from pipetrain.train.run_folder import announce
 from pipetrain.train.sample import gather_state_dict, generate
-from pipetrain.train.session import ProcessRole, Session, open_session
+from pipetrain.train.session import Session, open_session
+from pipetrain.train.shared import check_same_settings, peak_memory_per_rank
 from pipetrain.train.stage_options import StageOptionError
 
-__all__ = ["ProcessRole", "resolve_device", "train"]
+__all__ = ["resolve_device", "train"]
 
 # Steps left out of the timing averages: the first runs allocations (and compilation).
 _WARMUP_STEPS = 1
@@ -72,16 +70,6 @@ def resolve_device(setting: str, local_rank: int) -> torch.device:
             )
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def peak_memory_per_rank(role: ProcessRole, device: torch.device) -> tuple[int, ...]:
-    """Every rank's peak memory in bytes, known on every rank (a collective)."""
-    peak = peak_memory_bytes(str(device))
-    if not role.distributed:
-        return (peak,)
-    everyone: list[Any] = [None] * role.world_size
-    dist.all_gather_object(everyone, peak)
-    return tuple(int(p) for p in everyone)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -112,7 +100,7 @@ def train(
     try:
         if role.distributed:
             # Before the groups are made: ranks that disagree on pp or dp would hang there.
-            _check_same_settings(config, plan)
+            check_same_settings(config, plan)
             mesh = build_mesh(device.type, p.pp, p.dp)
             # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
             group = mesh.pp_group if p.pp > 1 else None
@@ -147,18 +135,6 @@ def _set_up(
     return plan, device
 
 
-def _check_same_settings(config: TrainConfig, plan: RunPlan) -> None:
-    """Refuse, on every rank alike, a run whose processes resolved different settings, or
-    derived different pipelines from the same ones."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (config_to_dict(config), plan_fingerprint(plan)))
-    problem = settings_disagree([c for c, _ in everyone]) or plans_disagree(
-        [f for _, f in everyone], config.pipeline.schedule, config.model.name
-    )
-    if problem is not None:
-        raise ConfigError(problem)
-
-
 def _train(
     config: TrainConfig,
     role: ProcessRole,
@@ -170,7 +146,7 @@ def _train(
     mesh: Mesh | None = None,
 ) -> RunSummary | None:
     if plan.schedule.asynchronous:  # pipedream, pipedream-2bw: weights change inside a step
-        from pipetrain.train.async_loop import train_async
+        from pipetrain.train.pipedream.loop import train_async
 
         return train_async(config, role, plan, device, group, out, started)
     session = open_session(config, role, plan, device, group, out, mesh)
@@ -361,7 +337,7 @@ def _finish(
     # The replicas hold the same weights: the first one samples. Sharded, every replica
     # takes part in gathering the full weights.
     here = mesh is None or mesh.dp_rank == 0
-    if r.sample_tokens and (here or session.sharded is not None):
+    if r.sample_tokens and (here or session.sharded):
         _sample(
             config, session.plan, session.pipeline, session.group, session.corpus, say, here=here
         )

@@ -13,12 +13,12 @@ import json
 import math
 import resource
 import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from pipetrain.config.run_folder import free_name
 from pipetrain.errors import InputError
 from pipetrain.heap import release_free_heap
 from pipetrain.schedules.execution import Timeline
@@ -31,7 +31,6 @@ __all__ = [
     "TensorBoard",
     "draw_timeline",
     "format_duration",
-    "free_name",
     "measured_bubble",
     "peak_memory_bytes",
     "reset_peak_memory",
@@ -197,17 +196,6 @@ def _past(line: str, step: int) -> bool:
     )
 
 
-def free_name(path: Path, label: str) -> Path:
-    """``<stem>.<label>-<date-time>[-n]<suffix>`` beside ``path``, not taken yet."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidate = path.with_name(f"{path.stem}.{label}-{stamp}{path.suffix}")
-    n = 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.stem}.{label}-{stamp}-{n}{path.suffix}")
-    return candidate
-
-
 class TensorBoard:
     """Scalars of each metrics line, through torch.utils.tensorboard (needs tensorboard)."""
 
@@ -323,7 +311,7 @@ class RunOutput:
 
     def close(self) -> None:
         """Flush and close the files (again: nothing). A failed run closes them too: its ranks
-        end with ``os._exit`` (``pipetrain.process_exit``), where no finalizer would."""
+        end with ``os._exit`` (``pipetrain.launch.process_exit``), where no finalizer would."""
         metrics, board = self._metrics, self._board
         self._metrics = self._board = None
         if metrics is not None:

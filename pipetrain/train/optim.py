@@ -11,14 +11,16 @@ where the true norm was 2.671, see shared/reference/torch-on-cpu.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pipetrain.train.config import OptimConfig
+from pipetrain.config.schema import OptimConfig
+from pipetrain.errors import RunFailed
+from pipetrain.parallel.sync import Gradients
 
 __all__ = [
     "GradCheck",
@@ -37,7 +39,7 @@ __all__ = [
 _CLIP_EPS = 1e-6
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RunFailed):
     """Too many updates in a row were skipped for a non-finite loss or gradient."""
 
 
@@ -82,25 +84,6 @@ def lr_at(step: int, config: OptimConfig, total_steps: int) -> float:
     span = max(1, total_steps - config.warmup_steps - 1)
     progress = min(1.0, (step - config.warmup_steps) / span)
     return floor + 0.5 * (config.lr - floor) * (1.0 + math.cos(math.pi * progress))
-
-
-@dataclass(frozen=True)
-class Gradients:
-    """The parameters of one rank, as the norm sees them.
-
-    ``counted`` enter the global norm; ``all`` are scaled and stepped. They differ by the
-    second copy of a tied weight: both copies are stepped, one is counted.
-    """
-
-    counted: tuple[torch.Tensor, ...]
-    all: tuple[torch.Tensor, ...]
-
-    @classmethod
-    def of(
-        cls, params: Sequence[torch.Tensor], *, not_counted: Sequence[torch.Tensor] = ()
-    ) -> Gradients:
-        skip = {id(p) for p in not_counted}
-        return cls(tuple(p for p in params if id(p) not in skip), tuple(params))
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,14 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pipetrain.config.schema import ConfigError, TrainConfig
 from pipetrain.errors import InputError
 from pipetrain.models.config import ModelConfig, get_model_config
 from pipetrain.schedules import Schedule
-from pipetrain.train.config import ConfigError, TrainConfig
 
 __all__ = [
     "RunPlan",
     "block_split",
-    "check_shardable",
     "is_schedule_file",
     "plan_fingerprint",
     "plan_run",
@@ -124,6 +123,8 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
             plain, schedule = schedule, early_grads(schedule)
             early = tuple(early_splits(plain, schedule))
     if p.shard:
+        from pipetrain.parallel.sharded import check_shardable
+
         check_shardable(schedule)
     stages = schedule.placement.num_model_stages
     # An explicit or balanced split may leave the first stage the embedding alone and the
@@ -169,7 +170,7 @@ def _builtin_schedule(config: TrainConfig, *, tied_embeddings: bool) -> Schedule
             f"pipeline.chunks {p.chunks} needs a schedule with several stages per rank "
             f"(interleaved-1f1b, looped-bfs); {p.schedule} has a fixed number: drop --chunks"
         )
-    from pipetrain.train.async_plan import check_async
+    from pipetrain.train.pipedream.plan import check_async
 
     check_async(config, asynchronous=family.asynchronous, tied_embeddings=tied_embeddings)
     try:
@@ -211,7 +212,7 @@ def _schedule_from_file(config: TrainConfig, *, tied_embeddings: bool) -> Schedu
             f"pipeline.schedule: {p.schedule} is asynchronous (weights change inside a step), "
             "which train runs only by name: use --schedule pipedream or pipedream-2bw"
         )
-    from pipetrain.train.async_plan import check_async
+    from pipetrain.train.pipedream.plan import check_async
 
     check_async(config, asynchronous=False, tied_embeddings=tied_embeddings)
     return schedule
@@ -237,21 +238,6 @@ def _stage_layers(
     except PartitionError as exc:
         key = "pipeline.split" if p.split else "pipeline.balance"
         raise ConfigError(f"{key}: {exc}") from None
-
-
-def check_shardable(schedule: Schedule) -> None:
-    """Refuse, in one line, a schedule that sharded stages (``--shard``) do not support."""
-    if schedule.asynchronous:
-        raise ConfigError(
-            f"pipeline.shard does not support the asynchronous schedule {schedule.name!r} (weights "
-            f"change inside a step): use a synchronous schedule such as 1f1b or drop --shard"
-        )
-    if schedule.placement.replicas > 1:
-        # Their ALLREDUCE would sum mid-step gradients that FSDP2 has not reduced yet.
-        raise ConfigError(
-            f"pipeline.shard does not support {schedule.name!r}, whose stages are replicated "
-            f"inside the pipeline: use another schedule (1f1b, zb-h1, ...) or drop --shard"
-        )
 
 
 def _check_optional_packages(config: TrainConfig, reporter: bool) -> None:

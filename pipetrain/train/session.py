@@ -8,7 +8,6 @@ output and the checkpoints. The loop then only steps, evaluates and finishes.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import IO, Any
@@ -17,59 +16,33 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
+from pipetrain.config.schema import TrainConfig, config_to_dict
+from pipetrain.launch.role import ProcessRole
 from pipetrain.models import model_spec
-from pipetrain.runtime import Pipeline, build_pipeline
-from pipetrain.train.config import TrainConfig, config_to_dict
-from pipetrain.train.data import (
-    Batch,
-    Corpus,
-    DataError,
-    eval_batches,
-    load_corpus,
-    train_batch,
-)
-from pipetrain.train.metrics import RunOutput
-from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
-from pipetrain.train.parallel import (
+from pipetrain.parallel import (
+    Gradients,
+    GradientSync,
     Mesh,
-    ReplicaGradients,
+    gradient_sync,
     norm_share,
     replica_denominator,
     replica_mean,
     shard_batch,
 )
+from pipetrain.runtime import Pipeline, build_pipeline
+from pipetrain.train.data import (
+    Batch,
+    Corpus,
+    eval_batches,
+    train_batch,
+)
+from pipetrain.train.metrics import RunOutput
+from pipetrain.train.optim import GuardedUpdate, build_optimizer
 from pipetrain.train.plan import RunPlan
-from pipetrain.train.sharded import ShardedGradients
+from pipetrain.train.shared import open_data, open_output
 from pipetrain.train.stage_options import apply_stage_options
 
-__all__ = [
-    "ProcessRole",
-    "Session",
-    "check_same_data",
-    "corpus_fingerprint",
-    "data_disagree",
-    "local_gradients",
-    "open_output",
-    "open_session",
-]
-
-
-@dataclass(frozen=True)
-class ProcessRole:
-    """Where this process sits: its rank in the pipeline group and its neighbours on the node."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def reporter(self) -> bool:
-        return self.rank == 0
+__all__ = ["Session", "local_gradients", "open_session"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +64,8 @@ class Session:
     # The data, on processes that hold a first or last stage only.
     corpus: Corpus | None
     evals: list[tuple[Batch, float | None]] | None
-    replicas: ReplicaGradients | ShardedGradients | None
+    # The gradients of this rank's replicas (replicated or sharded); None without dp.
+    replicas: GradientSync | None
     optimizer: torch.optim.Optimizer
     update: GuardedUpdate
     grads: Gradients
@@ -99,8 +73,9 @@ class Session:
     checkpoints: RunCheckpoints
 
     @property
-    def sharded(self) -> ShardedGradients | None:
-        return self.replicas if isinstance(self.replicas, ShardedGradients) else None
+    def sharded(self) -> bool:
+        """Each replica holds a slice of the parameters (``--shard``)."""
+        return self.replicas is not None and self.replicas.sharded
 
     def shard(self, batch: Batch) -> tuple[Batch, float | None]:
         """This replica's rows, and what it divides its loss by (None: its own tokens)."""
@@ -140,69 +115,14 @@ class Session:
                     label=f"evaluation after step {step} (batch {i + 1} of {d.eval_batches})",
                 )
             )
-        if self.sharded is not None:  # the forwards gathered the parameters: free them
-            self.sharded.reshard()
+        if self.replicas is not None:
+            self.replicas.after_eval()
         value = sum(losses) / len(losses)
         if self.mesh is not None:
             value = replica_mean([value], self.mesh, self.device)[0]
         self.output.report({"step": step, "eval_loss": value})
         self.output.say(f"eval loss after {step} steps: {value:.4f}")
         return value
-
-
-def open_output(config: TrainConfig, role: ProcessRole, out: IO[str]) -> RunOutput:
-    """Where a run's progress lines and metrics go (silent on every rank but the reporter)."""
-    return RunOutput(
-        active=role.reporter,
-        total_steps=config.run.steps,
-        stream=out,
-        metrics_path=config.metrics_path,
-        tensorboard_dir=config.run_dir / "tensorboard" if config.run.tensorboard else None,
-        # A resumed run keeps the records of its earlier part (truncating lost them).
-        resume=config.run.resume,
-    )
-
-
-def corpus_fingerprint(corpus: Corpus) -> tuple[str, int, int]:
-    """A digest of the token streams, with their lengths for the message."""
-    digest = hashlib.blake2b(digest_size=16)
-    for stream in (corpus.train, corpus.eval):
-        digest.update(len(stream).to_bytes(8, "little"))
-        digest.update(stream.tobytes())
-    return digest.hexdigest(), len(corpus.train), len(corpus.eval)
-
-
-def data_disagree(by_rank: list[tuple[str, int, int] | None]) -> str | None:
-    """Why the ranks that read data (``corpus_fingerprint`` of each, None where a rank
-    reads none) cannot train together, in one line; None when they read the same tokens.
-
-    The first stage reads the inputs and the last the targets of the same batch index:
-    with other text on another node (files that differ under one path, or the default
-    corpus of another Python version's standard library) the targets would belong to
-    other inputs and the loss would fall for nothing, silently."""
-    held = [(rank, f) for rank, f in enumerate(by_rank) if f is not None]
-    if not held:
-        return None
-    (first_rank, first), *rest = held
-    for rank, theirs in rest:
-        if theirs != first:
-            return (
-                f"rank {rank} read other data than rank {first_rank} ({theirs[1]:,} train "
-                f"and {theirs[2]:,} eval tokens against {first[1]:,} and {first[2]:,}) from the "
-                f"same data.path: give every node the same files (the default corpus is the "
-                f"running Python's standard library: use one Python version on every node)"
-            )
-    return None
-
-
-def check_same_data(corpus: Corpus | None, group: Any) -> None:
-    """Refuse, on every rank of ``group`` alike, a run whose ranks read different text."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    mine = None if corpus is None else corpus_fingerprint(corpus)
-    dist.all_gather_object(everyone, mine, group=group)
-    problem = data_disagree(everyone)
-    if problem is not None:
-        raise DataError(problem)
 
 
 def open_session(
@@ -219,13 +139,7 @@ def open_session(
     # Data parallelism: gradients averaged over the replicas (replicated or, with --shard,
     # sharded stages), shards of every batch, and the norm, the NaN decision and
     # checkpoints over every process (the world group).
-    replicas: ReplicaGradients | ShardedGradients | None = None
-    if mesh is not None and mesh.dp > 1:
-        replicas = (
-            ShardedGradients(mesh, timeout_s=p.timeout_s)
-            if p.shard
-            else ReplicaGradients(mesh, timeout_s=p.timeout_s)
-        )
+    replicas = gradient_sync(mesh, shard=p.shard, timeout_s=p.timeout_s)
     everyone = mesh.world_group if mesh is not None else group
 
     pipeline = build_pipeline(
@@ -250,12 +164,7 @@ def open_session(
         )
     if replicas is not None:  # sharding replaces the parameters: before the optimizer
         replicas.attach(pipeline)
-    placement = pipeline.schedule.placement
-    first = any(placement.is_first(s) for s in pipeline.stages)
-    last = any(placement.is_last(s) for s in pipeline.stages)
-    corpus: Corpus | None = load_corpus(d) if first or last else None
-    if everyone is not None:
-        check_same_data(corpus, everyone)
+    first, last, corpus = open_data(config, pipeline, everyone)
     evals: list[tuple[Batch, float | None]] | None = None
     if corpus is not None:
         evals = [
@@ -271,7 +180,7 @@ def open_session(
         local_gradients(pipeline)
         if mesh is None
         else norm_share(
-            local_gradients(pipeline), mesh, sharded=isinstance(replicas, ShardedGradients)
+            local_gradients(pipeline), mesh, sharded=replicas is not None and replicas.sharded
         )
     )
     output = open_output(config, role, out)

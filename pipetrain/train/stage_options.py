@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipetrain.config.schema import ConfigError
 from pipetrain.models import StageModule
-from pipetrain.train.config import ConfigError
 
 __all__ = ["StageOptionError", "apply_stage_options", "autocast_dtype"]
 

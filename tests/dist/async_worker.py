@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.models import get_model_config, model_spec
-from pipetrain.train.asynchronous import AsyncTrainer
-from pipetrain.process_exit import exit_rank
+from pipetrain.train.pipedream.trainer import AsyncTrainer
+from pipetrain.launch.process_exit import exit_rank
 
 STREAM_STEPS, STREAMS, WINDOW, BATCH, SEQ = 2, 2, 4, 8, 16
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.models import build_full_model, get_model_config, model_spec
-from pipetrain.process_exit import exit_rank
+from pipetrain.launch.process_exit import exit_rank
 from pipetrain.runtime import PipelineError, api, build_pipeline, messages
 from pipetrain.runtime.stage import token_cross_entropy
 from pipetrain.schedules import Schedule

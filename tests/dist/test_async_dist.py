@@ -17,7 +17,7 @@ from runtime_launch import launch
 
 from pipetrain.models import get_model_config, model_spec
 from pipetrain.runtime import even_split
-from pipetrain.train.async_reference import ReferenceResult, reference_run
+from pipetrain.train.pipedream.reference import ReferenceResult, reference_run
 
 pytestmark = pytest.mark.dist
 

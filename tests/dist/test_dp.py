@@ -24,10 +24,10 @@ WORKER = textwrap.dedent(
     import torch.distributed as dist
     from pipetrain.models import get_model_config, model_spec
     from pipetrain.runtime import build_pipeline
-    from pipetrain.train.config import OptimConfig
+    from pipetrain.config.schema import OptimConfig
     from pipetrain.train.data import Batch
     from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
-    from pipetrain.train.parallel import (
+    from pipetrain.parallel import (
         ReplicaGradients, build_mesh, norm_share, replica_mean, shard_batch,
     )
     from pipetrain.train.plan import block_split
@@ -134,8 +134,8 @@ WORKER = textwrap.dedent(
     with open(sys.argv[1] + f"/rank{dist.get_rank()}.json", "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
-    # Not through finalization: gloo's threads can abort it (pipetrain.process_exit).
-    from pipetrain.process_exit import exit_rank
+    # Not through finalization: gloo's threads can abort it (pipetrain.launch.process_exit).
+    from pipetrain.launch.process_exit import exit_rank
 
     exit_rank(0)
     """

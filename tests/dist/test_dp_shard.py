@@ -29,16 +29,16 @@ WORKER = textwrap.dedent(
     from pipetrain.checkpoint import load_checkpoint, save_checkpoint
     from pipetrain.models import get_model_config, model_spec
     from pipetrain.runtime import build_pipeline
-    from pipetrain.train.config import OptimConfig
+    from pipetrain.config.schema import OptimConfig
     from pipetrain.train.data import Batch
     from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
-    from pipetrain.train.parallel import (
+    from pipetrain.parallel import (
         ReplicaGradients, build_mesh, norm_share, replica_denominator, replica_mean,
         shard_batch, state_bytes,
     )
     from pipetrain.train.plan import block_split
     from pipetrain.train.sample import gather_state_dict
-    from pipetrain.train.sharded import ShardedGradients
+    from pipetrain.parallel.sharded import ShardedGradients
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -288,8 +288,8 @@ WORKER = textwrap.dedent(
     with open(root + f"/rank{dist.get_rank()}.json", "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
-    # Not through finalization: gloo's threads can abort it (pipetrain.process_exit).
-    from pipetrain.process_exit import exit_rank
+    # Not through finalization: gloo's threads can abort it (pipetrain.launch.process_exit).
+    from pipetrain.launch.process_exit import exit_rank
 
     exit_rank(0)
     """

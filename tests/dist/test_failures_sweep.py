@@ -32,10 +32,11 @@ SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from pipetrain.models import get_model_config, model_spec
-    from pipetrain.process_exit import exit_rank
+    from pipetrain.launch.process_exit import exit_rank
     from pipetrain.runtime import build_pipeline
     from pipetrain.runtime.errors import PipelineError, lost_peer_error
-    from pipetrain.train.loop import ProcessRole, peak_memory_per_rank
+    from pipetrain.launch.role import ProcessRole
+    from pipetrain.train.shared import peak_memory_per_rank
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds={TIMEOUT_S}))
     rank = dist.get_rank()

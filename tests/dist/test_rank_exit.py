@@ -1,6 +1,6 @@
 """A rank's process ends cleanly while gloo's threads still hold Python-owned tensors.
 
-The hazard (``pipetrain.train.launch.exit_rank``): a gloo worker thread finishes a
+The hazard (``pipetrain.launch.process_exit.exit_rank``): a gloo worker thread finishes a
 collective whose tensors Python has dropped; freeing them takes the GIL, and a thread
 that waits for the GIL when the interpreter finalizes is ended with ``pthread_exit``
 through a noexcept destructor: SIGABRT, "terminate called without an active exception".
@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     import ctypes, os, sys, time
     import torch
     import torch.distributed as dist
-    from pipetrain.train.launch import exit_rank
+    from pipetrain.launch.process_exit import exit_rank
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -23,7 +23,7 @@ WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from torch import nn
-    from pipetrain.train.config import OptimConfig
+    from pipetrain.config.schema import OptimConfig
     from pipetrain.train.optim import Gradients, GuardedUpdate, TrainingDiverged, check_gradients
 
     dist.init_process_group("gloo")
@@ -121,8 +121,8 @@ WORKER = textwrap.dedent(
     with open(sys.argv[1] + f".{rank}", "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
-    # Not through finalization: gloo's threads can abort it (pipetrain.process_exit).
-    from pipetrain.process_exit import exit_rank
+    # Not through finalization: gloo's threads can abort it (pipetrain.launch.process_exit).
+    from pipetrain.launch.process_exit import exit_rank
 
     exit_rank(0)
     """

@@ -198,7 +198,8 @@ def test_a_second_ctrl_c_stops_a_rank_with_one_line(
 ) -> None:
     # The worker's own handling, in this process: StopSignal raises KeyboardInterrupt on a
     # second Ctrl-C, wherever the rank is.
-    from pipetrain.train import loop, worker
+    from pipetrain.launch import worker
+    from pipetrain.train import loop
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
@@ -210,7 +211,7 @@ def test_a_second_ctrl_c_stops_a_rank_with_one_line(
     monkeypatch.setattr(worker.faulthandler, "enable", lambda: None)
     config = tmp_path / "config.toml"
     config.write_text("")
-    assert worker.main([str(config)]) == 130
+    assert worker.main(["pipetrain.train.loop:train", str(config)]) == 130
     assert capsys.readouterr().err == (
         "pipetrain train (rank 1): interrupted by a second Ctrl-C: the step in progress "
         "was neither finished nor saved\n"
@@ -220,7 +221,7 @@ def test_a_second_ctrl_c_stops_a_rank_with_one_line(
 def test_an_unexpected_traceback_is_followed_by_the_rank_that_printed_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pipetrain.train import worker
+    from pipetrain.launch import worker
 
     def bug(*args: object, **kwargs: object) -> int:
         raise ValueError("a bug\nwith a second line")
@@ -243,7 +244,7 @@ def test_the_launcher_blames_the_killed_rank_not_the_peer_that_lost_it(
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from pipetrain.train.launch import LaunchFailed, launch_local
+    from pipetrain.launch.local import LaunchFailed, launch_local
 
     failures = {
         0: ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file="<N/A>"),
@@ -254,13 +255,13 @@ def test_the_launcher_blames_the_killed_rank_not_the_peer_that_lost_it(
 
     def launch(config: object, entrypoint: object) -> object:
         def run(*args: str) -> None:
-            raise ChildFailedError("pipetrain.train.worker", failures)
+            raise ChildFailedError("pipetrain.launch.worker", failures)
 
         return run
 
     monkeypatch.setattr(launcher_api, "elastic_launch", launch)
     with pytest.raises(LaunchFailed) as caught:
-        launch_local(tmp_path / "config.toml", 2)
+        launch_local(tmp_path / "config.toml", 2, entry="pipetrain.train.loop:train")
     assert str(caught.value) == (
         "rank 1 was killed by SIGKILL first (exit status -9); 2 of 2 processes failed"
     )
@@ -283,8 +284,8 @@ def test_the_launcher_stopped_again_does_not_call_a_running_rank_killed(
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from pipetrain.process_exit import exit_record
-    from pipetrain.train.launch import LaunchFailed, launch_local
+    from pipetrain.launch.local import LaunchFailed, launch_local
+    from pipetrain.launch.process_exit import exit_record
 
     config = tmp_path / "config.toml"
 
@@ -306,7 +307,7 @@ def test_the_launcher_stopped_again_does_not_call_a_running_rank_killed(
 
     monkeypatch.setattr(launcher_api, "elastic_launch", launch)
     with pytest.raises(LaunchFailed) as failed:
-        launch_local(config, 2)
+        launch_local(config, 2, entry="pipetrain.train.loop:train")
     assert str(failed.value) == (
         f"stopped by signal SIGINT, but not cleanly: {rank_1} "
         "(the last checkpoint may be older than the last step)"
@@ -405,7 +406,7 @@ KILL_RANK_1_IN_DP = textwrap.dedent(
     import os
     if os.environ.get("RANK") == "1":
         import signal
-        from pipetrain.train.replicas import ReplicaGradients
+        from pipetrain.parallel.replicated import ReplicaGradients
 
         def die(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import main
-from pipetrain.train.config import TrainConfig
+from pipetrain.config.schema import TrainConfig
 
 pytestmark = pytest.mark.e2e
 

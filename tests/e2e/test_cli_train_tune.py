@@ -50,7 +50,7 @@ def test_a_candidate_in_this_process_reports_its_own_peak_memory(
     import dataclasses
 
     from pipetrain.cli import tune
-    from pipetrain.train.config import TrainConfig
+    from pipetrain.config.schema import TrainConfig
     from pipetrain.train.metrics import peak_memory_bytes, reset_peak_memory
 
     reset_peak_memory()
@@ -85,7 +85,7 @@ def test_a_stop_signal_ends_the_tuning_with_what_it_measured(
     # summarised. The tuning went on with the next counts and called the stopped one "the
     # run failed (exit status 0)"; a Ctrl-C between two runs was a traceback.
     from pipetrain.cli import tune
-    from pipetrain.train.config import TrainConfig
+    from pipetrain.config.schema import TrainConfig
 
     ran: list[int] = []
 

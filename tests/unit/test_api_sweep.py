@@ -19,8 +19,8 @@ from pipetrain.models import (
     model_spec,
 )
 from pipetrain.runtime import PipelineInputError, StageMismatchError, build_pipeline
-from pipetrain.runtime.weights import WeightVersions
 from pipetrain.schedules import Kind
+from pipetrain.train.pipedream.weights import WeightVersions
 
 VOCAB = 11
 

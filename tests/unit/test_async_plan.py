@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from pipetrain.train.async_plan import stream_steps_for
-from pipetrain.train.config import ConfigError, TrainConfig, load_config
+from pipetrain.config.schema import ConfigError, TrainConfig, load_config
+from pipetrain.train.pipedream.plan import stream_steps_for
 from pipetrain.train.plan import plan_run
 
 
@@ -94,9 +94,9 @@ def test_a_whole_run_stream_with_checkpoints_says_a_stop_would_save_nothing(
     # short here once the note is out).
     import io
 
-    from pipetrain.train.asynchronous import AsyncTrainer
+    from pipetrain.launch.role import ProcessRole
     from pipetrain.train.loop import train
-    from pipetrain.train.session import ProcessRole
+    from pipetrain.train.pipedream.trainer import AsyncTrainer
 
     def stop(*args: object, **kwargs: object) -> None:
         raise RuntimeError("stopped after the set-up")

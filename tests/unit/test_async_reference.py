@@ -1,7 +1,7 @@
 """Asynchronous pipelines in the single-process debug mode against the hand-written reference.
 
 The runtime keeps weight versions by swapping ``p.data`` and packing saved tensors; the
-reference (pipetrain.train.async_reference) keeps them as dicts and runs
+reference (pipetrain.train.pipedream.reference) keeps them as dicts and runs
 ``functional_call``. Equal losses and weights over several streams mean the stashing, the
 2BW double buffer and vertical sync pick the same versions at the same moments.
 """
@@ -16,8 +16,8 @@ import torch
 from pipetrain.models import build_full_model, get_model_config, model_spec
 from pipetrain.runtime import even_split
 from pipetrain.runtime.stage import token_cross_entropy
-from pipetrain.train.async_reference import reference_run
-from pipetrain.train.asynchronous import AsyncTrainer, predicted_versions
+from pipetrain.train.pipedream.reference import reference_run
+from pipetrain.train.pipedream.trainer import AsyncTrainer, predicted_versions
 
 # Powers of two throughout (32 tokens a micro-batch, 512 a stream): rescaling a gradient
 # from the stream's token count to its update's is exact, so the two sides can agree to

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.errors import InputError
-from pipetrain.train.config import (
+from pipetrain.config.schema import (
     ConfigError,
     TrainConfig,
     config_to_dict,
@@ -18,6 +17,7 @@ from pipetrain.train.config import (
     parse_override,
     settings_disagree,
 )
+from pipetrain.errors import InputError
 
 
 def test_defaults_are_the_main_job() -> None:

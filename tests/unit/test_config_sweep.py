@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.train.config import (
+from pipetrain.config.schema import (
     ConfigError,
     TrainConfig,
     config_to_toml,

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from pipetrain.train.config import load_config
-from pipetrain.train.session import ProcessRole
+from pipetrain.config.schema import load_config
+from pipetrain.launch.role import ProcessRole
 
 
 class _Joined(Exception):
@@ -77,7 +77,7 @@ def test_generate_makes_its_gpu_current_before_it_joins(
     import argparse
 
     from pipetrain.cli import ckpt, generate
-    from pipetrain.train import rendezvous
+    from pipetrain.launch import rendezvous
 
     current = _fake_gpus(monkeypatch, 2)
     at_join: list[list[Any]] = []

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipetrain.train.config import ConfigError, DataConfig
+from pipetrain.config.schema import ConfigError, DataConfig
 from pipetrain.train.data import (
     ByteTokenizer,
     Corpus,

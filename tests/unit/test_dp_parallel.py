@@ -1,4 +1,4 @@
-"""The process-free parts of pipetrain.train.parallel and the `dp` config field."""
+"""The process-free parts of pipetrain.parallel.mesh and the `dp` config field."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from pipetrain.schedules.registry import build_schedule
-from pipetrain.train.config import ConfigError, load_config
-from pipetrain.train.data import Batch
-from pipetrain.train.optim import Gradients
-from pipetrain.train.parallel import (
+from pipetrain.config.schema import ConfigError, load_config
+from pipetrain.parallel import (
     DataParallelStats,
     Mesh,
     norm_share,
     replica_denominator,
     shard_batch,
 )
-from pipetrain.train.plan import check_shardable
-from pipetrain.train.replicas import _buckets
-from pipetrain.train.sharded import fsdp_internals, missing_fsdp_internals
+from pipetrain.parallel.replicated import _buckets
+from pipetrain.parallel.sharded import fsdp_internals, missing_fsdp_internals
+from pipetrain.schedules.registry import build_schedule
+from pipetrain.train.data import Batch
+from pipetrain.train.optim import Gradients
+from pipetrain.parallel import check_shardable
 
 
 @given(st.integers(1, 6), st.integers(1, 5))
@@ -121,7 +121,7 @@ def test_fsdp2_post_backward_entry_points_reduce_into_the_shards() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from pipetrain.train.sharded import _reduce_scatter_now
+    from pipetrain.parallel.sharded import _reduce_scatter_now
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -152,7 +152,7 @@ def test_fsdp_param_groups_in_both_torch_layouts() -> None:
     # torch 2.13 lists a state's groups; earlier releases (2.11 seen) hold one or None.
     from types import SimpleNamespace
 
-    from pipetrain.train.sharded import _param_groups
+    from pipetrain.parallel.sharded import _param_groups
 
     group = object()
     assert _param_groups(SimpleNamespace(_fsdp_param_groups=[group])) == [group]

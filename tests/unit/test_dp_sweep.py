@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from pipetrain.config.schema import OptimConfig
+from pipetrain.parallel.mesh import Mesh
 from pipetrain.runtime import PipelineError
-from pipetrain.train import sharded
-from pipetrain.train.config import OptimConfig
+from pipetrain.parallel import sharded
 from pipetrain.train.optim import Gradients, GuardedUpdate, TrainingDiverged, build_optimizer
-from pipetrain.train.parallel import Mesh
 
 
 def _failing(module: Any) -> None:

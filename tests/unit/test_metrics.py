@@ -191,7 +191,7 @@ def test_eta_counts_only_the_steps_this_process_trained() -> None:
 
 def _failing_step_owner(schedule: str) -> object:
     if schedule == "pipedream":  # asynchronous: its own loop
-        from pipetrain.train.asynchronous import AsyncTrainer
+        from pipetrain.train.pipedream.trainer import AsyncTrainer
 
         return AsyncTrainer
     from pipetrain.train import loop
@@ -203,11 +203,11 @@ def _failing_step_owner(schedule: str) -> object:
 def test_a_failed_run_still_closes_its_output(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schedule: str, method: str
 ) -> None:
-    # Ranks end with os._exit (pipetrain.process_exit): a writer left open, as TensorBoard's
+    # Ranks end with os._exit (pipetrain.launch.process_exit): a writer left open, as TensorBoard's
     # would be, loses what it buffered. The trainer closes its output when a step fails.
-    from pipetrain.train.config import load_config
+    from pipetrain.config.schema import load_config
+    from pipetrain.launch.role import ProcessRole
     from pipetrain.train.loop import train
-    from pipetrain.train.session import ProcessRole
 
     closed: list[bool] = []
     original_close = RunOutput.close

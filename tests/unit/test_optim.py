@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.train.config import OptimConfig
+from pipetrain.config.schema import OptimConfig
 from pipetrain.train.optim import (
     Gradients,
     GuardedUpdate,

@@ -1,4 +1,4 @@
-"""pipetrain.train.rendezvous: every process posts its outcome before any joins the group,
+"""pipetrain.launch.rendezvous: every process posts its outcome before any joins the group,
 against a store faked in memory (the interleavings of two processes, forced)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from pipetrain.train import rendezvous
-from pipetrain.train.config_checks import ConfigError
-from pipetrain.train.session import ProcessRole
+from pipetrain.config.checks import ConfigError
+from pipetrain.launch.role import ProcessRole
+from pipetrain.launch import rendezvous
 
 
 class _Store:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from pipetrain.config.schema import ConfigError, TrainConfig, load_config
 from pipetrain.runtime.timeline import measured_costs, simulated_bubble
 from pipetrain.schedules import Kind
 from pipetrain.schedules.execution import Costs
 from pipetrain.sim import simulate
-from pipetrain.train.async_plan import async_schedule, stream_steps_for
-from pipetrain.train.config import ConfigError, TrainConfig, load_config
+from pipetrain.train.pipedream.plan import async_schedule, stream_steps_for
 from pipetrain.train.plan import plan_run
 
 
@@ -95,7 +95,7 @@ def test_tied_embeddings_are_refused_before_launch() -> None:
 
 
 def test_versions_line_says_where_the_simulator_counts_otherwise() -> None:
-    from pipetrain.train.async_loop import versions_line
+    from pipetrain.train.pipedream.loop import versions_line
 
     # 2BW keeps two versions on the last stage too; the simulator's [2, 1] was printed next
     # to the run's [2, 2] as if one of them were wrong.

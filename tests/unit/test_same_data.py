@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipetrain.train.config import load_config
+from pipetrain.config.schema import load_config
 from pipetrain.train.data import load_corpus
-from pipetrain.train.session import corpus_fingerprint, data_disagree
+from pipetrain.train.shared import corpus_fingerprint, data_disagree
 
 
 def _fingerprint(folder: Path, text: str) -> tuple[str, int, int]:

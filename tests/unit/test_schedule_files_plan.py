@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from pipetrain.config.schema import ConfigError, load_config
 from pipetrain.schedules import io, registry
-from pipetrain.train.config import ConfigError, load_config
 from pipetrain.train.plan import RunPlan, is_schedule_file, plan_run
 
 TINY = {"model.name": "llama-tiny", "data.seq_len": 32, "data.batch_size": 8}

@@ -7,7 +7,7 @@ section: ``[model]``, ``[pipeline]``, ``[data]``, ``[optim]``, ``[run]``), and
 types and the relations between fields and raises ``ConfigError`` (an ``InputError``)
 with one line that names the field and the fix.
 
-``validate`` and ``ConfigError`` live in ``pipetrain.train.config_checks`` and are
+``validate`` and ``ConfigError`` live in ``pipetrain.config.checks`` and are
 re-exported here.
 """
 
@@ -31,7 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, published as tomli
     import tomli as tomllib
 
-from pipetrain.train.config_checks import ConfigError, validate
+from pipetrain.config.checks import ConfigError, validate
 
 __all__ = [
     "ConfigError",
@@ -65,10 +65,10 @@ class PipelineConfig:
     # Pipeline ranks (processes). 1 trains one stage in one process through the same code.
     pp: int = 3
     # Data-parallel replicas of the pipeline: pp x dp processes, each replica reads 1/dp of
-    # every batch and gradients are averaged over the replicas (pipetrain.train.parallel).
+    # every batch and gradients are averaged over the replicas (pipetrain.parallel.mesh).
     dp: int = 1
     # Shard each stage's parameters, gradients and optimizer state over the dp replicas
-    # (FSDP2's fully_shard; pipetrain.train.sharded) instead of replicating them. Needs dp > 1.
+    # (FSDP2's fully_shard; pipetrain.parallel.sharded) instead of replicating them. Needs dp > 1.
     shard: bool = False
     # Stages per rank (virtual stages): >1 only for schedules that loop over the ranks.
     chunks: int = 1

@@ -4,22 +4,19 @@
   process reads its rank from the environment: one node or many work the same.
 - Outside it, ``--pp 1`` and ``--single-process`` train in this process, and ``--pp P``
   starts P local processes through PyTorch's elastic launcher (what torchrun itself uses),
-  each running ``python -m pipetrain.train.worker <run dir>/config.toml``.
+  each running ``python -m pipetrain.launch.worker ENTRY <run dir>/config.toml``.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import uuid
-from collections.abc import Mapping
 from pathlib import Path
 
-from pipetrain.process_exit import exit_rank, exit_record, launched_rank
-from pipetrain.train.loop import ProcessRole
+from pipetrain.launch.process_exit import exit_record
 
-__all__ = ["LaunchFailed", "exit_rank", "exit_record", "launch_local", "role_from_env"]
+__all__ = ["LaunchFailed", "launch_local"]
 
 
 class LaunchFailed(RuntimeError):
@@ -28,20 +25,6 @@ class LaunchFailed(RuntimeError):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-def role_from_env(environ: Mapping[str, str] | None = None) -> ProcessRole | None:
-    """This process's place in a torchrun-style launch, or None when not launched so."""
-    env = os.environ if environ is None else environ
-    if not launched_rank(env):
-        return None
-    world = int(env["WORLD_SIZE"])
-    return ProcessRole(
-        rank=int(env["RANK"]),
-        world_size=world,
-        local_rank=int(env["LOCAL_RANK"]),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
-    )
 
 
 def _signals(exc: BaseException) -> int:
@@ -78,8 +61,10 @@ def _unfinished(config_path: Path, processes: int, *, waited: bool = True) -> st
     return "; ".join(problems)
 
 
-def launch_local(config_path: Path, processes: int) -> None:
+def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
     """Run the worker in ``processes`` local processes; raise ``LaunchFailed`` if one fails.
+
+    ``entry`` ("module:function") is the function each worker trains with (``worker``).
 
     A stop signal that every rank obeys (finished its step, saved, exited 0) lets the
     launcher's ``SignalException`` through; a stop that some rank did not survive is a
@@ -103,7 +88,9 @@ def launch_local(config_path: Path, processes: int) -> None:
     )
     shutil.rmtree(exit_record(config_path, 0).parent, ignore_errors=True)  # an earlier run's
     try:
-        elastic_launch(launch, sys.executable)("-m", "pipetrain.train.worker", str(config_path))
+        elastic_launch(launch, sys.executable)(
+            "-m", "pipetrain.launch.worker", entry, str(config_path)
+        )
     except SignalException as exc:
         # torch's launcher waits for the ranks again after a second signal (up to 30 s
         # more, then SIGKILL), but a third one ends that wait: the ranks, which take a

@@ -49,14 +49,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle, fully_shard
 
+from pipetrain.config.schema import ConfigError
+from pipetrain.parallel.mesh import Mesh
+from pipetrain.parallel.stats import DataParallelStats, gather_stats
 from pipetrain.runtime import Pipeline, PipelineError
-from pipetrain.schedules import Action, Kind
-from pipetrain.train.config import ConfigError
-from pipetrain.train.parallel import DataParallelStats, Mesh, gather_stats
-from pipetrain.train.plan import check_shardable
+from pipetrain.schedules import Action, Kind, Schedule
 
 __all__ = [
     "ShardedGradients",
+    "check_shardable",
     "fsdp_internals",
     "missing_fsdp_internals",
 ]
@@ -141,6 +142,21 @@ def _reduce_scatter_now(module: FSDPModule) -> None:
 def _unsharded_bytes(module: nn.Module) -> int:
     # DTensor parameters report their global shape: the bytes a reduce-scatter takes in.
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def check_shardable(schedule: Schedule) -> None:
+    """Refuse, in one line, a schedule that sharded stages (``--shard``) do not support."""
+    if schedule.asynchronous:
+        raise ConfigError(
+            f"pipeline.shard does not support the asynchronous schedule {schedule.name!r} (weights "
+            f"change inside a step): use a synchronous schedule such as 1f1b or drop --shard"
+        )
+    if schedule.placement.replicas > 1:
+        # Their ALLREDUCE would sum mid-step gradients that FSDP2 has not reduced yet.
+        raise ConfigError(
+            f"pipeline.shard does not support {schedule.name!r}, whose stages are replicated "
+            f"inside the pipeline: use another schedule (1f1b, zb-h1, ...) or drop --shard"
+        )
 
 
 class ShardedGradients:
@@ -264,6 +280,14 @@ class ShardedGradients:
         self._in_step_s = 0.0
         self._reduced.clear()
         self._step = step + 1
+
+    @property
+    def sharded(self) -> bool:
+        return True
+
+    def after_eval(self) -> None:
+        """Evaluation's forwards gathered the parameters: free them."""
+        self.reshard()
 
     def reshard(self) -> None:
         """Free the gathered parameters (after evaluation, whose forwards gathered them)."""

@@ -1,6 +1,8 @@
-"""One process of a launched run: ``python -m pipetrain.train.worker CONFIG.toml``.
+"""One process of a launched run: ``python -m pipetrain.launch.worker MODULE:FUNCTION CONFIG.toml``.
 
-Started by ``launch.launch_local`` with torch.distributed's environment set. Errors are
+Started by ``launch_local`` with torch.distributed's environment set. The launcher names
+the function that trains (``pipetrain.train.loop:train``, called as ``function(config,
+role, announced=True)``): this package starts processes and knows no trainer. Errors are
 one line on stderr naming the rank; exit status 2 for bad input, 1 for a failed run. The
 process ends through ``process_exit.exit_rank``, without the interpreter's finalization,
 which gloo's threads can turn into a SIGABRT after a successful run (its docstring says
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import importlib
 import os
 import signal
 import sys
@@ -29,9 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from pipetrain.errors import InputError
-from pipetrain.process_exit import exit_rank, exit_record, launched_rank
-from pipetrain.train.config import PipelineConfig, load_config
+from pipetrain.config.schema import PipelineConfig, load_config
+from pipetrain.errors import InputError, RunFailed
+from pipetrain.launch.process_exit import exit_rank, exit_record, launched_rank
 
 __all__ = ["main"]
 
@@ -88,23 +91,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     # it, so the log says where the rank was.
     faulthandler.enable()
     # torch comes only now, after the stop handler is in place (module doc).
+    from pipetrain.launch.role import ProcessRole, role_from_env
     from pipetrain.runtime import PipelineError
     from pipetrain.runtime.errors import lost_peer_error
-    from pipetrain.train.launch import role_from_env
-    from pipetrain.train.loop import ProcessRole, train
-    from pipetrain.train.optim import TrainingDiverged
 
-    args = sys.argv[1:] if argv is None else list(argv)
+    entry, config_path = sys.argv[1:3] if argv is None else list(argv)
+    module, _, function = entry.partition(":")
+    train = getattr(importlib.import_module(module), function)
     role = role_from_env() or ProcessRole()
     timeout_s = PipelineConfig.timeout_s
     try:
-        config = load_config(args[0])
+        config = load_config(config_path)
         timeout_s = config.pipeline.timeout_s
         train(config, role, announced=True)
     except InputError as exc:
         sys.stderr.write(f"pipetrain train (rank {role.rank}): error: {exc}\n")
         return 2
-    except (TrainingDiverged, PipelineError) as exc:
+    except (RunFailed, PipelineError) as exc:
         sys.stderr.write(f"pipetrain train (rank {role.rank}): {exc}\n")
         return 1
     except Exception as exc:
@@ -145,9 +148,9 @@ def _run() -> int:
 
 def _record(code: int) -> None:
     """Leave the exit status where the local launcher looks after a stop signal."""
-    if not launched_rank() or len(sys.argv) < 2:
+    if not launched_rank() or len(sys.argv) < 3:
         return
-    path = exit_record(Path(sys.argv[1]), _rank())
+    path = exit_record(Path(sys.argv[2]), _rank())
     # Unwritable: the launcher then counts this rank as killed, which errs on the safe side.
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,16 +9,16 @@ in a file of their own.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import IO
 
 from pipetrain.checkpoint.directory import list_checkpoints
 from pipetrain.checkpoint.trainer import earlier_checkpoints_error
+from pipetrain.config.schema import ConfigError, TrainConfig, config_to_toml
 from pipetrain.errors import InputError
-from pipetrain.train.config import ConfigError, TrainConfig, config_to_toml
-from pipetrain.train.metrics import free_name
 
-__all__ = ["announce", "earlier_run_error"]
+__all__ = ["announce", "earlier_run_error", "free_name"]
 
 
 def announce(config: TrainConfig, out: IO[str]) -> None:
@@ -105,3 +105,14 @@ def _holds_records(path: Path) -> bool:
         return path.stat().st_size > 0
     except OSError:
         return False  # none yet (or unreadable: MetricsFile names that problem)
+
+
+def free_name(path: Path, label: str) -> Path:
+    """``<stem>.<label>-<date-time>[-n]<suffix>`` beside ``path``, not taken yet."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate = path.with_name(f"{path.stem}.{label}-{stamp}{path.suffix}")
+    n = 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}.{label}-{stamp}-{n}{path.suffix}")
+    return candidate

@@ -1,7 +1,7 @@
 """``pipetrain train --schedule pipedream`` (or ``pipedream-2bw``): the asynchronous run.
 
 ``pipetrain.train.loop`` hands a run over here when its schedule is asynchronous. The run
-is a sequence of streams (``pipetrain.train.asynchronous``): one ``train_stream`` call
+is a sequence of streams (``pipetrain.train.pipedream.trainer``): one ``train_stream`` call
 trains ``stream_steps`` steps without a flush, and evaluation, logging of the steps'
 losses, checkpoints and the stop signal are handled between streams, where the pipeline
 is drained. The data, the optimizer (AdamW with the warm-up and cosine learning rate of
@@ -24,22 +24,21 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
+from pipetrain.config.schema import ConfigError, TrainConfig, config_to_dict
 from pipetrain.models import build_full_model, model_spec
 from pipetrain.runtime.timeline import simulated_bubble
-from pipetrain.train.async_plan import stream_steps_for
-from pipetrain.train.asynchronous import AsyncTrainer, StreamResult, predicted_versions
-from pipetrain.train.config import ConfigError, TrainConfig, config_to_dict
-from pipetrain.train.data import Batch, Corpus, eval_batches, load_corpus, train_batch
-from pipetrain.train.loop import peak_memory_per_rank
+from pipetrain.train.data import Batch, Corpus, eval_batches, train_batch
 from pipetrain.train.metrics import (
     RunSummary,
     draw_timeline,
     measured_bubble,
 )
 from pipetrain.train.optim import build_optimizer, lr_at
+from pipetrain.train.pipedream.plan import stream_steps_for
+from pipetrain.train.pipedream.trainer import AsyncTrainer, StreamResult, predicted_versions
 from pipetrain.train.plan import RunPlan
 from pipetrain.train.sample import gather_state_dict, generate
-from pipetrain.train.session import check_same_data, open_output
+from pipetrain.train.shared import open_data, open_output, peak_memory_per_rank
 
 __all__ = ["train_async", "versions_line"]
 
@@ -72,12 +71,7 @@ def train_async(
         timeout_s=p.timeout_s,
     )
     pipeline = trainer.pipeline
-    placement = pipeline.schedule.placement
-    first = any(placement.is_first(s) for s in pipeline.stages)
-    last = any(placement.is_last(s) for s in pipeline.stages)
-    corpus: Corpus | None = load_corpus(d) if first or last else None
-    if group is not None:
-        check_same_data(corpus, group)
+    first, last, corpus = open_data(config, pipeline, group)
     evals: list[Batch] = []
     if corpus is not None:
         evals = eval_batches(

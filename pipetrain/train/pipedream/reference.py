@@ -22,7 +22,7 @@ from torch.func import functional_call
 from pipetrain.models import PipelineSpec, build_stage
 from pipetrain.runtime.stage import IGNORE_INDEX, token_cross_entropy
 from pipetrain.schedules import Action, Kind, Schedule
-from pipetrain.train.async_plan import async_schedule
+from pipetrain.train.pipedream.plan import async_schedule
 
 __all__ = ["ReferenceResult", "reference_run"]
 

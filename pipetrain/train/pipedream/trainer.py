@@ -6,7 +6,7 @@ schedule: ``m x stream_steps`` micro-batches go through the 1F1B order without a
 STEP after every backward (PipeDream) or after every m backwards (2BW), and the pipeline
 drains only at the stream's end. ``stream_steps`` equal to N is one stream for the whole
 run. A drain restarts staleness the way the run's start does (see
-pipetrain.runtime.weights): the forwards after it use the newest weights. Checkpoints,
+pipetrain.train.pipedream.weights): the forwards after it use the newest weights. Checkpoints,
 evaluation and logging happen between streams, where nothing is in flight and every
 stage holds one version: a save there is a drain-at-save-time checkpoint of weights and
 optimizer state, and a resumed run cuts the same streams as an uninterrupted one, so it
@@ -35,10 +35,10 @@ from pipetrain.errors import InputError
 from pipetrain.models import PipelineSpec
 from pipetrain.runtime import Pipeline, build_pipeline
 from pipetrain.runtime.stage import IGNORE_INDEX, token_cross_entropy
-from pipetrain.runtime.weights import StageVersionStats, WeightVersions, rule_for
 from pipetrain.schedules import Action, Kind
 from pipetrain.schedules.execution import Timeline
-from pipetrain.train.async_plan import ASYNC_SCHEDULES, async_schedule
+from pipetrain.train.pipedream.plan import ASYNC_SCHEDULES, async_schedule
+from pipetrain.train.pipedream.weights import StageVersionStats, WeightVersions, rule_for
 
 __all__ = [
     "ASYNC_SCHEDULES",

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 
+from pipetrain.config.schema import ConfigError, TrainConfig
 from pipetrain.errors import InputError
 from pipetrain.schedules import Schedule
 from pipetrain.schedules.pipedream import pipedream, pipedream_2bw
-from pipetrain.train.config import ConfigError, TrainConfig
 
 __all__ = ["ASYNC_SCHEDULES", "async_schedule", "check_async", "stream_steps_for"]
 

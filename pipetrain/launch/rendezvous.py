@@ -26,10 +26,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
+from pipetrain.config.checks import ConfigError
 from pipetrain.errors import InputError
+from pipetrain.launch.role import ProcessRole
 from pipetrain.runtime.errors import PipelineError
-from pipetrain.train.config_checks import ConfigError
-from pipetrain.train.session import ProcessRole
 
 __all__ = ["join_process_group", "report_failure"]
 

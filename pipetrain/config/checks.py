@@ -1,6 +1,6 @@
 """The cross-field checks of a training config, and ``ConfigError``, the error they raise.
 
-``pipetrain.train.config`` declares the config and loads it; ``load_config`` calls
+``pipetrain.config.schema`` declares the config and loads it; ``load_config`` calls
 ``validate`` on the result, and re-exports both names.
 """
 
@@ -17,7 +17,7 @@ from pipetrain.errors import InputError
 from pipetrain.models.config import PRESETS
 
 if TYPE_CHECKING:  # config imports this module for ConfigError and validate
-    from pipetrain.train.config import TrainConfig
+    from pipetrain.config.schema import TrainConfig
 
 __all__ = ["ConfigError", "validate"]
 

@@ -13,12 +13,8 @@ replicas of one pipeline rank's stages::
 Data: every replica reads rows ``[dp_rank * B/dp, (dp_rank + 1) * B/dp)`` of the global
 batch of B sequences, so the replicas together see each row of every batch exactly once.
 
-Gradients (DDP per stage): ``pipetrain.train.replicas`` (``ReplicaGradients``, and
-``DataParallelStats`` for what the reduction cost); this module re-exports them.
-
-Gradients (``--shard``, pipetrain.train.sharded): each stage is FSDP2-sharded over the dp
-group instead; the same hook reduce-scatters its gradients into the shards, and AdamW
-steps the shards.
+Gradients: ``pipetrain.parallel.sync`` (one face, ``GradientSync``, over DDP per stage in
+``replicated`` and FSDP2 per stage in ``sharded``).
 
 The mean over replicas is the full batch's gradient even when the replicas hold different
 numbers of target tokens (ignored ``-100`` targets): every rank loads the global batch, so
@@ -28,36 +24,38 @@ instead of by its own count, which weights replica r by dp * n_r / N.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from pipetrain.config.schema import ConfigError
 from pipetrain.runtime.stage import IGNORE_INDEX
-from pipetrain.train.config import ConfigError
-from pipetrain.train.data import Batch
-from pipetrain.train.optim import Gradients
-from pipetrain.train.replicas import (
-    DataParallelStats,
-    ReplicaGradients,
-    gather_stats,
-    state_bytes,
-)
 
 __all__ = [
-    "DataParallelStats",
+    "Batch",
     "Mesh",
-    "ReplicaGradients",
     "build_mesh",
-    "gather_stats",
-    "norm_share",
     "replica_denominator",
     "replica_mean",
     "shard_batch",
-    "state_bytes",
 ]
+
+
+class Batch(Protocol):
+    """Rows of token sequences: what ``shard_batch`` splits (the trainer's ``data.Batch``)."""
+
+    @property
+    def inputs(self) -> torch.Tensor: ...
+
+    @property
+    def targets(self) -> torch.Tensor: ...
+
+
+RowsT = TypeVar("RowsT", bound=Batch)
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ def build_mesh(device_type: str, pp: int, dp: int) -> Mesh:
     )
 
 
-def shard_batch(batch: Batch, dp_rank: int, dp: int) -> Batch:
+def shard_batch(batch: RowsT, dp_rank: int, dp: int) -> RowsT:
     """This replica's contiguous share of the rows of a global batch."""
     rows = batch.inputs.shape[0]
     if rows % dp:
@@ -118,7 +116,7 @@ def shard_batch(batch: Batch, dp_rank: int, dp: int) -> Batch:
         )
     share = rows // dp
     window = slice(dp_rank * share, (dp_rank + 1) * share)
-    return Batch(batch.inputs[window], batch.targets[window])
+    return dataclasses.replace(batch, inputs=batch.inputs[window], targets=batch.targets[window])  # type: ignore[type-var]
 
 
 def replica_mean(values: Sequence[float], mesh: Mesh, device: torch.device) -> list[float]:
@@ -128,20 +126,6 @@ def replica_mean(values: Sequence[float], mesh: Mesh, device: torch.device) -> l
     box = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(box, op=dist.ReduceOp.SUM, group=mesh.dp_group)
     return [v / mesh.dp for v in box.tolist()]
-
-
-def norm_share(grads: Gradients, mesh: Mesh, *, sharded: bool = False) -> Gradients:
-    """The share of the global norm this rank adds, when the sum runs over the world group.
-
-    After the dp all-reduce every replica holds the same gradients: only replica 0 counts
-    its squares, so the world sum is the norm of one model. Sharded, each replica holds a
-    different slice of them and counts its own (optim's ``check_gradients`` takes the
-    local shards). Every rank still checks every gradient of its own for non-finite
-    values, so all ranks decide a skip together.
-    """
-    if mesh.dp_rank == 0 or sharded:
-        return grads
-    return Gradients(counted=(), all=grads.all)
 
 
 def replica_denominator(targets: torch.Tensor, dp: int) -> float:

@@ -1,0 +1,42 @@
+"""Everything that replicates or shards a stage beyond the pipeline.
+
+- ``mesh``: the device mesh of ``pp x dp`` processes, this rank's place in it, the rows of
+  a batch each replica reads and the means over replicas.
+- ``sync``: one face (``GradientSync``) over the gradients of a stage's replicas, built by
+  ``gradient_sync``: ``replicated`` (DDP per stage, bucketed asynchronous all-reduce) or
+  ``sharded`` (FSDP2 per stage, reduce-scatter); ``Gradients`` and ``norm_share`` say
+  which gradients enter the global norm.
+- ``stats``: what the reduction cost (``DataParallelStats``).
+
+It takes a built pipeline and a mesh; it knows no trainer.
+"""
+
+from pipetrain.parallel.mesh import (
+    Mesh,
+    build_mesh,
+    replica_denominator,
+    replica_mean,
+    shard_batch,
+)
+from pipetrain.parallel.replicated import ReplicaGradients
+from pipetrain.parallel.sharded import ShardedGradients, check_shardable
+from pipetrain.parallel.stats import DataParallelStats, gather_stats, state_bytes
+from pipetrain.parallel.sync import Gradients, GradientSync, gradient_sync, norm_share
+
+__all__ = [
+    "DataParallelStats",
+    "GradientSync",
+    "Gradients",
+    "Mesh",
+    "ReplicaGradients",
+    "ShardedGradients",
+    "build_mesh",
+    "check_shardable",
+    "gather_stats",
+    "gradient_sync",
+    "norm_share",
+    "replica_denominator",
+    "replica_mean",
+    "shard_batch",
+    "state_bytes",
+]
