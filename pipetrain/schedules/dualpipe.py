@@ -27,7 +27,7 @@ from collections import deque
 
 from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.constraints import check_basic, raise_if
-from pipetrain.schedules.lowering import lower
+from pipetrain.schedules.lowering import lower, messages_of
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.schedule import Schedule
 
@@ -96,37 +96,15 @@ def dualpipe_v_lowered(p: int, m: int) -> Schedule:
         for slot in slots:
             if len(slot) == 2:
                 forward, backward = slot
-                placed.extend(_receives(forward, placement) + _receives(backward, placement))
+                f_receives, f_sends = messages_of(forward, placement)
+                b_receives, b_sends = messages_of(backward, placement)
+                placed.extend(f_receives + b_receives)
                 placed.extend(slot)
-                placed.extend(_sends(forward, placement) + _sends(backward, placement))
+                placed.extend(f_sends + b_sends)
             else:
                 placed.extend(slot)
         rows.append(placed)
     return lower(Schedule.build("dualpipe-v", placement, m, rows))
-
-
-def _crosses(placement: Placement, stage: int, other: int | None) -> bool:
-    return other is not None and placement.rank_of(other) != placement.rank_of(stage)
-
-
-def _receives(action: Action, placement: Placement) -> list[Action]:
-    """The receive that ``action`` needs from another rank, if any."""
-    s, k = action.stage, action.microbatch
-    if action.kind is Kind.F and _crosses(placement, s, placement.prev_stage(s)):
-        return [Action(s, Kind.RECV_F, k)]
-    if action.kind in (Kind.B, Kind.I) and _crosses(placement, s, placement.next_stage(s)):
-        return [Action(s, Kind.RECV_B, k)]
-    return []
-
-
-def _sends(action: Action, placement: Placement) -> list[Action]:
-    """The send of ``action``'s output to another rank, if any."""
-    s, k = action.stage, action.microbatch
-    if action.kind is Kind.F and _crosses(placement, s, placement.next_stage(s)):
-        return [Action(s, Kind.SEND_F, k)]
-    if action.kind in (Kind.B, Kind.I) and _crosses(placement, s, placement.prev_stage(s)):
-        return [Action(s, Kind.SEND_B, k)]
-    return []
 
 
 def overlapped_pairs(p: int, m: int) -> tuple[frozenset[int], ...]:

@@ -32,15 +32,17 @@ from pipetrain.schedules.deps import BACKWARD_INPUT_KINDS
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.schedule import Schedule
 
-__all__ = ["lower"]
+__all__ = ["lower", "messages_of"]
 
 
 def _crosses(placement: Placement, stage: int, other: int | None) -> bool:
     return other is not None and placement.rank_of(other) != placement.rank_of(stage)
 
 
-def _messages(action: Action, placement: Placement) -> tuple[list[Action], list[Action]]:
-    """The receives that go before ``action`` and the sends that go after it."""
+def messages_of(action: Action, placement: Placement) -> tuple[list[Action], list[Action]]:
+    """The receives that go before ``action`` and the sends that go after it: what
+    ``lower`` places around each compute action, and what a schedule that places its
+    messages by hand (``dualpipe.dualpipe_v_lowered``) places around its pairs."""
     s, mb = action.stage, action.microbatch
     if mb is None or s >= placement.num_stages:
         return [], []
@@ -63,7 +65,7 @@ def lower(schedule: Schedule) -> Schedule:
         present = {a for a in row if a.is_comm}
         lowered: list[Action] = []
         for action in row:
-            before, after = _messages(action, schedule.placement)
+            before, after = messages_of(action, schedule.placement)
             lowered.extend(a for a in before if a not in present)
             lowered.append(action)
             lowered.extend(a for a in after if a not in present)
