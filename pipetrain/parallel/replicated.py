@@ -29,8 +29,8 @@ from pipetrain.config.schema import ConfigError
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.parallel.stats import DataParallelStats, gather_stats
 from pipetrain.runtime import Pipeline, PipelineError
-from pipetrain.runtime.messages import describe_failure
 from pipetrain.runtime.waits import finish
+from pipetrain.runtime.wire_format import describe_failure
 from pipetrain.schedules import Action, Kind
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "ReplicaGradients"]

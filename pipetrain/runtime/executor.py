@@ -21,9 +21,9 @@ from typing import Protocol
 import torch
 
 from pipetrain.runtime.errors import PipelineError, PipelineInputError
-from pipetrain.runtime.messages import MessageKey
 from pipetrain.runtime.stage import StageRunner
 from pipetrain.runtime.timeline import ActionClock
+from pipetrain.runtime.wire_format import MessageKey
 from pipetrain.schedules import Action, Kind, Schedule
 from pipetrain.schedules.wire import PeerOrders, peer_orders, wire_orders
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from pipetrain.runtime.errors import PipelineError
-from pipetrain.runtime.messages import MessageKey, header_values
+from pipetrain.runtime.wire_format import MessageKey, header_values
 from pipetrain.schedules.wire import PeerOrders
 
 __all__ = ["InMemoryTransport"]

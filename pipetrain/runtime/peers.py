@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pipetrain.runtime.messages import MessageKey, Specs
+from pipetrain.runtime.wire_format import MessageKey, Specs
 from pipetrain.schedules.wire import PeerOrders
 
 __all__ = ["Entry", "Peer", "PeerEntries", "Pending", "peer_entries"]
@@ -21,7 +21,7 @@ __all__ = ["Entry", "Peer", "PeerEntries", "Pending", "peer_entries"]
 
 class Pending:
     """A receive in flight: its header, and its payload once its shapes are known; or, for
-    a packed message (``messages.pack``), one buffer holding both."""
+    a packed message (``wire_format.pack``), one buffer holding both."""
 
     __slots__ = (
         "header",

@@ -7,10 +7,10 @@ the single-process debug mode, where every rank runs in one process). Stages on 
 rank never use a transport: the executor hands their tensors over in memory.
 
 A message is named by ``MessageKey(dst_stage, is_grad, microbatch)`` and travels as a
-header and its tensors, or packed in one buffer (``pipetrain.runtime.messages``). Across
+header and its tensors, or packed in one buffer (``pipetrain.runtime.wire_format``). Across
 processes messages are matched by order, not by name or tag, because NCCL can do nothing
 else: both ranks of a pair follow the pair's wire order (``pipetrain.schedules.wire``;
-``DistTransport`` explains the rules), and each header is checked against the name
+docs/transport.md explains the rules), and each header is checked against the name
 expected there.
 """
 
@@ -24,7 +24,9 @@ import torch.distributed as dist
 
 from pipetrain.runtime.errors import PipelineError, StageMismatchError
 from pipetrain.runtime.local_transport import InMemoryTransport
-from pipetrain.runtime.messages import (
+from pipetrain.runtime.peers import Entry, Peer, PeerEntries, Pending, peer_entries
+from pipetrain.runtime.waits import finish, host_ints
+from pipetrain.runtime.wire_format import (
     HEADER_LEN,
     TAG,
     Boundary,
@@ -32,16 +34,15 @@ from pipetrain.runtime.messages import (
     Specs,
     describe_failure,
     header_values,
+    is_packable,
+    message_parts,
     pack,
     packed_header,
     packed_size,
     packed_tensors,
-    packs,
     parse_header,
     specs_of,
 )
-from pipetrain.runtime.peers import Entry, Peer, PeerEntries, Pending, peer_entries
-from pipetrain.runtime.waits import finish, host_ints, to_device
 from pipetrain.schedules.wire import PeerOrders
 
 __all__ = [
@@ -61,74 +62,11 @@ def backend_for(device: torch.device) -> str:
 class DistTransport:
     """Point-to-point messages over a torch.distributed process group (gloo or nccl).
 
-    ``stage_ranks[s]`` is the group rank of stage ``s``.
-
-    Order, not tags. NCCL matches the messages between two ranks in the order they are
-    posted and runs all of a pair's sends and receives (both directions) on one stream,
-    where a send may wait for the peer's matching receive. So both ranks of a pair follow
-    the pair's wire order (``pipetrain.schedules.wire``), which each derives from the
-    schedule, and every message uses the same tag on every backend: gloo then matches per
-    source in posting order exactly as NCCL does, and the multi-process tests on CPU check
-    the matching that NCCL needs. The header check (a message that is not the expected one
-    names both stages) also catches a wire order that went wrong.
-
-    The two directions. On NCCL (``one_stream``) one pump per peer walks the merged order
-    of both directions, as NCCL's stream does. gloo runs the two directions of a pair
-    apart (its sends do not queue behind its receives), so there the pump walks the
-    receives of the order and each send leaves at its SEND action, in program order, which
-    rule 1 of the wire order makes its order on the wire: each direction is matched in
-    exactly the order NCCL would match it, and a receive can be posted while an earlier
-    send of ours in the merged order waits for its data. With one stream that receive
-    could only be posted after that send (measured on 1F1B, p = 2: rank 0 posted 27 of 31
-    payload receives less than 1 ms before their RECV instead of about 100 ms ahead), so
-    the multi-process tests on gloo check the order of matching, and the merged order on
-    one stream runs in a fake of NCCL's semantics (tests/unit/test_transport_order.py) and
-    in the model of ``pipetrain.schedules.wire_check``.
-
-    The pump. At the head of a peer's order:
-
-    - (one stream) a send is issued once its SEND action has run (the executor calls ``send``; the rule
-      of the wire order that a rank's sends keep its program order means nothing earlier
-      is missing then); the pump never waits for a send to complete;
-    - a receive gets its header posted, then its payload once the shapes are known. The
-      later messages of a boundary in a step carry the shapes of its first (equal
-      micro-batches), so they are posted at once, at most ``lookahead`` ahead of use, and
-      the transfer overlaps compute; up to ``messages.PACK_LIMIT`` bytes they travel
-      packed (header and tensors in one buffer, ``messages.pack``: one transfer, not
-      1 + n). The sender enforces the premise: a message whose shapes differ from the
-      first one of its boundary in the step is an error (gloo would abort the process on a
-      message longer than the posted buffer).
-    - the first message of a boundary in a step is posted with the shapes that boundary's
-      first message had in the program's last step that every rank finished (the guess,
-      ``commit_step``), packed or not as a later message of those shapes would be; in a
-      program's first step, with no guess, header first. Both ends hold the same guess, so
-      the sender knows what was posted: where its shapes differ (the sequence length
-      changed), it sends the header with the true shapes, a filler of the guessed sizes
-      for the posted buffers, then the payload, which the receiver posts once it has read
-      that header. Either way the pump goes past the first message only once its header
-      is read, so nothing later of that peer is posted before a payload posted late.
-      Without the guess the payload would be posted only when the RECV runs, after the
-      sender has gone on computing, and gloo's transfer waits for a thread of the busy
-      sender (measured, llama-default, p = 2: 3.3-4.4 ms mean for those messages on
-      interleaved 1F1B and ZB-H1, against 0.8 ms for a receive posted ahead).
-
-    ``progress``, called as each compute action starts, moves every pump as far as it
-    goes without blocking: it stops at a send whose data does not exist yet, at a payload
-    whose shapes are unknown (the next operation on the wire from that peer is that
-    payload, so nothing after it may be posted), and at the look-ahead bound. ``send`` and
-    ``recv`` move their peer's pump through their own message; they may have to read the
-    header of an earlier message of the order first (blocking), which is always one that
-    the peer sent earlier in the replay that made the order, so these waits never close a
-    cycle. gloo's ``is_completed`` stays False until ``wait``, so nothing here polls it.
-
-    Waits. Every wait has the transport's timeout (``waits.finish``); on NCCL it polls the
-    operation rather than use NCCL's timed wait, which sleeps a millisecond between checks.
-    Headers cross between host and device without waiting for the compute queued on the
-    current stream (``waits.host_ints``, ``waits.to_device``).
-
-    A send's buffers are kept until it is known to be complete: the activations of
-    micro-batch k once the gradient of k has come back from that stage (it was received
-    before that gradient was computed), everything else at the end of the step.
+    ``stage_ranks[s]`` is the group rank of stage ``s``. Messages match by each pair's wire
+    order, not by tag; one pump per peer posts receives ahead of use (a boundary's first
+    message with the shapes of the last finished step) and issues sends in order, and every
+    wait has the timeout. The rules, why they hold on NCCL and gloo, and the measurements
+    behind them: docs/transport.md.
     """
 
     def __init__(
@@ -143,7 +81,7 @@ class DistTransport:
         self._group = group
         self._rank = dist.get_rank(group)
         nccl = dist.get_backend(group) == "nccl"
-        # NCCL runs both directions of a pair on one stream; gloo runs them apart (class doc).
+        # NCCL runs both directions of a pair on one stream; gloo runs them apart (docs/transport.md).
         self._one_stream = nccl if one_stream is None else one_stream
         # Waits poll ``is_completed`` (``waits.finish``) where it is truthful: NCCL.
         self._polls = nccl
@@ -252,7 +190,7 @@ class DistTransport:
 
     # ----------------------------------------------------------------- the pumps
     def progress(self) -> None:
-        """Move every peer's pump as far as it goes without blocking (class doc)."""
+        """Move every peer's pump as far as it goes without blocking (docs/transport.md)."""
         for peer in self._peers.values():
             self._pump(peer, None)
 
@@ -262,7 +200,7 @@ class DistTransport:
         while peer.head < len(peer.order) and (through is None or peer.head <= through):
             entry = peer.order[peer.head]
             if entry.outgoing and not self._one_stream:
-                pass  # its own direction: ``send`` issues it (class doc)
+                pass  # its own direction: ``send`` issues it (docs/transport.md)
             elif entry.outgoing:
                 ready = self._ready.pop(entry.key, None)
                 if ready is None:
@@ -281,7 +219,7 @@ class DistTransport:
                     # else its header and its payload (posted at once, checked on arrival).
                     if through is None and peer.ahead >= self._lookahead:
                         return
-                    if packs(specs):
+                    if is_packable(specs):
                         self._post_packed(entry, peer.rank, specs)
                     else:
                         pending = self._post_header(entry, peer.rank)
@@ -289,7 +227,7 @@ class DistTransport:
                         self._post_payload(pending, entry.key, peer.rank, specs)
                 else:
                     # A boundary's first message: posted as guessed, or header first; the
-                    # pump stays here until its header is read (class doc).
+                    # pump stays here until its header is read (docs/transport.md).
                     pending = self._pending.get(entry.key) or self._post_first(entry, peer.rank)
                     if through is None:
                         return
@@ -313,20 +251,7 @@ class DistTransport:
             buf = pack(values, tensors)
             self._sends[key] = ([self._post(buf, peer, key, sending=True)], (buf,))
             return
-        if missed is None:
-            header = to_device(values, self._device)
-            parts: tuple[torch.Tensor, ...] = (header, *tensors)
-        elif packs(missed):
-            # One buffer of the guessed packed size, the true header in it, then the payload.
-            filler = torch.zeros(packed_size(missed), dtype=torch.uint8, device=self._device)
-            filler[: HEADER_LEN * 8].view(torch.int64).copy_(to_device(values, self._device))
-            parts = (filler, *tensors)
-        else:
-            header = to_device(values, self._device)
-            fill = tuple(
-                torch.zeros(shape, dtype=dtype, device=self._device) for dtype, shape in missed
-            )
-            parts = (header, *fill, *tensors)
+        parts = message_parts(values, tensors, missed, self._device)
         works = [self._post(t, peer, key, sending=True) for t in parts]
         self._sends[key] = (works, parts)
 
@@ -336,7 +261,7 @@ class DistTransport:
         guess = self._recv_guess.get((entry.src_stage, entry.key.dst_stage, entry.key.is_grad))
         if guess is None:
             return self._post_header(entry, peer)
-        if packs(guess):
+        if is_packable(guess):
             return self._post_packed(entry, peer, guess)
         pending = self._post_header(entry, peer)
         pending.predicted = guess
@@ -346,7 +271,7 @@ class DistTransport:
     def _read_first(self, key: MessageKey, pending: Pending, peer: int) -> None:
         """Read a boundary's first header of the step; its shapes become the step's. Where
         they are not the posted guess, the guessed buffers hold the sender's filler: wait
-        for it, then post the payload the header announces (class doc)."""
+        for it, then post the payload the header announces (docs/transport.md)."""
         specs = self._read_header(key, pending)
         if pending.predicted is None:  # header first: the payload is posted now
             self._post_payload(pending, key, peer, specs)
@@ -416,10 +341,10 @@ class DistTransport:
         if first is None:
             # The boundary's first message of the step. The receiver posted the guess, if
             # there is one: send as a later message of its shapes would go, or with a
-            # filler where the shapes changed (class doc); else header first.
+            # filler where the shapes changed (docs/transport.md); else header first.
             self._sent_specs[boundary] = specs
             guess = self._sent_guess.get(boundary)
-            packed = guess == specs and packs(specs)
+            packed = guess == specs and is_packable(specs)
             missed = guess if guess is not None and guess != specs else None
         elif specs != first:
             raise StageMismatchError(
@@ -428,7 +353,7 @@ class DistTransport:
                 f"must give the same shapes at a stage boundary"
             )
         else:
-            packed = packs(specs)  # a later message: packed when small (``messages.packs``)
+            packed = is_packable(specs)  # a later message: packed when small
         peer = self._peer_of(key, self._stage_ranks[key.dst_stage])
         payload = tuple(t.detach().contiguous() for t in tensors)
         if not self._one_stream:

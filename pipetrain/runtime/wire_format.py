@@ -1,4 +1,5 @@
-"""One message on the wire: its name, and the header that announces its tensors.
+"""The wire format of one message: its name, the header that announces its tensors, and
+the packed form that carries both in one buffer.
 
 Each message is a fixed-size int64 header followed by its tensors, all with one tag:
 
@@ -15,8 +16,9 @@ the receiver knows the size of the later ones (all micro-batches of a step have 
 shapes there, which the sender enforces), so those of up to ``PACK_LIMIT`` bytes travel as
 one byte buffer holding the header and every tensor (``pack``/``unpack``): one transfer
 instead of 1 + n, with the header still checked on every message. So does a later step's
-first message when the shapes it was guessed to have are small enough (``DistTransport``). Each part starts on a 64-byte boundary, so the
-tensors are views of the buffer with their natural alignment.
+first message when the shapes it was guessed to have are small enough (``DistTransport``).
+Each part starts on a 64-byte boundary, so the tensors are views of the buffer with their
+natural alignment.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ __all__ = [
     "Specs",
     "describe_failure",
     "header_values",
+    "is_packable",
+    "message_parts",
     "pack",
     "packed_header",
     "packed_size",
     "packed_tensors",
-    "packs",
     "parse_header",
     "specs_of",
     "unpack",
@@ -189,7 +192,7 @@ def packed_size(specs: Specs) -> int:
 PACK_LIMIT = 512 * 1024
 
 
-def packs(specs: Specs) -> bool:
+def is_packable(specs: Specs) -> bool:
     """Whether a later message of a boundary with ``specs`` travels packed (both ends
     decide alike from the shapes the boundary's first message announced)."""
     return packed_size(specs) <= PACK_LIMIT
@@ -224,3 +227,22 @@ def packed_tensors(buf: torch.Tensor, specs: Specs) -> tuple[torch.Tensor, ...]:
         buf[at : at + _nbytes(dtype, shape)].view(dtype).view(shape)
         for at, (dtype, shape) in zip(offsets, specs, strict=True)
     )
+
+
+def message_parts(
+    values: list[int], tensors: tuple[torch.Tensor, ...], missed: Specs | None, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The transfers of one unpacked message, in order: its header, then its tensors.
+
+    ``missed``: the receiver posted these guessed shapes, not the message's, so a filler of
+    their sizes goes between the header and the payload (docs/transport.md): one buffer of
+    the guessed packed size with the true header in it, or the header and guessed tensors.
+    """
+    if missed is None:
+        return (to_device(values, device), *tensors)
+    if is_packable(missed):
+        filler = torch.zeros(packed_size(missed), dtype=torch.uint8, device=device)
+        filler[: HEADER_LEN * 8].view(torch.int64).copy_(to_device(values, device))
+        return (filler, *tensors)
+    fill = tuple(torch.zeros(shape, dtype=dtype, device=device) for dtype, shape in missed)
+    return (to_device(values, device), *fill, *tensors)

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipetrain.models import build_full_model, get_model_config, model_spec
 from pipetrain.launch.process_exit import exit_rank
-from pipetrain.runtime import PipelineError, api, build_pipeline, messages
+from pipetrain.models import build_full_model, get_model_config, model_spec
+from pipetrain.runtime import PipelineError, api, build_pipeline, wire_format
 from pipetrain.runtime.stage import token_cross_entropy
 from pipetrain.schedules import Schedule
 from pipetrain.schedules.early_grads import early_grads
@@ -232,13 +232,13 @@ def sequence_change_case(spec, group) -> dict[str, object]:
 
 @contextlib.contextmanager
 def unpacked_messages() -> Iterator[None]:
-    """No message travels packed (``messages.packs`` reads the limit when called)."""
-    original = messages.PACK_LIMIT
-    messages.PACK_LIMIT = 0
+    """No message travels packed (``wire_format.is_packable`` reads the limit when called)."""
+    original = wire_format.PACK_LIMIT
+    wire_format.PACK_LIMIT = 0
     try:
         yield
     finally:
-        messages.PACK_LIMIT = original
+        wire_format.PACK_LIMIT = original
 
 
 @contextlib.contextmanager

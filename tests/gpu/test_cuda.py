@@ -289,7 +289,7 @@ def test_data_parallel_on_nccl_saves_resumes_and_generates(root):
 def test_packed_messages_on_cuda():
     # A packed message is built and read on the device: the tensors come back as aligned
     # CUDA views equal to what was sent (nccl carries the uint8 buffer as it is).
-    from pipetrain.runtime.messages import MessageKey, header_values, pack, specs_of, unpack
+    from pipetrain.runtime.wire_format import MessageKey, header_values, pack, specs_of, unpack
 
     key = MessageKey(1, False, 2)
     tensors = (

@@ -12,25 +12,25 @@ import torch
 from pipetrain.runtime import PipelineInputError, build_pipeline
 from pipetrain.runtime.errors import StageMismatchError
 from pipetrain.runtime.executor import RankExecutor
-from pipetrain.runtime.messages import (
-    HEADER_LEN,
-    PACK_LIMIT,
-    MessageKey,
-    describe_failure,
-    header_values,
-    pack,
-    packed_size,
-    packs,
-    parse_header,
-    specs_of,
-    unpack,
-)
 from pipetrain.runtime.timeline import (
     compare_with_simulation,
     measured_costs,
     merge_timelines,
 )
 from pipetrain.runtime.transport import InMemoryTransport
+from pipetrain.runtime.wire_format import (
+    HEADER_LEN,
+    PACK_LIMIT,
+    MessageKey,
+    describe_failure,
+    header_values,
+    is_packable,
+    pack,
+    packed_size,
+    parse_header,
+    specs_of,
+    unpack,
+)
 from pipetrain.schedules import Action, Kind, Placement, Schedule, parse_action
 from pipetrain.schedules.execution import Event, Timeline
 
@@ -228,5 +228,5 @@ def test_packed_message_round_trip():
 def test_only_small_messages_are_packed():
     small = [(torch.float32, (2, 128, 128))]  # 128 KiB: one micro-batch of llama-default, m = 16
     large = [(torch.float32, (8, 128, 128))]  # 512 KiB and the header: m = 4
-    assert packs(small) and not packs(large)
+    assert is_packable(small) and not is_packable(large)
     assert packed_size(large) > PACK_LIMIT >= packed_size(small)

@@ -397,9 +397,9 @@ def test_shapes_that_change_between_steps_send_a_filler_then_the_payload(
     # posted buffers, then sends the payload the header announces), steps 2 and 4 hit it.
     # The runners check every tensor's values and the fake every pairing's size.
     if pack_limit is not None:
-        import pipetrain.runtime.messages as messages
+        import pipetrain.runtime.wire_format as wire_format
 
-        monkeypatch.setattr(messages, "PACK_LIMIT", pack_limit)
+        monkeypatch.setattr(wire_format, "PACK_LIMIT", pack_limit)
     program = resolve_schedule(name, p, m, v)
     nccl = FakeNccl(one_stream, init_timeout_s=TIMEOUT_S)
     monkeypatch.setattr(transport_module, "dist", nccl)
@@ -445,11 +445,11 @@ def test_wire_entries_are_built_once_per_program(monkeypatch):
     [("1f1b", 4, 5, None), ("interleaved-1f1b", 2, 4, 2), ("zb-v", 2, 4, None)],
 )
 def test_messages_too_large_to_pack_go_as_header_and_payload(monkeypatch, name, p, m, v):
-    # Over messages.PACK_LIMIT a later message is a header and its tensors again (the copy
+    # Over wire_format.PACK_LIMIT a later message is a header and its tensors again (the copy
     # would cost memory until the send is known complete): both ends switch alike.
-    import pipetrain.runtime.messages as messages
+    import pipetrain.runtime.wire_format as wire_format
 
-    monkeypatch.setattr(messages, "PACK_LIMIT", 0)
+    monkeypatch.setattr(wire_format, "PACK_LIMIT", 0)
     program = resolve_schedule(name, p, m, v)
     nccl = FakeNccl(True, init_timeout_s=TIMEOUT_S)
     monkeypatch.setattr(transport_module, "dist", nccl)

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from pipetrain.runtime.messages import describe_failure
 from pipetrain.runtime.waits import finish, host_ints, to_device
+from pipetrain.runtime.wire_format import describe_failure
 
 
 class _Work:
