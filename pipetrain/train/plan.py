@@ -17,6 +17,7 @@ from pipetrain.config.schema import ConfigError, TrainConfig
 from pipetrain.errors import InputError
 from pipetrain.models.config import ModelConfig, get_model_config
 from pipetrain.schedules import Schedule
+from pipetrain.schedules.prepare import PreparedSchedule, is_schedule_file, prepare_schedule
 
 __all__ = [
     "RunPlan",
@@ -34,13 +35,22 @@ class RunPlan:
     """The model, schedule and split a config resolves to."""
 
     model: ModelConfig
-    # The schedule before lowering (the runtime validates and lowers it).
-    schedule: Schedule
+    # The schedule, resolved, validated and lowered once for the run (build_pipeline takes
+    # it as it is).
+    prepared: PreparedSchedule
     # Layer indices of each model stage: blocks spread evenly, the embedding on the first
     # stage and the head on the last.
     split: tuple[tuple[int, ...], ...]
-    # The backwards that early input gradients split (``1I7``; pipeline.early_grads).
-    early_splits: tuple[str, ...] = ()
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule before lowering (what the simulator replays)."""
+        return self.prepared.schedule
+
+    @property
+    def early_splits(self) -> tuple[str, ...]:
+        """The backwards that early input gradients split (``1I7``; pipeline.early_grads)."""
+        return self.prepared.early_splits
 
 
 def plan_fingerprint(plan: RunPlan) -> dict[str, str]:
@@ -112,16 +122,8 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
             f"model {model.name}: use --seq-len {model.max_seq_len} or less"
         )
     p = config.pipeline
-    early: tuple[str, ...] = ()
-    if is_schedule_file(p.schedule):
-        schedule = _schedule_from_file(config, tied_embeddings=model.tie_embeddings)
-    else:
-        schedule = _builtin_schedule(config, tied_embeddings=model.tie_embeddings)
-        if p.early_grads:
-            from pipetrain.schedules.early_grads import early_grads, early_splits
-
-            plain, schedule = schedule, early_grads(schedule)
-            early = tuple(early_splits(plain, schedule))
+    prepared = _prepare_schedule(config, tied_embeddings=model.tie_embeddings)
+    schedule = prepared.schedule
     if p.shard:
         from pipetrain.parallel.sharded import check_shardable
 
@@ -144,20 +146,37 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
             raise ConfigError(
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
             )
-    return RunPlan(model, schedule, _stage_layers(config, model, schedule), early)
+    return RunPlan(model, prepared, _stage_layers(config, model, schedule))
 
 
-def is_schedule_file(schedule: str) -> bool:
-    """True when pipeline.schedule names a CSV or JSON file rather than a built-in."""
-    return schedule.lower().endswith(_SCHEDULE_FILE_SUFFIXES)
-
-
-_SCHEDULE_FILE_SUFFIXES = (".csv", ".json")
-
-
-def _builtin_schedule(config: TrainConfig, *, tied_embeddings: bool) -> Schedule:
+def _prepare_schedule(config: TrainConfig, *, tied_embeddings: bool) -> PreparedSchedule:
+    """pipeline.schedule prepared (``pipetrain.schedules.prepare``), with the checks of
+    the settings it must fit before and after; each error names the setting."""
     p = config.pipeline
-    from pipetrain.schedules.registry import build_schedule, get_spec
+    from_file = is_schedule_file(p.schedule)
+    if from_file:
+        _check_file_settings(config)
+    else:
+        _check_builtin_settings(config, tied_embeddings=tied_embeddings)
+    try:
+        prepared = prepare_schedule(
+            p.schedule,
+            p.pp,
+            p.microbatches,
+            p.chunks if p.chunks > 1 else None,
+            early=p.early_grads,
+        )
+    except InputError as exc:
+        key = "pipeline.schedule" if from_file else "pipeline"
+        raise ConfigError(f"{key}: {exc}") from None
+    if from_file:
+        _check_loaded(config, prepared.schedule, tied_embeddings=tied_embeddings)
+    return prepared
+
+
+def _check_builtin_settings(config: TrainConfig, *, tied_embeddings: bool) -> None:
+    p = config.pipeline
+    from pipetrain.schedules.registry import get_spec
 
     try:
         family = get_spec(p.schedule)
@@ -173,32 +192,21 @@ def _builtin_schedule(config: TrainConfig, *, tied_embeddings: bool) -> Schedule
     from pipetrain.train.pipedream.plan import check_async
 
     check_async(config, asynchronous=family.asynchronous, tied_embeddings=tied_embeddings)
-    try:
-        return build_schedule(p.schedule, p.pp, p.microbatches, p.chunks if p.chunks > 1 else None)
-    except InputError as exc:
-        raise ConfigError(f"pipeline: {exc}") from None
 
 
-def _schedule_from_file(config: TrainConfig, *, tied_embeddings: bool) -> Schedule:
-    """A user's schedule (``pipetrain simulate --save`` writes one), validated on loading.
-
-    Every rank loads the same file, so it must be readable at that path on every node.
-    """
+def _check_file_settings(config: TrainConfig) -> None:
     p = config.pipeline
-    from pipetrain.schedules import io
-
     if p.chunks > 1:
         raise ConfigError(
             f"pipeline.chunks {p.chunks}: a schedule file fixes the stages per rank by the "
             "stages each row runs: drop --chunks"
         )
-    try:
-        if p.schedule.lower().endswith(".csv"):
-            schedule = io.load_csv(p.schedule, num_ranks=p.pp, microbatches=p.microbatches)
-        else:
-            schedule = io.load_json(p.schedule, num_ranks=p.pp)
-    except InputError as exc:
-        raise ConfigError(f"pipeline.schedule: {exc}") from None
+
+
+def _check_loaded(config: TrainConfig, schedule: Schedule, *, tied_embeddings: bool) -> None:
+    """A user's schedule file (``pipetrain simulate --save`` writes one), loaded: what the
+    settings need of it."""
+    p = config.pipeline
     if schedule.microbatches != p.microbatches:
         raise ConfigError(
             f"pipeline.schedule: {p.schedule} has {schedule.microbatches} micro-batches, not the "
@@ -215,7 +223,6 @@ def _schedule_from_file(config: TrainConfig, *, tied_embeddings: bool) -> Schedu
     from pipetrain.train.pipedream.plan import check_async
 
     check_async(config, asynchronous=False, tied_embeddings=tied_embeddings)
-    return schedule
 
 
 def _stage_layers(
