@@ -31,7 +31,7 @@ from pipetrain.sim.data_parallel import (
     data_parallel_cost,
     sharded_cost,
 )
-from pipetrain.sim.render import ascii, plot, plot_compare, transfers, write_chrome_trace
+from pipetrain.sim.render import plot, plot_compare, text_grid, transfers, write_chrome_trace
 from pipetrain.sim.simulator import SimResult, scale_costs, simulate
 
 __all__ = ["add_parser", "run"]
@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_dp(dp))
     if args.ascii or grid_fits(result):
         print()
-        print(ascii(result.timeline, width=args.width))
+        print(text_grid(result.timeline, width=args.width))
     elif not args.plot:
         print("  (grid too wide for the terminal: --ascii squeezes it, --plot draws it)")
     for path in (args.plot, args.trace, args.save):
@@ -455,7 +455,7 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
     if args.ascii:
         for r in results:
             print()
-            print(ascii(r.timeline, width=args.width))
+            print(text_grid(r.timeline, width=args.width))
     if args.plot:
         for r in off_scale:
             print(f"  not in the picture: {r.schedule} (makespan {r.makespan:g}, off the scale)")

@@ -7,7 +7,7 @@ Pure formatting of simulation results (``pipetrain.cli.simulate`` runs them).
 from __future__ import annotations
 
 from pipetrain.sim.data_parallel import DataParallelCost, ShardedCost
-from pipetrain.sim.render import ascii
+from pipetrain.sim.render import text_grid
 from pipetrain.sim.simulator import SimResult
 
 __all__ = ["format_dp", "format_ranks", "format_summary", "format_table", "grid_fits"]
@@ -71,7 +71,7 @@ def _format_sharded(dp: ShardedCost) -> str:
 
 
 def grid_fits(r: SimResult) -> bool:
-    return len(ascii(r.timeline, width=10**6).splitlines()[-1]) <= _AUTO_GRID_WIDTH
+    return len(text_grid(r.timeline, width=10**6).splitlines()[-1]) <= _AUTO_GRID_WIDTH
 
 
 def format_table(results: list[SimResult]) -> str:

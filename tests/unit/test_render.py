@@ -17,10 +17,10 @@ from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.registry import build_schedule
 from pipetrain.sim.data_parallel import data_parallel_cost, sharded_cost
 from pipetrain.sim.render import (
-    ascii,
     chrome_trace,
     plot,
     plot_compare,
+    text_grid,
     transfers,
     write_chrome_trace,
 )
@@ -28,7 +28,7 @@ from pipetrain.sim.simulator import simulate
 
 
 def test_ascii_gpipe_golden() -> None:
-    assert ascii(GPIPE_2_2) == (
+    assert text_grid(GPIPE_2_2) == (
         "t: 2 ranks, makespan 9\n"
         " t| 0       2       4       6       8\n"
         "r0| 0F0 0F1 ............0B0---- 0B1---- \n"
@@ -37,7 +37,7 @@ def test_ascii_gpipe_golden() -> None:
 
 
 def test_ascii_squeezes_to_the_width_and_keeps_short_labels() -> None:
-    text = ascii(PIPEDREAM_2, width=40)
+    text = text_grid(PIPEDREAM_2, width=40)
     rows = text.splitlines()[2:]
     assert all(len(row) <= 40 for row in rows)
     # Two characters per unit: every F box is "F3", every B box "B3- ".
@@ -50,13 +50,13 @@ def test_ascii_squeezes_to_the_width_and_keeps_short_labels() -> None:
 
 def test_ascii_shows_idle_between_boxes_and_skips_communication() -> None:
     tl = timeline(["0F0@0-1 0SEND_F0@1-1 0B0@4-6", "1RECV_F0@1-1 1F0@1-2 1B0@2-4"])
-    rows = ascii(tl).splitlines()[2:]
+    rows = text_grid(tl).splitlines()[2:]
     assert rows[0] == "r0| 0F0 ............0B0---- "
     assert rows[1] == "r1| ....1F0 1B0---- ........"
 
 
 def test_ascii_of_an_empty_timeline() -> None:
-    assert ascii(Timeline("none", 2, ())) == "none: 2 ranks, makespan 0\n(no work)"
+    assert text_grid(Timeline("none", 2, ())) == "none: 2 ranks, makespan 0\n(no work)"
 
 
 def test_chrome_trace_has_one_track_per_rank_and_complete_events() -> None:
@@ -106,11 +106,11 @@ def test_squeezed_ascii_marks_odd_chunks_in_lower_case() -> None:
             "1F0@1-2 2F0@2-3 2B0@6-7 1B0@7-8",
         ]
     )
-    rows = ascii(tl, width=25).splitlines()
+    rows = text_grid(tl, width=25).splitlines()
     assert rows[2] == "r0| F0....f0b0- ....B0- "
     assert rows[3] == "r1| ..F0f0......b0B0...."
     assert rows[-1].startswith("(squeezed: lower case = odd chunks")
-    assert "0F0" in ascii(tl, width=200) and "(squeezed" not in ascii(tl, width=200)
+    assert "0F0" in text_grid(tl, width=200) and "(squeezed" not in text_grid(tl, width=200)
 
 
 @pytest.mark.parametrize("unit", [1e-6, 1.0, 1e9])
@@ -121,7 +121,7 @@ def test_ascii_of_measured_times_at_any_scale(unit: float) -> None:
         2,
         tuple(Event(e.rank, e.action, e.start * unit, e.end * unit) for e in tl.events),
     )
-    rows = ascii(scaled).splitlines()
+    rows = text_grid(scaled).splitlines()
     assert rows[1].split() == ["t|", "0", f"{5 * unit:g}"]
     assert rows[2] == "r0| 0F0 .........0B0--- ."
     assert rows[3] == "r1| ....1F0 1B0- ........"

@@ -169,7 +169,7 @@ def test_merged_timeline_puts_ranks_that_left_the_barrier_apart_on_one_clock():
 
 def test_debug_timeline_simulates_and_draws(tmp_path):
     from pipetrain.models import get_model_config, model_spec
-    from pipetrain.sim.render import ascii, write_chrome_trace
+    from pipetrain.sim.render import text_grid, write_chrome_trace
 
     spec = model_spec(get_model_config("llama-tiny"))
     pipe = build_pipeline(spec, schedule="zb-h1", ranks=2, microbatches=4, device="cpu")
@@ -179,7 +179,7 @@ def test_debug_timeline_simulates_and_draws(tmp_path):
     assert comparison.simulated_makespan_s > 0
     # In the debug mode ranks take turns, so the measured span is at least the simulated one.
     assert comparison.measured_makespan_s >= comparison.simulated_makespan_s * 0.99
-    assert ascii(result.timeline).count("\n") >= 2
+    assert text_grid(result.timeline).count("\n") >= 2
     trace = json.loads(
         write_chrome_trace(result.timeline, tmp_path / "t.json", us_per_unit=1e6).read_text()
     )

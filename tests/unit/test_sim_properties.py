@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pipetrain.schedules import Kind, registry
 from pipetrain.schedules.execution import Costs
 from pipetrain.sim.metrics import live_activations
-from pipetrain.sim.render import ascii, chrome_trace
+from pipetrain.sim.render import chrome_trace, text_grid
 from pipetrain.sim.simulator import simulate
 
 durations = st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0])
@@ -68,4 +68,4 @@ def test_accounting_adds_up(case: tuple[str, int, int, int | None, Costs]) -> No
         if not (e.action.is_comm or e.action.kind is Kind.ALLREDUCE) or e.duration > 0
     ]
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == len(shown)
-    assert len(ascii(r.timeline, width=60).splitlines()) >= p + 2
+    assert len(text_grid(r.timeline, width=60).splitlines()) >= p + 2

@@ -13,7 +13,7 @@ import pytest
 from pipetrain.schedules import ScheduleError, registry
 from pipetrain.schedules.io import dump_csv, dump_json, load_csv, load_json
 from pipetrain.sim.costs import CostsError, parse_costs
-from pipetrain.sim.render import RenderError, ascii, plot, write_chrome_trace
+from pipetrain.sim.render import RenderError, plot, text_grid, write_chrome_trace
 from pipetrain.sim.simulator import SimResult, simulate
 
 
@@ -50,7 +50,7 @@ def test_squeezed_grid_and_its_ruler_stay_within_the_width(
     long_runs: list[SimResult], width: int
 ) -> None:
     for result in long_runs:
-        lines = ascii(result.timeline, width=width).splitlines()
+        lines = text_grid(result.timeline, width=width).splitlines()
         # The header and the chunk legend are text; the ruler and the rows are the grid.
         grid = [line for line in lines[1:] if not line.startswith("(squeezed")]
         assert len(grid) == 1 + result.num_ranks
