@@ -55,13 +55,14 @@ class GPT2Attention(nn.Module):
         self.wo = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
+        b, t, _ = x.shape
+        # Heads counted from the projections' widths: under tensor parallelism each rank
+        # holds n_heads / tp of them.
         q, k, v = (
-            w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-            for w in (self.wq, self.wk, self.wv)
+            w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
         )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-        out: torch.Tensor = self.wo(y.transpose(1, 2).reshape(b, t, c))
+        out: torch.Tensor = self.wo(y.transpose(1, 2).reshape(b, t, -1))
         return out
 
 

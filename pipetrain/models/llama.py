@@ -95,10 +95,12 @@ class LlamaAttention(nn.Module):
         self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        b, t, _ = x.shape
+        # Heads counted from the projections' widths, not the config: under tensor
+        # parallelism each rank holds n_heads / tp of them (and n_kv_heads / tp).
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         cos, sin = rotary_tables(t, self.head_dim, self.rope_theta, x.device)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Each key/value head serves n_heads / n_kv_heads query heads; SDPA pairs them itself
@@ -107,7 +109,7 @@ class LlamaAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
         )  # (B, H, T, D)
-        out: torch.Tensor = self.wo(y.transpose(1, 2).reshape(b, t, c))
+        out: torch.Tensor = self.wo(y.transpose(1, 2).reshape(b, t, -1))
         return out
 
 
