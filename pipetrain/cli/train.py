@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any
 
-from pipetrain.config.schema import TrainConfig, load_config, parse_override
+from pipetrain.config import TrainConfig, load_config, parse_override
 
 __all__ = ["FLAGS", "add_config_flags", "add_parser", "config_from_args", "run"]
 

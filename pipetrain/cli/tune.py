@@ -29,7 +29,7 @@ from typing import Any
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.cli.train import add_config_flags, config_from_args, run_config
-from pipetrain.config.schema import TrainConfig, parse_override
+from pipetrain.config import TrainConfig, parse_override
 from pipetrain.errors import InputError
 
 __all__ = ["Candidate", "add_parser", "format_table", "parse_counts", "run"]

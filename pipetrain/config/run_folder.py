@@ -15,7 +15,8 @@ from typing import IO
 
 from pipetrain.checkpoint.directory import list_checkpoints
 from pipetrain.checkpoint.trainer import earlier_checkpoints_error
-from pipetrain.config.schema import ConfigError, TrainConfig, config_to_toml
+from pipetrain.config.load import config_to_toml
+from pipetrain.config.schema import ConfigError, TrainConfig
 from pipetrain.errors import InputError
 
 __all__ = ["announce", "earlier_run_error", "free_name"]

@@ -1,37 +1,24 @@
-"""The trainer's configuration: frozen dataclasses, a TOML file, command-line overrides.
+"""The trainer's configuration: one frozen dataclass per TOML table, and ``TrainConfig``.
 
-Every field is documented where it is declared. A config is built in three layers, each
-overriding the one before: the defaults below, an optional TOML file (one table per
-section: ``[model]``, ``[pipeline]``, ``[data]``, ``[optim]``, ``[run]``), and
-``section.field=value`` overrides from the command line. ``load_config`` checks names,
-types and the relations between fields and raises ``ConfigError`` (an ``InputError``)
-with one line that names the field and the fix.
-
-``validate`` and ``ConfigError`` live in ``pipetrain.config.checks`` and are
-re-exported here.
+Every field is documented by the string under it (``pipetrain.config.docs`` reads them
+for ``pipetrain train --help``). Each section checks its own fields when it is built
+(``__post_init__``, so also on ``dataclasses.replace``) and raises ``ConfigError`` with
+one line that names the field and the fix; the checks that relate fields of different
+sections, or look at this machine's files, are ``pipetrain.config.checks.validate``.
+Loading, ``--set`` overrides and TOML output are ``pipetrain.config.load``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import os
+import math
 import re
-import sys
-import time
-import types
-import typing
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10: the same parser, published as tomli
-    import tomli as tomllib
-
-from pipetrain.config.checks import ConfigError, validate
+from pipetrain.config.errors import ConfigError
+from pipetrain.models.config import PRESETS
 
 __all__ = [
     "ConfigError",
@@ -41,163 +28,316 @@ __all__ = [
     "PipelineConfig",
     "RunConfig",
     "TrainConfig",
-    "config_to_dict",
-    "config_to_toml",
-    "load_config",
-    "parse_override",
-    "settings_disagree",
-    "validate",
 ]
+
+_PRECISIONS = ("fp32", "bf16")
+_DEVICES = ("auto", "cpu", "cuda")
+_BALANCES = ("uniform", "params", "cost")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_MAX_BATCH_TOKENS = 1 << 31
+# Longer waits are hangs; torch's process-group timeout (a timedelta) overflows far above it.
+_MAX_TIMEOUT_S = 365 * 24 * 3600.0
+_MAX_SEED = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
 class ModelSection:
     """Which model to train."""
 
-    # Preset of pipetrain.models (`llama-default`, `llama-tiny`, `gpt2-tiny`, ...).
     name: str = "llama-default"
+    """Preset of pipetrain.models (`llama-default`, `llama-tiny`, `gpt2-tiny`, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in PRESETS:
+            raise ConfigError(
+                f"model.name {self.name!r} is not a model preset: use one of {', '.join(PRESETS)}"
+            )
+        _check_values("model", self)
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
     """How the model is cut and scheduled."""
 
-    # Pipeline ranks (processes). 1 trains one stage in one process through the same code.
     pp: int = 3
-    # Data-parallel replicas of the pipeline: pp x dp processes, each replica reads 1/dp of
-    # every batch and gradients are averaged over the replicas (pipetrain.parallel.mesh).
+    """Pipeline ranks (processes). 1 trains one stage in one process through the same code."""
     dp: int = 1
-    # Shard each stage's parameters, gradients and optimizer state over the dp replicas
-    # (FSDP2's fully_shard; pipetrain.parallel.sharded) instead of replicating them. Needs dp > 1.
+    """Data-parallel replicas of the pipeline: pp x dp processes, each replica reads 1/dp of
+    every batch and gradients are averaged over the replicas (pipetrain.parallel.mesh)."""
     shard: bool = False
-    # Stages per rank (virtual stages): >1 only for schedules that loop over the ranks.
+    """Shard each stage's parameters, gradients and optimizer state over the dp replicas
+    (FSDP2's fully_shard; pipetrain.parallel.sharded) instead of replicating them. Needs
+    dp > 1."""
     chunks: int = 1
-    # Schedule name from pipetrain.schedules.registry (`1f1b`, `gpipe`, `interleaved-1f1b`,
-    # `zb-h1`, ...), or a synchronous schedule file ending in .csv or .json
-    # (pipetrain.schedules.io; `pipetrain simulate --save` writes one), read on every rank.
+    """Stages per rank (virtual stages): >1 only for schedules that loop over the ranks."""
     schedule: str = "1f1b"
-    # Micro-batches per pipeline step; data.batch_size must be a multiple of it.
+    """Schedule name from pipetrain.schedules.registry (`1f1b`, `gpipe`, `interleaved-1f1b`,
+    `zb-h1`, ...), or a synchronous schedule file ending in .csv or .json
+    (pipetrain.schedules.io; `pipetrain simulate --save` writes one), read on every rank."""
     microbatches: int = 8
-    # Blocks per model stage, e.g. "4,3,5" (the embedding goes with the first stage, the
-    # head with the last; `pipetrain plan` prints a balanced one). Empty: by `balance`.
+    """Micro-batches per pipeline step; data.batch_size must be a multiple of it."""
     split: str = ""
-    # How to split when `split` is empty: `uniform` (even blocks), `params` (even
-    # parameters), `cost` (even compute time, estimated from each layer's FLOPs at
-    # data.seq_len: a large vocabulary's head weighs on the last stage).
+    """Blocks per model stage, e.g. "4,3,5" (the embedding goes with the first stage, the
+    head with the last; `pipetrain plan` prints a balanced one). Empty: by `balance`."""
     balance: str = "uniform"
-    # Run every rank inside one process (the runtime's debug mode; no process group).
+    """How to split when `split` is empty: `uniform` (even blocks), `params` (even
+    parameters), `cost` (even compute time, estimated from each layer's FLOPs at
+    data.seq_len: a large vocabulary's head weighs on the last stage)."""
     single_process: bool = False
-    # `auto` picks cuda when available, else cpu; `cpu` or `cuda` force one.
+    """Run every rank inside one process (the runtime's debug mode; no process group)."""
     device: str = "auto"
-    # `fp32`, or `bf16` autocast with fp32 master weights and fp32 reductions.
+    """`auto` picks cuda when available, else cpu; `cpu` or `cuda` force one."""
     precision: str = "fp32"
-    # Recompute each block's activations in backward (torch.utils.checkpoint per block).
+    """`fp32`, or `bf16` autocast with fp32 master weights and fp32 reductions."""
     recompute: bool = False
-    # torch.compile each stage module.
+    """Recompute each block's activations in backward (torch.utils.checkpoint per block)."""
     compile: bool = False
-    # Seconds any blocking wait of the runtime may take before it fails with an error.
+    """torch.compile each stage module."""
     timeout_s: float = 300.0
-    # Torch intra-op threads per process; 0 = the machine's cores / local processes (>= 1).
+    """Seconds any blocking wait of the runtime may take before it fails with an error."""
     threads: int = 0
-    # Asynchronous schedules (pipedream, pipedream-2bw): training steps per stream; the
-    # pipeline drains only between streams. 0 = as long as evaluation and checkpoints allow.
+    """Torch intra-op threads per process; 0 = the machine's cores / local processes (>= 1)."""
     stream_steps: int = 0
-    # PipeDream: every stage uses the weight version the first stage chose for a micro-batch.
+    """Asynchronous schedules (pipedream, pipedream-2bw): training steps per stream; the
+    pipeline drains only between streams. 0 = as long as evaluation and checkpoints allow."""
     vertical_sync: bool = False
-    # A built-in schedule splits the backwards that another rank waits for into I and W
-    # and sends the input gradient between them (pipetrain.schedules.early_grads): the
-    # same order of work (a W may move to the end of its rank) and gradients, a shorter
-    # 1F1B cool-down and GPipe turn. False: the Bs run whole.
+    """PipeDream: every stage uses the weight version the first stage chose for a
+    micro-batch."""
     early_grads: bool = True
+    """A built-in schedule splits the backwards that another rank waits for into I and W
+    and sends the input gradient between them (pipetrain.schedules.early_grads): the
+    same order of work (a W may move to the end of its rank) and gradients, a shorter
+    1F1B cool-down and GPipe turn. False: the Bs run whole."""
+
+    def __post_init__(self) -> None:
+        _at_least("pipeline.pp", self.pp, 1)
+        _at_least("pipeline.dp", self.dp, 1)
+        _at_least("pipeline.chunks", self.chunks, 1)
+        _at_least("pipeline.microbatches", self.microbatches, 1)
+        _at_least("pipeline.threads", self.threads, 0)
+        _at_least("pipeline.stream_steps", self.stream_steps, 0)
+        if not self.schedule:
+            raise ConfigError("pipeline.schedule is empty: name a schedule, e.g. --schedule 1f1b")
+        _one_of("pipeline.device", self.device, _DEVICES)
+        if self.precision not in _PRECISIONS:
+            raise ConfigError(f"pipeline.precision is {self.precision!r}: use fp32 or bf16")
+        self._check_split()
+        if not 0 < self.timeout_s <= _MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"pipeline.timeout_s is {self.timeout_s}: give a positive number of seconds up "
+                f"to {_MAX_TIMEOUT_S:.0f} (a year), e.g. 300"
+            )
+        self._check_processes()
+        _check_values("pipeline", self)
+
+    def _check_split(self) -> None:
+        if self.balance not in _BALANCES:
+            raise ConfigError(
+                f"pipeline.balance is {self.balance!r}: use one of {', '.join(_BALANCES)} (or "
+                f"give blocks per stage with --split, e.g. 4,3,5)"
+            )
+        if self.split and self.balance != "uniform":
+            raise ConfigError(
+                f"pipeline.split {self.split!r} and pipeline.balance {self.balance!r} both "
+                f"choose the split: drop one of --split and --balance"
+            )
+
+    def _check_processes(self) -> None:
+        """What runs in which process: one process, replicas, sharded replicas."""
+        if self.single_process and self.pp == 1:
+            raise ConfigError(
+                "pipeline.single_process needs several pipeline ranks to simulate: set --pp 2 "
+                "or more, or drop --single-process"
+            )
+        if self.shard and self.dp < 2:
+            raise ConfigError(
+                f"pipeline.shard shards each stage over data-parallel replicas but pipeline.dp "
+                f"is {self.dp}: add --dp 2 (or more) or drop --shard"
+            )
+        if self.shard and self.compile:
+            raise ConfigError(
+                "pipeline.shard with pipeline.compile is not supported: drop --compile or --shard"
+            )
+        if self.dp > 1 and self.single_process:
+            raise ConfigError(
+                "pipeline.single_process runs one pipeline in one process: drop "
+                "--single-process or use --dp 1"
+            )
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how batches are cut."""
 
-    # Text file, folder of text files, or JSONL with a "text" field; "" = the Python
-    # standard library's source files on this machine.
     path: str = ""
-    # Optional local Hugging Face tokenizer.json ("" = bytes, vocabulary 256).
+    """Text file, folder of text files, or JSONL with a "text" field; "" = the Python
+    standard library's source files on this machine."""
     tokenizer: str = ""
-    # Sequences per pipeline step (all micro-batches together).
+    """Optional local Hugging Face tokenizer.json ("" = bytes, vocabulary 256)."""
     batch_size: int = 32
-    # Tokens per sequence.
+    """Sequences per pipeline step (all micro-batches together)."""
     seq_len: int = 128
-    # Share of the text held out for eval: whole documents chosen by a fixed hash of their
-    # name, or the tail of the text read when too few documents make that split lopsided.
+    """Tokens per sequence."""
     eval_fraction: float = 0.05
-    # Batches of data.batch_size sequences in each evaluation.
+    """Share of the text held out for eval: whole documents chosen by a fixed hash of their
+    name, or the tail of the text read when too few documents make that split lopsided."""
     eval_batches: int = 2
-    # Read at most this many characters of text (the default corpus has ~30 million).
+    """Batches of data.batch_size sequences in each evaluation."""
     max_bytes: int = 8_000_000
+    """Read at most this many characters of text (the default corpus has ~30 million)."""
+
+    def __post_init__(self) -> None:
+        _at_least("data.batch_size", self.batch_size, 1)
+        _at_least("data.seq_len", self.seq_len, 1)
+        if self.batch_size * (self.seq_len + 1) > _MAX_BATCH_TOKENS:
+            # Batches are built as one index array: far past this, numpy fails for memory.
+            raise ConfigError(
+                f"data.batch_size {self.batch_size} x data.seq_len {self.seq_len} is over "
+                f"{_MAX_BATCH_TOKENS:,} tokens per batch: use a smaller --batch-size (and "
+                f"optim.grad_accum for a larger effective batch)"
+            )
+        _at_least("data.eval_batches", self.eval_batches, 1)
+        _at_least("data.max_bytes", self.max_bytes, 1024)
+        if not 0.0 < self.eval_fraction <= 0.5:
+            raise ConfigError(
+                f"data.eval_fraction is {self.eval_fraction}: hold out a share in (0, 0.5], "
+                f"e.g. 0.05"
+            )
+        _check_values("data", self)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW, the learning-rate schedule, clipping, accumulation and the NaN guard."""
 
-    # Peak learning rate, reached after the warm-up.
     lr: float = 3e-3
-    # Final learning rate of the cosine decay, as a fraction of optim.lr.
+    """Peak learning rate, reached after the warm-up."""
     min_lr_ratio: float = 0.1
-    # Optimizer steps of linear warm-up from 0 to optim.lr.
+    """Final learning rate of the cosine decay, as a fraction of optim.lr."""
     warmup_steps: int = 10
-    # AdamW decoupled weight decay; never applied to norms, biases or other 1-D tensors.
+    """Optimizer steps of linear warm-up from 0 to optim.lr."""
     weight_decay: float = 0.1
-    # AdamW first-moment decay.
+    """AdamW decoupled weight decay; never applied to norms, biases or other 1-D tensors."""
     beta1: float = 0.9
-    # AdamW second-moment decay.
+    """AdamW first-moment decay."""
     beta2: float = 0.95
-    # AdamW denominator epsilon.
+    """AdamW second-moment decay."""
     eps: float = 1e-8
-    # Clip the gradient to this global norm over all stages; 0 disables clipping.
+    """AdamW denominator epsilon."""
     grad_clip: float = 1.0
-    # Pipeline steps whose gradients are summed (averaged) into one optimizer step.
+    """Clip the gradient to this global norm over all stages; 0 disables clipping."""
     grad_accum: int = 1
-    # Stop the run after this many consecutive skipped (non-finite) updates.
+    """Pipeline steps whose gradients are summed (averaged) into one optimizer step."""
     max_bad_steps: int = 3
+    """Stop the run after this many consecutive skipped (non-finite) updates."""
+
+    def __post_init__(self) -> None:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"optim.lr is {self.lr}: give a positive learning rate, e.g. 3e-3")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(
+                f"optim.min_lr_ratio is {self.min_lr_ratio}: use a fraction in [0, 1]"
+            )
+        _at_least("optim.warmup_steps", self.warmup_steps, 0)
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay is {self.weight_decay}: use 0 or more")
+        for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"optim.{name} is {beta}: use a value in [0, 1), e.g. 0.9")
+        if not self.eps > 0:
+            raise ConfigError(f"optim.eps is {self.eps}: use a small positive number, e.g. 1e-8")
+        if self.grad_clip < 0:
+            raise ConfigError(
+                f"optim.grad_clip is {self.grad_clip}: give a positive norm, or 0 to turn "
+                f"clipping off"
+            )
+        _at_least("optim.grad_accum", self.grad_accum, 1)
+        _at_least("optim.max_bad_steps", self.max_bad_steps, 1)
+        _check_values("optim", self)
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Length of the run, its outputs and its logging."""
 
-    # Optimizer steps to train.
     steps: int = 120
-    # Seed of the weights and of the batch order.
+    """Optimizer steps to train."""
     seed: int = 0
-    # Run directory name under run.out_dir ("" = model-schedule-ppP-date-time-pid: the
-    # process id keeps apart runs started in the same second, as a sweep's are).
+    """Seed of the weights and of the batch order."""
     name: str = ""
-    # Folder that holds the run directories.
+    """Run directory name under run.out_dir ("" = model-schedule-ppP-date-time-pid: the
+    process id keeps apart runs started in the same second, as a sweep's are)."""
     out_dir: str = "runs"
-    # Metrics JSONL file ("" = <run dir>/metrics.jsonl).
+    """Folder that holds the run directories."""
     metrics: str = ""
-    # Evaluate at the start, at the end and every run.eval_every steps; false: never
-    # (`pipetrain tune` measures throughput only).
+    """Metrics JSONL file ("" = <run dir>/metrics.jsonl)."""
     evaluate: bool = True
-    # Evaluate every this many optimizer steps (and always at the start and the end); 0 = only then.
+    """Evaluate at the start, at the end and every run.eval_every steps; false: never
+    (`pipetrain tune` measures throughput only)."""
     eval_every: int = 40
-    # Write TensorBoard logs to <run dir>/tensorboard (needs the tensorboard package).
+    """Evaluate every this many optimizer steps (and always at the start and the end); 0 =
+    only then."""
     tensorboard: bool = False
-    # Draw the measured timeline of the last step into this PNG, or write it as a Chrome /
-    # Perfetto trace (.json, times in microseconds, a track per rank); "" = neither.
+    """Write TensorBoard logs to <run dir>/tensorboard (needs the tensorboard package)."""
     timeline: str = ""
-    # Bytes (tokens) of text to generate from the trained model at the end; 0 = none.
+    """Draw the measured timeline of the last step into this PNG, or write it as a Chrome /
+    Perfetto trace (.json, times in microseconds, a track per rank); "" = neither."""
     sample_tokens: int = 200
-    # Sampling temperature of that text; 0 = greedy.
+    """Bytes (tokens) of text to generate from the trained model at the end; 0 = none."""
     sample_temperature: float = 0.8
-    # Text the sample starts from.
+    """Sampling temperature of that text; 0 = greedy."""
     sample_prompt: str = "def "
-    # Directory of the run's checkpoints ("" = none); every rank must see the same one.
+    """Text the sample starts from."""
     checkpoint_dir: str = ""
-    # Save a checkpoint every this many optimizer steps (0 = only at a stop signal and the end).
+    """Directory of the run's checkpoints ("" = none); every rank must see the same one."""
     checkpoint_every: int = 0
-    # Complete checkpoints kept in run.checkpoint_dir, the newest ones (0 = all).
+    """Save a checkpoint every this many optimizer steps (0 = only at a stop signal and the
+    end)."""
     keep: int = 0
-    # Continue from the newest valid checkpoint in run.checkpoint_dir (step 0 if there is none).
+    """Complete checkpoints kept in run.checkpoint_dir, the newest ones (0 = all)."""
     resume: bool = False
+    """Continue from the newest valid checkpoint in run.checkpoint_dir (step 0 if there is
+    none)."""
+
+    def __post_init__(self) -> None:
+        _at_least("run.steps", self.steps, 1)
+        _at_least("run.seed", self.seed, 0)
+        if self.seed > _MAX_SEED:
+            # torch.Generator.manual_seed takes 64 bits: the sample after the last step was a
+            # ValueError traceback ("Overflow when unpacking long long").
+            raise ConfigError(f"run.seed is {self.seed}: use 0 to {_MAX_SEED}")
+        _at_least("run.eval_every", self.eval_every, 0)
+        _at_least("run.sample_tokens", self.sample_tokens, 0)
+        _at_least("run.checkpoint_every", self.checkpoint_every, 0)
+        _at_least("run.keep", self.keep, 0)
+        if (self.resume or self.checkpoint_every or self.keep) and not self.checkpoint_dir:
+            # run.keep too: without a checkpoint directory it would be ignored without a word.
+            raise ConfigError(
+                "run.resume, run.checkpoint_every and run.keep need run.checkpoint_dir: "
+                "add --checkpoint-dir DIR"
+            )
+        self._check_sample()
+        # "" until load_config names the run; validate refuses a config left without one.
+        if self.name and not _RUN_NAME.match(self.name):
+            raise ConfigError(run_name_error(self.name))
+        if self.timeline and not self.timeline.endswith((".png", ".json")):
+            raise ConfigError(
+                f"run.timeline {self.timeline!r} must name a .png picture or a .json "
+                f"Chrome/Perfetto trace, e.g. --timeline step.png"
+            )
+        _check_values("run", self)
+
+    def _check_sample(self) -> None:
+        if self.sample_tokens and not self.sample_prompt:
+            # The sample is drawn after the last step: an empty prompt crashed the run there.
+            raise ConfigError(
+                "run.sample_prompt is empty: give text for the sample to start from, "
+                "or --set run.sample_tokens=0 for no sample"
+            )
+        if self.sample_temperature < 0:
+            raise ConfigError(
+                f"run.sample_temperature is {self.sample_temperature}: use 0 (greedy) or more"
+            )
 
 
 @dataclass(frozen=True)
@@ -223,308 +363,40 @@ class TrainConfig:
         return Path(self.run.metrics) if self.run.metrics else self.run_dir / "metrics.jsonl"
 
 
-# Characters a default run name (a folder under run.out_dir) must not carry over.
-_UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]")
-
-_SECTIONS: dict[str, type] = {
-    "model": ModelSection,
-    "pipeline": PipelineConfig,
-    "data": DataConfig,
-    "optim": OptimConfig,
-    "run": RunConfig,
-}
+def run_name_error(name: str) -> str:
+    """The message for a run name that is not a plain folder name."""
+    return f"run.name {name!r} is not a plain folder name: use letters, digits, '.', '_' and '-'"
 
 
-# ----------------------------------------------------------------------------- loading
+def _check_values(section: str, table: Any) -> None:
+    """NaN or infinity in any float field: a run that would diverge, hang or crash late.
 
-
-def load_config(
-    path: str | os.PathLike[str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-    *,
-    check_paths: bool = True,
-    default_name: str = "",
-) -> TrainConfig:
-    """Defaults, then the TOML file at ``path``, then ``overrides`` ("section.field" keys).
-
-    Fills in a run name where none is given (``default_name``, else model-schedule-ppP-
-    date-time-pid) and validates the result. ``check_paths`` also checks
-    that the data and tokenizer paths exist (off for configs resolved elsewhere).
+    Also text that is not Unicode (bytes that are not UTF-8 in an argument reach Python
+    as lone surrogates): the config saved for a launched run could not hold it. Run after
+    a section's own checks, whose messages are more specific for the fields they cover.
     """
-    values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-    if path is not None:
-        _merge_tables(values, _read_toml(Path(path)), source=str(path))
-    for key, value in (overrides or {}).items():
-        section, name = _split_key(key)
-        values[section][name] = value
-    config = TrainConfig(
-        **{
-            section: _build_section(section, cls, values[section])
-            for section, cls in _SECTIONS.items()
-        }
-    )
-    config = _expand_home(config)
-    if not config.run.name and default_name:
-        config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
-    if not config.run.name:
-        parts = (config.model.name, config.pipeline.schedule, f"pp{config.pipeline.pp}")
-        # A bad model or schedule name is reported by its own check, not as a bad run name.
-        # Two runs started in the same second (a sweep started in parallel) got one folder,
-        # each replacing the other's config.toml and mixing their metrics in one file.
-        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        default_name = "-".join((*(_UNSAFE_NAME_CHARS.sub("_", part) for part in parts), stamp))
-        config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
-    validate(config, check_paths=check_paths)
-    return config
+    for f in dataclasses.fields(table):
+        value = getattr(table, f.name)
+        key = f"{section}.{f.name}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} is {value}: give a finite number (default {f.default})")
+        if isinstance(value, str) and not _is_unicode(value):
+            raise ConfigError(f"{key} {value!r} is not valid UTF-8 text: fix its value")
 
 
-# Text fields that name files or folders: "~" in them means the home folder, as in a
-# shell (a TOML file or a quoted argument does not go through one).
-_PATH_FIELDS = {
-    "pipeline": ("schedule",),  # a schedule file; no built-in name starts with "~"
-    "data": ("path", "tokenizer"),
-    "run": ("out_dir", "metrics", "timeline", "checkpoint_dir"),
-}
-
-
-def _expand_home(config: TrainConfig) -> TrainConfig:
-    for section, names in _PATH_FIELDS.items():
-        table = getattr(config, section)
-        changed = {
-            name: os.path.expanduser(getattr(table, name))
-            for name in names
-            if getattr(table, name).startswith("~")
-        }
-        if changed:
-            config = dataclasses.replace(config, **{section: dataclasses.replace(table, **changed)})
-    return config
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"optim.lr=1e-3"`` -> ``("optim.lr", 0.001)``; values are read as TOML, else as text.
-
-    A text field takes the text as written unless it is a quoted TOML string:
-    ``run.name=2024`` is the name "2024", not the integer TOML reads.
-    """
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(
-            f"override {text!r} is not SECTION.FIELD=VALUE: write e.g. --set optim.lr=1e-3"
-        )
-    section, name = _split_key(key)
+def _is_unicode(text: str) -> bool:
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    if typing.get_type_hints(_SECTIONS[section])[name] is str and not isinstance(value, str):
-        value = raw.strip()
-    return key, value
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text: give the path of a TOML file to --config"
-        ) from None
-    except FileNotFoundError:
-        raise ConfigError(
-            f"config file {str(path)!r} does not exist: give the path of a TOML file to --config"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(
-            f"config file {str(path)!r} cannot be read ({exc.strerror}): check --config"
-        ) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(
-            f"config file {str(path)!r} is not valid TOML ({exc}): fix the syntax"
-        ) from None
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{key} is {value}: it must be at least {low}")
 
 
-def _merge_tables(
-    values: dict[str, dict[str, Any]], table: Mapping[str, Any], *, source: str
-) -> None:
-    for section, content in table.items():
-        if section not in _SECTIONS:
-            raise ConfigError(
-                f"{source}: unknown config section [{section}]{_suggest(section, _SECTIONS)}: "
-                f"use one of {', '.join(f'[{s}]' for s in _SECTIONS)}"
-            )
-        if not isinstance(content, dict):
-            raise ConfigError(
-                f"{source}: '{section}' must be a table ([{section}] followed by field = value lines), "
-                f"not a single value"
-            )
-        for name, value in content.items():
-            _check_field(section, name)
-            values[section][name] = value
-
-
-def _split_key(key: str) -> tuple[str, str]:
-    section, dot, name = key.partition(".")
-    if not dot or section not in _SECTIONS:
-        raise ConfigError(
-            f"unknown config key {key!r}{_suggest_key(key)}: keys are SECTION.FIELD with SECTION one of "
-            f"{', '.join(_SECTIONS)}"
-        )
-    _check_field(section, name)
-    return section, name
-
-
-def _check_field(section: str, name: str) -> None:
-    names = [f.name for f in dataclasses.fields(_SECTIONS[section])]
-    if name not in names:
-        raise ConfigError(
-            f"unknown config field {section}.{name}{_suggest(name, names)}: "
-            f"[{section}] has {', '.join(names)}"
-        )
-
-
-def _suggest(word: str, choices: Sequence[str] | Mapping[str, Any]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _suggest_key(key: str) -> str:
-    everything = [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
-    # A bare field name ("lr") is matched against the field part of every key.
-    by_field = [k for k in everything if k.split(".")[1] == key]
-    if by_field:
-        return f" (did you mean '{by_field[0]}'?)"
-    return _suggest(key, everything)
-
-
-def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
-    converted = {
-        name: _convert(f"{section}.{name}", hints[name], value) for name, value in values.items()
-    }
-    return cls(**converted)
-
-
-def _convert(key: str, hint: Any, value: Any) -> Any:
-    """Check ``value`` against the field type; ints are accepted where floats are expected."""
-    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    for kind in allowed:
-        if kind is bool and isinstance(value, bool):
-            return value
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if kind is float and isinstance(value, float):
-            return value
-        # An int beyond a float's range (TOML ints are unbounded here) falls to the error.
-        if (
-            kind is float
-            and isinstance(value, int)
-            and not isinstance(value, bool)
-            and abs(value) <= sys.float_info.max
-        ):
-            return float(value)
-        if kind is str and isinstance(value, str):
-            return value
-    expected = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
-    raise ConfigError(
-        f"{key} must be {_article(expected)} {expected}, got {value!r}: fix its value"
-    )
-
-
-def _article(word: str) -> str:
-    return "an" if word[:1] in "aeiou" else "a"
-
-
-# ----------------------------------------------------------------------------- output
-
-
-def config_to_dict(config: TrainConfig) -> dict[str, dict[str, Any]]:
-    """The config as nested plain values (the shape of the TOML file)."""
-    return {section: dataclasses.asdict(getattr(config, section)) for section in _SECTIONS}
-
-
-def config_to_toml(config: TrainConfig) -> str:
-    """A TOML text that ``load_config`` reads back into an equal config."""
-    lines: list[str] = []
-    for section, table in config_to_dict(config).items():
-        if lines:
-            lines.append("")
-        lines.append(f"[{section}]")
-        lines.extend(f"{name} = {_toml_value(value)}" for name, value in table.items())
-    return "\n".join(lines) + "\n"
-
-
-# Fields that may differ between the processes of one run: what only rank 0 writes (the
-# run folder, metrics, pictures) and per-machine settings. Every other field shapes the
-# work that the ranks share, so a difference would hang them, or worse, train on targets
-# that do not belong to the inputs (another seed) or update stages differently.
-_PER_PROCESS_FIELDS = frozenset(
-    {
-        "run.name",
-        "run.out_dir",
-        "run.metrics",
-        "run.tensorboard",
-        "run.timeline",
-        "pipeline.threads",
-        "pipeline.timeout_s",
-    }
-)
-
-
-def settings_disagree(by_rank: Sequence[Mapping[str, Mapping[str, Any]]]) -> str | None:
-    """Why the processes of a run (``config_to_dict`` of each, by rank) cannot train
-    together; None when their shared settings agree. Under torchrun every process resolves
-    its own flags, so one node started with other flags is caught here, in one line,
-    rather than as a hang or a silently wrong run."""
-    differing: list[tuple[str, int, Any, Any]] = []
-    first = by_rank[0]
-    for section, table in first.items():
-        for name, value in table.items():
-            key = f"{section}.{name}"
-            if key in _PER_PROCESS_FIELDS:
-                continue
-            for rank, other in enumerate(by_rank[1:], start=1):
-                theirs = other.get(section, {}).get(name)
-                if theirs != value:
-                    differing.append((key, rank, value, theirs))
-                    break
-    if not differing:
-        return None
-    key, rank, value, theirs = differing[0]
-    more = [d[0] for d in differing[1:]]
-    also = f" (also {', '.join(more)})" if more else ""
-    return (
-        f"the processes of this run were started with different settings: {key} is "
-        f"{value!r} on rank 0 but {theirs!r} on rank {rank}{also}: start every process "
-        f"with the same --config file and flags"
-    )
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return _toml_string(str(value))
-
-
-def _toml_string(text: str) -> str:
-    """``text`` as an ASCII TOML basic string.
-
-    Not ``json.dumps``: it writes a character beyond U+FFFF as a surrogate pair
-    (``"\\ud83d\\ude00"``), which TOML refuses, so a launched run's workers could not
-    read the config it saved.
-    """
-    out: list[str] = []
-    for char in text:
-        code = ord(char)
-        if char in '"\\':
-            out.append("\\" + char)
-        elif 0x20 <= code < 0x7F:
-            out.append(char)
-        elif code <= 0xFFFF:
-            out.append(f"\\u{code:04x}")
-        else:
-            out.append(f"\\U{code:08x}")
-    return '"' + "".join(out) + '"'
+def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} is {value!r}: use one of {', '.join(choices)}")

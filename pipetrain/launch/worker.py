@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from pipetrain.config.schema import PipelineConfig, load_config
+from pipetrain.config import PipelineConfig, load_config
 from pipetrain.errors import InputError, RunFailed
 from pipetrain.launch.process_exit import exit_rank, exit_record, launched_rank
 

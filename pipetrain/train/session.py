@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
-from pipetrain.config.schema import TrainConfig, config_to_dict
+from pipetrain.config import TrainConfig, config_to_dict
 from pipetrain.launch.role import ProcessRole
 from pipetrain.models import model_spec
 from pipetrain.parallel import (

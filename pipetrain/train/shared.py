@@ -9,7 +9,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.config.schema import ConfigError, TrainConfig, config_to_dict, settings_disagree
+from pipetrain.config import ConfigError, TrainConfig, config_to_dict, settings_disagree
 from pipetrain.launch.role import ProcessRole
 from pipetrain.runtime import Pipeline
 from pipetrain.train.data import Corpus, DataError, load_corpus

@@ -159,7 +159,7 @@ def test_a_split_with_the_embedding_or_the_head_alone_is_offered_and_trains(
     # 5 stages of a 4-block model: the head alone on the last stage. The trainer refused
     # more stages than blocks although a split may leave an end stage without blocks.
     from pipetrain.cli import main
-    from pipetrain.config.schema import load_config
+    from pipetrain.config import load_config
     from pipetrain.train.plan import plan_run
 
     args = ["plan", "--model", "llama-tiny", "--pp", "5", "--schedule", "gpipe"]

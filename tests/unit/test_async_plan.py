@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pipetrain.config.schema import ConfigError, TrainConfig, load_config
+from pipetrain.config import ConfigError, TrainConfig, load_config
 from pipetrain.train.pipedream.plan import stream_steps_for
 from pipetrain.train.plan import plan_run
 

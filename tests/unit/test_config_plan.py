@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pipetrain.config.schema import ConfigError, load_config
+from pipetrain.config import ConfigError, load_config
 from pipetrain.schedules.io import dump_csv
 from pipetrain.schedules.registry import build_schedule
 from pipetrain.train.plan import (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.config.schema import (
+from pipetrain.config import (
     ConfigError,
     TrainConfig,
     config_to_toml,

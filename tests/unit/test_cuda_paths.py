@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipetrain.config.schema import load_config
+from pipetrain.config import load_config
 from pipetrain.launch.role import ProcessRole
 
 

@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from pipetrain.config.schema import ConfigError, load_config
+from pipetrain.config import ConfigError, load_config
 from pipetrain.parallel import (
     DataParallelStats,
     Mesh,
+    check_shardable,
     norm_share,
     replica_denominator,
     shard_batch,
@@ -24,7 +25,6 @@ from pipetrain.parallel.sharded import fsdp_internals, missing_fsdp_internals
 from pipetrain.schedules.registry import build_schedule
 from pipetrain.train.data import Batch
 from pipetrain.train.optim import Gradients
-from pipetrain.parallel import check_shardable
 
 
 @given(st.integers(1, 6), st.integers(1, 5))

@@ -205,7 +205,7 @@ def test_a_failed_run_still_closes_its_output(
 ) -> None:
     # Ranks end with os._exit (pipetrain.launch.process_exit): a writer left open, as TensorBoard's
     # would be, loses what it buffered. The trainer closes its output when a step fails.
-    from pipetrain.config.schema import load_config
+    from pipetrain.config import load_config
     from pipetrain.launch.role import ProcessRole
     from pipetrain.train.loop import train
 

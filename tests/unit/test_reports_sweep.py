@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.config.schema import ConfigError, TrainConfig, load_config
+from pipetrain.config import ConfigError, TrainConfig, load_config
 from pipetrain.runtime.timeline import measured_costs, simulated_bubble
 from pipetrain.schedules import Kind
 from pipetrain.schedules.execution import Costs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipetrain.config.schema import load_config
+from pipetrain.config import load_config
 from pipetrain.train.data import load_corpus
 from pipetrain.train.shared import corpus_fingerprint, data_disagree
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pipetrain.config.schema import ConfigError, load_config
+from pipetrain.config import ConfigError, load_config
 from pipetrain.schedules import io, registry
 from pipetrain.train.plan import RunPlan, is_schedule_file, plan_run
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipetrain.config.schema import load_config
+from pipetrain.config import load_config
 from pipetrain.models import build_stage, get_model_config, model_spec
 from pipetrain.train.loop import _first_step_guard
 from pipetrain.train.stage_options import StageOptionError, apply_stage_options

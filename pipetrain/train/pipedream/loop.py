@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
-from pipetrain.config.schema import ConfigError, TrainConfig, config_to_dict
+from pipetrain.config import ConfigError, TrainConfig, config_to_dict
 from pipetrain.models import build_full_model, model_spec
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.train.data import Batch, Corpus, eval_batches, train_batch
