@@ -13,12 +13,15 @@ Every config field can be set in the TOML file and overridden by the flags below
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import textwrap
 from typing import Any
 
 from pipetrain.config import TrainConfig, load_config, parse_override
+from pipetrain.config.docs import config_fields
 
-__all__ = ["FLAGS", "add_config_flags", "add_parser", "config_from_args", "run"]
+__all__ = ["FLAGS", "add_config_flags", "add_parser", "config_from_args", "fields_help", "run"]
 
 # Flag -> (config key, type, help). A flag that is not given leaves the file's value.
 FLAGS: dict[str, tuple[str, Any, str]] = {
@@ -134,6 +137,30 @@ def config_from_args(
     return load_config(args.config, overrides, default_name=default_name)
 
 
+def fields_help() -> str:
+    """Every config field with its default and the string under its declaration
+    (``pipetrain.config.docs``): the epilog of ``pipetrain train --help``."""
+    lines = ["config fields, set in the --config file or by --set SECTION.FIELD=VALUE:"]
+    for f in config_fields():
+        lines.append(f"  {f.key} = {json.dumps(f.default)}")
+        if f.doc:
+            lines.append(f"      {f.doc}")
+    return "\n".join(lines)
+
+
+class _LinesFormatter(argparse.HelpFormatter):
+    """Wraps each line of a description or epilog on its own, keeping its indentation
+    (one line of text wraps as argparse's own formatter wraps it)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        filled = []
+        for line in text.splitlines():
+            words = " ".join(line.split())
+            pad = indent + " " * (len(line) - len(line.lstrip(" ")))
+            filled.append(textwrap.fill(words, width, initial_indent=pad, subsequent_indent=pad))
+        return "\n".join(filled)
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "train",
@@ -142,6 +169,8 @@ def add_parser(subparsers: Any) -> None:
         "stages x 4 blocks, batch 32 in 8 micro-batches of 4, seq 128, 1F1B, on the Python "
         "standard library's source. --pp P starts P local processes; under torchrun the "
         "processes come from torchrun.",
+        epilog=fields_help(),
+        formatter_class=_LinesFormatter,
     )
     add_config_flags(p)
     p.set_defaults(run=run)
