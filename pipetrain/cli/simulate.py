@@ -8,22 +8,32 @@
         --dp 2 [--shard] [--dp-bandwidth 1e6]
 
 Imports no torch: everything here is pure schedule arithmetic (matplotlib only for
-``--plot``). The text it prints is formatted in ``pipetrain.cli.simulate_text``.
+``--plot``). The text it prints is formatted in ``pipetrain.cli.simulate_text``; the flags are checked
+and the schedules built in ``pipetrain.cli.simulate_cases``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.simulate_cases import (
+    SimCase,
+    builtin_case,
+    check_counts,
+    check_outputs,
+    check_size,
+    check_sizes,
+    file_case,
+    need,
+    save_schedule,
+    single_case,
+)
 from pipetrain.cli.simulate_text import format_dp, format_summary, format_table, grid_fits
 from pipetrain.schedules.execution import Costs
-from pipetrain.schedules.schedule import Schedule
 from pipetrain.sim.costs import parse_costs, stage_costs, stage_share
 from pipetrain.sim.data_parallel import (
     DataParallelCost,
@@ -45,6 +55,15 @@ def add_parser(subparsers: Any) -> None:
         "makespan, the bubble under three definitions, peak live activations and weight "
         "versions per rank.",
     )
+    _add_schedule_flags(p)
+    _add_cost_flags(p)
+    _add_data_parallel_flags(p)
+    _add_output_flags(p)
+    p.set_defaults(run=run)
+
+
+def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
+    """Which schedule: a built-in one, a file, or all of them, and its size."""
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--schedule", metavar="NAME", help="a built-in schedule, e.g. 1f1b, zb-v")
     what.add_argument(
@@ -58,6 +77,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--pp", type=int, metavar="P", help="pipeline ranks")
     p.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per step")
     p.add_argument("--chunks", type=int, metavar="V", help="stages per rank (interleaved, looped)")
+
+
+def _add_cost_flags(p: argparse.ArgumentParser) -> None:
+    """What the actions, messages and activations cost."""
     p.add_argument(
         "--costs",
         default="",
@@ -93,6 +116,10 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="parameter bytes of one rank's share of the model (split like --costs)",
     )
+
+
+def _add_data_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """Replicas of the pipeline and their gradient collectives."""
     p.add_argument(
         "--dp",
         type=int,
@@ -115,6 +142,10 @@ def add_parser(subparsers: Any) -> None:
         metavar="BYTES",
         help="bytes per time unit of a rank's data-parallel link (default: bytes only, no time)",
     )
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """Pictures, files and the printed report."""
     p.add_argument("--plot", metavar="FILE", help="Gantt chart, .png or .svg")
     p.add_argument("--trace", metavar="FILE", help="Chrome trace JSON (Perfetto, chrome://tracing)")
     p.add_argument(
@@ -130,157 +161,15 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="print one JSON object (with --compare: {results: [...], skipped: [...]})",
     )
-    p.set_defaults(run=run)
 
 
-# -------------------------------------------------------------------------- helpers
-@dataclass(frozen=True)
-class _Case:
-    """One schedule to simulate and how to weigh it against the others."""
-
-    schedule: Schedule
-    batch_scale: int
-
-
-def _need(args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        if getattr(args, name) is None:
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} is required with --schedule and --compare, e.g. {flag} 4")
-
-
-# The replay handles a few thousand stage micro-batches a second and about 1.5 kB each:
-# a million is minutes and over a GB; a typo such as --microbatches 100000 on 100000
-# ranks would run out of memory after hours instead of failing.
-_MOST_STAGE_MICROBATCHES = 1_000_000
-
-
-def _check_counts(args: argparse.Namespace) -> None:
-    for name in ("pp", "microbatches", "chunks"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name} {value}: give a whole number >= 1")
-
-
-def _check_size(args: argparse.Namespace, chunks: int) -> None:
-    """Refuse, before any generator runs, what the replay could not finish."""
-    total = args.pp * args.microbatches * chunks
-    if total > _MOST_STAGE_MICROBATCHES:
-        per_rank = f" x {chunks} stages per rank" if chunks > 1 else ""
-        raise UsageError(
-            f"--pp {args.pp} x --microbatches {args.microbatches}{per_rank} is {total:,} "
-            f"stage micro-batches to replay, over the {_MOST_STAGE_MICROBATCHES:,} the "
-            "simulator takes: lower --pp or --microbatches"
-        )
-
-
-def _check_sizes(args: argparse.Namespace) -> None:
-    # A negative, infinite or NaN size would flow into every byte column of the report.
-    for name in ("activation_bytes", "weight_bytes"):
-        value = getattr(args, name)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} {value:g}: give a finite number of bytes >= 0")
-
-
-def _check_outputs(args: argparse.Namespace) -> None:
-    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".svg"):
-        raise UsageError(f"--plot {args.plot}: use a .png or .svg file name")
-    if args.save and Path(args.save).suffix.lower() not in (".csv", ".json"):
-        raise UsageError(f"--save {args.save}: use a .csv or .json file name")
-    if args.save and args.compare:
-        raise UsageError("--save writes one schedule: pick it with --schedule instead of --compare")
-    if args.trace and Path(args.trace).suffix.lower() != ".json":
-        # Any other name could be a schedule file (.csv) or a picture the trace replaces.
-        raise UsageError(f"--trace {args.trace}: use a .json file name")
-    # Two outputs on one path keep only the last written; one on the input destroys it.
-    named: dict[Path, str] = {}
-    for flag, value in (
-        ("--schedule-file", args.schedule_file),
-        ("--save", args.save),
-        ("--trace", args.trace),
-    ):
-        if not value:
-            continue
-        path = Path(value).resolve()
-        if path in named:
-            raise UsageError(
-                f"{flag} {value} is the file of {named[path]} too: give each its own file name"
-            )
-        named[path] = flag
-    if args.width < 20:
-        raise UsageError(f"--width {args.width}: give at least 20 characters")
-
-
-def _builtin(args: argparse.Namespace, name: str) -> _Case:
-    from pipetrain.schedules import registry
-
-    if name not in registry.SCHEDULE_NAMES:
-        raise UsageError(
-            f"--schedule {name!r} is not a known schedule; use one of: "
-            + ", ".join(registry.SCHEDULE_NAMES)
-        )
-    spec = registry.get_spec(name)
-    _check_size(args, spec.chunks(args.chunks))
-    schedule = registry.build_schedule(name, args.pp, args.microbatches, args.chunks)
-    if args.early_grads:
-        from pipetrain.schedules.early_grads import early_grads
-
-        schedule = early_grads(schedule)
-    return _Case(schedule, args.microbatches if spec.whole_batch else 1)
-
-
-def _single(args: argparse.Namespace) -> _Case:
-    """The one built-in schedule asked for; --chunks must mean something to it."""
-    from pipetrain.schedules import registry
-
-    case = _builtin(args, args.schedule)
-    spec = registry.get_spec(args.schedule)
-    if args.chunks is not None and not spec.uses_chunks and args.chunks != spec.default_chunks:
-        raise UsageError(
-            f"--chunks {args.chunks}: {args.schedule} always has {spec.default_chunks} "
-            "stage(s) per rank; drop --chunks or pick interleaved-1f1b or looped-bfs"
-        )
-    return case
-
-
-def _from_file(args: argparse.Namespace) -> _Case:
-    """A user's schedule; the loaders run the same validator as the built-in ones."""
-    from pipetrain.schedules import io
-
-    path = Path(args.schedule_file)
-    if args.early_grads:
-        raise UsageError(
-            "--early-grads changes a built-in schedule; a schedule file runs as written "
-            "(pipetrain train too): drop --early-grads, or save the file with it"
-        )
-    if args.chunks is not None:
-        raise UsageError(
-            f"--chunks {args.chunks}: a schedule file fixes the stages per rank by the stages "
-            "each row runs: drop --chunks"
-        )
-    suffix = path.suffix.lower()
-    if suffix == ".csv":
-        schedule = io.load_csv(path, num_ranks=args.pp, microbatches=args.microbatches)
-    elif suffix == ".json":
-        schedule = io.load_json(path, num_ranks=args.pp)
-        if args.microbatches is not None and args.microbatches != schedule.microbatches:
-            raise UsageError(
-                f"--microbatches {args.microbatches} but {path} has {schedule.microbatches}: "
-                "drop --microbatches or fix the file"
-            )
-    else:
-        raise UsageError(f"--schedule-file {path}: use a .csv or .json file")
-    return _Case(schedule, 1)
-
-
-def _case_costs(case: _Case, costs: Costs) -> Costs:
+def _case_costs(case: SimCase, costs: Costs) -> Costs:
     # What simulate replays: the rank's share split over its stages, the batch scale on top.
     per_stage = stage_costs(costs, case.schedule)
     return scale_costs(per_stage, case.batch_scale) if case.batch_scale != 1 else per_stage
 
 
-def _run_case(case: _Case, costs: Costs, args: argparse.Namespace) -> SimResult:
+def _run_case(case: SimCase, costs: Costs, args: argparse.Namespace) -> SimResult:
     share = stage_share(case.schedule)
     return simulate(
         case.schedule,
@@ -292,7 +181,7 @@ def _run_case(case: _Case, costs: Costs, args: argparse.Namespace) -> SimResult:
 
 
 def _data_parallel(
-    case: _Case, result: SimResult, costs: Costs, args: argparse.Namespace
+    case: SimCase, result: SimResult, costs: Costs, args: argparse.Namespace
 ) -> DataParallelCost | ShardedCost | None:
     """The dp all-reduce of each rank's gradients (sharded: gathers and reduce-scatters),
     with --dp above 1."""
@@ -334,9 +223,9 @@ def _data_parallel(
 
 # ------------------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> int:
-    _check_counts(args)
-    _check_sizes(args)
-    _check_outputs(args)
+    check_counts(args)
+    check_sizes(args)
+    check_outputs(args)
     costs = parse_costs(
         args.costs,
         latency=args.latency,
@@ -346,14 +235,14 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         return _compare(args, costs)
     if args.schedule_file:
-        case = _from_file(args)
+        case = file_case(args)
     else:
-        _need(args, "pp", "microbatches")
-        case = _single(args)
+        need(args, "pp", "microbatches")
+        case = single_case(args)
     result = _run_case(case, costs, args)
     dp = _data_parallel(case, result, costs, args)
     if args.save:
-        _save(case.schedule, Path(args.save))
+        save_schedule(case.schedule, Path(args.save))
     if args.plot:
         plot(result.timeline, args.plot)
     if args.trace:
@@ -379,34 +268,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _save(schedule: Schedule, path: Path) -> None:
-    """The schedule as a file that --schedule-file (and ``pipetrain.schedules.io``) loads."""
-    from pipetrain.schedules import io
-
-    if path.suffix.lower() == ".json":
-        io.dump_json(schedule, path)
-        return
-    if schedule.asynchronous and schedule.params:
-        # Loaded back, it would report one step of the whole stream, and train would not
-        # know the window.
-        raise UsageError(
-            f"--save {path}: CSV keeps no params, and {schedule.name!r} needs its "
-            f"{', '.join(name for name, _ in schedule.params)}: save it as .json"
-        )
-    io.dump_csv(schedule, path)
-
-
 def _compare(args: argparse.Namespace, costs: Costs) -> int:
     from pipetrain.schedules import registry
 
     if args.dp != 1 or args.shard:
         raise UsageError("--dp and --shard work with --schedule or --schedule-file: drop --compare")
 
-    _need(args, "pp", "microbatches")
+    need(args, "pp", "microbatches")
     # Checking a schedule's fit may build it: the size comes first.
-    _check_size(
-        args, max(registry.get_spec(n).chunks(args.chunks) for n in registry.SCHEDULE_NAMES)
-    )
+    check_size(args, max(registry.get_spec(n).chunks(args.chunks) for n in registry.SCHEDULE_NAMES))
     results: list[SimResult] = []
     placements = []
     skipped: list[tuple[str, str]] = []
@@ -415,7 +285,7 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
         if reason is not None:
             skipped.append((name, reason))
             continue
-        case = _builtin(args, name)
+        case = builtin_case(args, name)
         results.append(_run_case(case, costs, args))
         placements.append(case.schedule.placement)
     if not results:
