@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pipetrain.schedules.actions import Action, Kind
 from pipetrain.schedules.deps import Requirement, requirements
+from pipetrain.schedules.events import Event, Timeline
 from pipetrain.schedules.grid import format_grid
 from pipetrain.schedules.schedule import Schedule, ScheduleError
 
@@ -74,38 +75,6 @@ class Costs:
         """Time from a send being issued to the data being available at the receiver."""
         extra = 0.0 if not self.bandwidth else self.message_bytes / self.bandwidth
         return self.latency + extra
-
-
-@dataclass(frozen=True)
-class Event:
-    """One action as it ran (or would run): on ``rank``, from ``start`` to ``end``."""
-
-    rank: int
-    action: Action
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Events of every rank, simulated or measured. Times in any unit, from 0."""
-
-    name: str
-    num_ranks: int
-    events: tuple[Event, ...]
-
-    @property
-    def makespan(self) -> float:
-        if not self.events:
-            return 0.0
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
-
-    def of_rank(self, rank: int) -> tuple[Event, ...]:
-        return tuple(e for e in self.events if e.rank == rank)
 
 
 # ----------------------------------------------------------------------------- replay

@@ -14,12 +14,9 @@ not by time (the simulator draws time).
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING
 
+from pipetrain.schedules.events import Timeline
 from pipetrain.schedules.schedule import Schedule
-
-if TYPE_CHECKING:
-    from pipetrain.schedules.execution import Timeline
 
 __all__ = ["format_grid", "format_timeline"]
 
