@@ -9,10 +9,8 @@ stage under a per-stage memory limit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # balance imports this module at run time
-    from pipetrain.partition.balance import LayerCost, MemoryModel
+from pipetrain.partition.layer_costs import LayerCost, MemoryModel
 
 __all__ = [
     "RankBytes",
