@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pipetrain.config.schema import OptimConfig
+from pipetrain.parallel import sharded
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.runtime import PipelineError
-from pipetrain.parallel import sharded
 from pipetrain.train.optim import Gradients, GuardedUpdate, TrainingDiverged, build_optimizer
 
 

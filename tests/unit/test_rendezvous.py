@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from pipetrain.config.checks import ConfigError
-from pipetrain.launch.role import ProcessRole
 from pipetrain.launch import rendezvous
+from pipetrain.launch.role import ProcessRole
 
 
 class _Store:
