@@ -29,7 +29,7 @@ same link as the stages' last B or W end::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,62 +289,28 @@ def sharded_cost(
     ``stage_bytes``: parameter bytes of each model stage (one number: every stage).
     ``bandwidth``: bytes per time unit of a rank's link; None counts bytes only.
     """
-    # The runtime refuses the same two (pipetrain.train.plan.check_shardable).
-    why = (
-        "is asynchronous (weights change inside a step)"
-        if schedule.asynchronous
-        else "replicates stages inside the pipeline"
-        if schedule.placement.replicas > 1
-        else None
-    )
-    if why is not None:
-        raise DataParallelError(
-            f"sharded stages do not fit {schedule.name!r}, which {why}: pick a synchronous "
-            "schedule such as 1f1b or zb-h1, or drop --shard"
-        )
-    if replicas < 1:
-        raise DataParallelError(f"replicas is {replicas}: use 1 or more (--dp)")
+    _check_shardable(schedule, replicas)
     placement = schedule.placement
     sizes = _per_stage(stage_bytes, placement.num_model_stages)
-    first_f = _first_forwards(schedule)
-    position = {a: pos for row in schedule.actions for pos, a in enumerate(row)}
-
-    def gather_order(stage: int) -> tuple[int, int]:
-        # The order the runtime issues a rank's gathers: by first F in its program.
-        return (0, position[first_f[stage]]) if stage in first_f else (1, stage)
 
     def took(stage: int) -> float:
         nbytes = sizes[placement.model_stage(stage)]
         return ring_gather_time(nbytes, replicas, bandwidth) if bandwidth is not None else 0.0
 
-    gathered: dict[Action, float] = {}
-    gather_times, rank_stages = [], []
-    spans: list[LinkSpan] = []
-    for rank in range(len(schedule.actions)):
-        stages = sorted(placement.stages_of(rank), key=gather_order)
-        clock = 0.0
-        for stage in stages:
-            if took(stage) > 0:
-                spans.append(
-                    LinkSpan(rank, f"all-gather stage {stage}", clock, clock + took(stage))
-                )
-            clock += took(stage)
-            if stage in first_f:
-                gathered[first_f[stage]] = clock
-        gather_times.append(clock)
-        rank_stages.append(stages)
+    gathers = _gathers(schedule, took)
     # Both replays start at 0, with the gathers; the held one may start later on every
     # rank, so its length is measured from 0 rather than from its first event.
     plain = replay(schedule, costs)
-    held = replay(schedule, costs, not_before=gathered) if any(gather_times) else plain
+    held = replay(schedule, costs, not_before=gathers.gathered) if any(gathers.ends) else plain
     held_end = max((e.end for e in held.events), default=0.0)
     ready: dict[int, float] = {}
     for event in held.events:
         if event.action.kind in (Kind.B, Kind.W):
             ready[event.action.stage] = max(ready.get(event.action.stage, 0.0), event.end)
+    spans = list(gathers.spans)
     totals, scatter_times, finishes = [], [], []
-    for rank, stages in enumerate(rank_stages):
-        clock = gather_times[rank]
+    for rank, stages in enumerate(gathers.rank_stages):
+        clock = gathers.ends[rank]
         busy = 0.0
         for stage in sorted(stages, key=lambda s: (ready.get(s, 0.0), s)):
             begin = max(clock, ready.get(stage, 0.0))
@@ -362,7 +328,7 @@ def sharded_cost(
         tuple(totals),
         traffic,
         traffic,
-        tuple(gather_times),
+        gathers.ends,
         tuple(scatter_times),
         tuple(finishes),
         plain.makespan,
@@ -370,3 +336,60 @@ def sharded_cost(
         tuple(spans),
         held,
     )
+
+
+def _check_shardable(schedule: Schedule, replicas: int) -> None:
+    # The runtime refuses the same two (pipetrain.train.plan.check_shardable).
+    why = (
+        "is asynchronous (weights change inside a step)"
+        if schedule.asynchronous
+        else "replicates stages inside the pipeline"
+        if schedule.placement.replicas > 1
+        else None
+    )
+    if why is not None:
+        raise DataParallelError(
+            f"sharded stages do not fit {schedule.name!r}, which {why}: pick a synchronous "
+            "schedule such as 1f1b or zb-h1, or drop --shard"
+        )
+    if replicas < 1:
+        raise DataParallelError(f"replicas is {replicas}: use 1 or more (--dp)")
+
+
+@dataclass(frozen=True)
+class _Gathers:
+    """Each rank's all-gathers at the start of a step, back to back on its link."""
+
+    rank_stages: tuple[list[int], ...]  # per rank, its stages in gathering order
+    ends: tuple[float, ...]  # per rank, when its last gather ends
+    gathered: dict[Action, float]  # a stage's first F -> when that stage's gather ends
+    spans: tuple[LinkSpan, ...]
+
+
+def _gathers(schedule: Schedule, took: Callable[[int], float]) -> _Gathers:
+    """The gathers of every rank, in the order the runtime issues them: by first F in
+    the rank's program; ``took(stage)``: one gather's time."""
+    placement = schedule.placement
+    first_f = _first_forwards(schedule)
+    position = {a: pos for row in schedule.actions for pos, a in enumerate(row)}
+
+    def gather_order(stage: int) -> tuple[int, int]:
+        return (0, position[first_f[stage]]) if stage in first_f else (1, stage)
+
+    gathered: dict[Action, float] = {}
+    ends, rank_stages = [], []
+    spans: list[LinkSpan] = []
+    for rank in range(len(schedule.actions)):
+        stages = sorted(placement.stages_of(rank), key=gather_order)
+        clock = 0.0
+        for stage in stages:
+            if took(stage) > 0:
+                spans.append(
+                    LinkSpan(rank, f"all-gather stage {stage}", clock, clock + took(stage))
+                )
+            clock += took(stage)
+            if stage in first_f:
+                gathered[first_f[stage]] = clock
+        ends.append(clock)
+        rank_stages.append(stages)
+    return _Gathers(tuple(rank_stages), tuple(ends), gathered, tuple(spans))
