@@ -254,57 +254,16 @@ def make_plan(
         )
     schedule = schedule_for(microbatches)
     mb = batch_size // microbatches
-    stage_ranks = stage_ranks_of(schedule.placement)
-    live = model_stage_live(schedule)
-    points = rank_live_points(schedule)
-    if whole_batch:
-        # Each action carries every micro-batch: a stage holds all of their activations.
-        live = tuple(n * microbatches for n in live)
-        points = tuple(tuple(tuple(n * microbatches for n in p) for p in r) for r in points)
-    memory = None
-    if memory_limit is not None:
-        memory = MemoryModel(
-            memory_limit,
-            mb,
-            live,
-            state_factor,
-            model_stage_versions(schedule),
-            points,
-            whole_batch,
-        )
-    partition = split_for(method, costs, stage_ranks, split, memory)
+    live, memory = _memory_model(
+        schedule, mb, microbatches, memory_limit, state_factor, whole_batch=whole_batch
+    )
+    partition = split_for(method, costs, stage_ranks_of(schedule.placement), split, memory)
     sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1)
     static = _static_bytes(partition, state_factor, sim)
     peaks = sim.peak_activation_bytes or tuple(0.0 for _ in static)
     if memory_limit is not None:
-        over = [r for r in range(len(static)) if static[r] + peaks[r] > memory_limit]
-        if over:
-            r = over[0]
-            raise PartitionError(
-                f"rank {r} needs {format_bytes(static[r] + peaks[r])} with this {partition.method} "
-                f"split, over the memory limit of {format_bytes(memory_limit)} per rank: use "
-                "--balance params or profile, more ranks (--pp), "
-                f"{'a smaller --batch-size' if whole_batch else 'more micro-batches'}, or a higher "
-                "--memory-limit"
-            )
-    stages = tuple(
-        StagePlan(
-            stage=s,
-            ranks=partition.stage_ranks[s],
-            layers=layers,
-            first=costs[layers[0]].name,
-            last=costs[layers[-1]].name,
-            blocks=partition.blocks(costs, s),
-            embedding=any(costs[i].kind == "embedding" for i in layers),
-            head=any(costs[i].kind == "head" for i in layers),
-            params=partition.params[s],
-            forward=partition.forward[s] * mb + overheads.per_layer * len(layers),
-            backward=partition.backward[s] * mb + 2 * overheads.per_layer * len(layers),
-            activation_bytes=partition.activation_bytes_per_sample[s] * mb,
-            live=live[s],
-        )
-        for s, layers in enumerate(partition.stages)
-    )
+        _check_fits(static, peaks, memory_limit, partition.method, whole_batch=whole_batch)
+    stages = _stage_plans(costs, partition, mb, overheads, live)
     return Plan(
         schedule=schedule.name,
         pp=schedule.num_ranks,
@@ -322,6 +281,86 @@ def make_plan(
         options=_options(
             schedule_for, partition, batch_size, state_factor, memory_limit, overheads, whole_batch
         ),
+    )
+
+
+def _memory_model(
+    schedule: Schedule,
+    mb: int,
+    microbatches: int,
+    memory_limit: float | None,
+    state_factor: float,
+    *,
+    whole_batch: bool,
+) -> tuple[tuple[int, ...], MemoryModel | None]:
+    """Peak live micro-batches per model stage, and the memory model of a limit (None
+    without one); ``mb``: samples per micro-batch."""
+    live = model_stage_live(schedule)
+    points = rank_live_points(schedule)
+    if whole_batch:
+        # Each action carries every micro-batch: a stage holds all of their activations.
+        live = tuple(n * microbatches for n in live)
+        points = tuple(tuple(tuple(n * microbatches for n in p) for p in r) for r in points)
+    if memory_limit is None:
+        return live, None
+    memory = MemoryModel(
+        memory_limit,
+        mb,
+        live,
+        state_factor,
+        model_stage_versions(schedule),
+        points,
+        whole_batch,
+    )
+    return live, memory
+
+
+def _check_fits(
+    static: Sequence[float],
+    peaks: Sequence[float],
+    memory_limit: float,
+    method: str,
+    *,
+    whole_batch: bool,
+) -> None:
+    """Refuse a split whose simulated peak on some rank is over the memory limit."""
+    over = [r for r in range(len(static)) if static[r] + peaks[r] > memory_limit]
+    if over:
+        r = over[0]
+        raise PartitionError(
+            f"rank {r} needs {format_bytes(static[r] + peaks[r])} with this {method} "
+            f"split, over the memory limit of {format_bytes(memory_limit)} per rank: use "
+            "--balance params or profile, more ranks (--pp), "
+            f"{'a smaller --batch-size' if whole_batch else 'more micro-batches'}, or a higher "
+            "--memory-limit"
+        )
+
+
+def _stage_plans(
+    costs: Sequence[LayerCost],
+    partition: Partition,
+    mb: int,
+    overheads: Overheads,
+    live: Sequence[int],
+) -> tuple[StagePlan, ...]:
+    """Each stage's layers and its costs for one micro-batch of ``mb`` samples."""
+    return tuple(
+        StagePlan(
+            stage=s,
+            ranks=partition.stage_ranks[s],
+            layers=layers,
+            first=costs[layers[0]].name,
+            last=costs[layers[-1]].name,
+            blocks=partition.blocks(costs, s),
+            embedding=any(costs[i].kind == "embedding" for i in layers),
+            head=any(costs[i].kind == "head" for i in layers),
+            params=partition.params[s],
+            forward=partition.forward[s] * mb + overheads.per_layer * len(layers),
+            backward=partition.backward[s] * mb + 2 * overheads.per_layer * len(layers),
+            activation_bytes=partition.activation_bytes_per_sample[s] * mb,
+            live=live[s],
+        )
+        for s, layers in enumerate(partition.stages)
     )
 
 
