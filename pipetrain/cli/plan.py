@@ -66,6 +66,16 @@ def add_parser(subparsers: Any) -> None:
         "its rank, layers, parameters, time and activation memory; per rank the totals; and "
         "the micro-batch size and count to use.",
     )
+    _add_split_flags(p)
+    _add_batch_flags(p)
+    _add_cost_flags(p)
+    _add_profile_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=run)
+
+
+def _add_split_flags(p: argparse.ArgumentParser) -> None:
+    """The model, the pipeline and how to split the model over it."""
     p.add_argument(
         "--model", required=True, metavar="NAME", help="a preset, e.g. llama-default, llama3-8b"
     )
@@ -94,6 +104,10 @@ def add_parser(subparsers: Any) -> None:
         default="uniform",
         help="even blocks, even parameters, or even measured time (default uniform)",
     )
+
+
+def _add_batch_flags(p: argparse.ArgumentParser) -> None:
+    """The batch, its micro-batches and the memory they must fit in."""
     p.add_argument(
         "--batch-size", type=int, default=32, metavar="B", help="sequences per step (default 32)"
     )
@@ -113,6 +127,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--memory-limit", metavar="SIZE", help="memory per rank, e.g. 16GiB (default: no limit)"
     )
+
+
+def _add_cost_flags(p: argparse.ArgumentParser) -> None:
+    """What estimated layers and messages cost."""
     p.add_argument(
         "--flops",
         type=float,
@@ -131,6 +149,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--latency-ms", type=float, default=0.1, metavar="MS", help="time per message (default 0.1)"
     )
+
+
+def _add_profile_flags(p: argparse.ArgumentParser) -> None:
+    """How --balance profile measures the layers."""
     p.add_argument(
         "--device",
         metavar="DEV",
@@ -153,8 +175,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--seed", type=int, default=0, help="weights and inputs of the profile (default 0)"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.set_defaults(run=run)
 
 
 def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
