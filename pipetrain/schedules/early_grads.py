@@ -5,36 +5,19 @@ needs, and the gradient of the stage's weights, which nothing else in the step n
 Where ``prev(s)`` lives on another rank that sits idle until that input gradient arrives,
 running ``I(s, k)``, sending, then ``W(s, k)`` at once lets that rank start a W earlier.
 1F1B's cool-down is the case: rank r waits for the last micro-batches' gradients of
-rank r + 1. With p = 2, m = 4 and unit costs (F = 1, B = 2, I = W = 1; ``pipetrain.schedules.grid.format_timeline``)::
+rank r + 1. With p = 2, m = 4 and unit costs (F = 1, B = 2, I = W = 1;
+``pipetrain.schedules.grid.format_timeline``)::
 
     1f1b          rank 0 | 0F0 0F1 .   .   0B0 0B0 0F2 0B1 0B1 0F3 0B2 0B2 .   0B3 0B3
                   rank 1 | .   1F0 1B0 1B0 1F1 1B1 1B1 1F2 1B2 1B2 1F3 1B3 1B3
     early grads   rank 0 | 0F0 0F1 .   .   0B0 0B0 0F2 0B1 0B1 0F3 0B2 0B2 0B3 0B3
                   rank 1 | .   1F0 1B0 1B0 1F1 1B1 1B1 1F2 1B2 1B2 1F3 1I3 1W3
 
-Each rank keeps its order of F, B and I. A W stays right after its I, or, where that
-shortens the step, moves to the end of the rank's compute: GPipe's ranks run their Bs in
-lockstep, so rank 0 waits only for ``1B0``, and ``1W0`` in place would delay ``1B1`` by as
-much as the I saved; at the end of rank 1, which finishes before rank 0 anyway, it delays
-nothing (p = 2, m = 4: 15 -> 14 units; measured 3.9% faster than whole Bs). A W moves only
-where the rank then holds no more micro-batches at once than it did (``live_peaks``: a
-pending W still needs the inputs of its weight products), which keeps 1F1B's steady state
-as it is. The gradients are the same sums; where a W moves, its micro-batch is added last
-(equal to rounding, not bit for bit). Memory grows a little: from I to W the stage keeps
-the output gradient of each linear layer for that micro-batch (llama-default, 8 sequences
-of 128 tokens: about 20 MB of peak RSS). It is not a zero-bubble schedule: those move every
-W, at a higher peak.
-
-Which backwards. Splitting is not free (the split backward costs a few per cent of the
-micro-batch's F + B, ``SPLIT_OVERHEAD``), and a gradient that arrives while its consumer
-is still busy gains nothing. So the choice is made by replay (``early_grads`` says how it
-searches): only a B whose consumer waited for it, idle, is a candidate, and the splits
-kept are those that shorten the replayed step. The decision uses the papers' unit costs
-plus the overhead (or the costs given), so every rank derives the same schedule from the
-same inputs without measuring anything. With unit costs: 1F1B gains one W per step on
-p = 2 and 33 -> 30 on p = 4, m = 8; interleaved 1F1B (v = 2) and GPipe one W on p = 2,
-57 -> 55 and 33 -> 30 on p = 4, m = 8; naive one W per rank; the zero-bubble family has no
-B left to split.
+Each rank keeps its order of F, B and I; a W stays right after its I or moves to the end
+of the rank where that shortens the step without raising the rank's peak of live
+micro-batches. Which backwards split is decided by replay with unit costs plus
+``SPLIT_OVERHEAD``, so every rank derives the same schedule without measuring anything.
+Why, what it gains and costs (measured), and how the search runs: docs/early_grads.md.
 """
 
 from __future__ import annotations
@@ -172,8 +155,7 @@ def early_grads(
     may gain nothing (default: two per stage); then the splits the best step does not need
     are undone, and the moves of Ws it does not need. Within such a run a stage takes at
     most its rank's stages + 1 splits: that leaves out chains where every B of a stage
-    must split for one W (GPipe's with Ws in place, which measured did not pay: p = 2,
-    m = 4, all four split, the same wall time as whole Bs and 4.6% more CPU).
+    must split for one W (measured not to pay: docs/early_grads.md).
     """
     if schedule.asynchronous or schedule.is_lowered:
         return schedule
