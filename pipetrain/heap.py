@@ -1,16 +1,8 @@
 """Keep the C heap's freed memory in the process between training steps (glibc, CPU).
 
-A training step allocates and frees the same few hundred MiB of activations every time.
-glibc gives memory back to the kernel whenever the free space at the top of its heap
-passes a threshold that it adjusts on its own (``M_TRIM_THRESHOLD``, twice the dynamic
-``M_MMAP_THRESHOLD``), and serves blocks above the mmap threshold with fresh mappings.
-Which step frees the top of the heap depends on what happens to be allocated last, so a
-process can pay for its pages again at every step: measured on llama-default, GPipe
-m = 4, 2 gloo ranks, the last stage grew the heap by about 10 MiB with ``brk`` each step
-and shrank it at the end, about 950 minor page faults and 13 ms of system time per step,
-while a pipeline that happened to keep 4 MiB of logits alive across steps (torch's
-pipelining, in the same process) took none; the two had the same peak of live tensors
-(275 MiB, torch.profiler's memory events).
+glibc trims the top of its heap and maps large blocks afresh by thresholds it adjusts on
+its own, so a training step that frees and allocates the same activations each time can
+pay for its pages again at every step (measured: docs/heap.md).
 
 ``keep_heap`` fixes both thresholds, so a step reuses the pages the previous one freed:
 the process keeps its high-water mark of heap, which a training run reaches at every step
