@@ -114,105 +114,142 @@ def _replay(
     lr_at: Callable[[int], float] | None,
     vertical_sync: bool,
 ) -> list[float]:
-    last = len(stages) - 1
-    counts = [float((t != IGNORE_INDEX).sum()) for t in targets]
-    loss_sums = [0.0] * len(targets)
-    first_versions: dict[int, int] = {}  # micro-batch -> version stage 0 used
-    base = stages[0].newest  # versions made before this stream, the same on every stage
-    outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-    input_grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-    done: set[Action] = set()
+    """One stream: every rank's program run to its end; the mean loss of each step."""
+    replay = _Replay(schedule, stages, inputs, targets, first_mb, window, lr_at, vertical_sync)
     programs = [list(row) for row in schedule.actions]
     positions = [0] * len(programs)
-
-    def version_for(s: int, k: int) -> int:
-        if schedule.name == "pipedream-2bw":
-            # Windows count from the stream's start: its first window uses the newest.
-            return base + max(k // window - 1, 0)
-        if vertical_sync and s > 0:
-            return first_versions[k]  # the version that travels with the activations
-        return st.newest
-
-    def ready(a: Action) -> bool:
-        k = a.microbatch
-        if a.kind is Kind.F:
-            return a.stage == 0 or Action(a.stage - 1, Kind.F, k) in done
-        if a.kind is Kind.B:
-            return a.stage == last or Action(a.stage + 1, Kind.B, k) in done
-        return True
-
     while any(pos < len(row) for pos, row in zip(positions, programs, strict=True)):
         progressed = False
         for r, row in enumerate(programs):
-            while positions[r] < len(row) and ready(row[positions[r]]):
-                a = row[positions[r]]
-                assert a.microbatch is not None
-                s, k, st = a.stage, a.microbatch, stages[a.stage]
-                if a.kind is Kind.F:
-                    v = version_for(s, k)
-                    if s == 0:
-                        first_versions[k] = v
-                    leaves = {n: t.detach().requires_grad_() for n, t in st.versions[v].items()}
-                    x = (
-                        (inputs[k],)
-                        if s == 0
-                        else tuple(
-                            t.detach().requires_grad_(t.is_floating_point())
-                            for t in outputs.pop((s - 1, k))
-                        )
-                    )
-                    out = functional_call(st.module, leaves, x)
-                    out = out if isinstance(out, tuple) else (out,)
-                    if s == last:
-                        loss = token_cross_entropy(out[0], targets[k])
-                        loss_sums[k] = float(loss.detach())
-                        out = (loss,)
-                    else:
-                        outputs[(s, k)] = out
-                    st.saved[k] = (x, out, leaves)
-                elif a.kind is Kind.B:
-                    x, out, leaves = st.saved.pop(k)
-                    if s == last:
-                        torch.autograd.backward(out)
-                    else:
-                        grads = input_grads.pop((s + 1, k))
-                        floating = [o for o in out if o.is_floating_point()]
-                        pairs = [
-                            (o, g) for o, g in zip(floating, grads, strict=True) if o.requires_grad
-                        ]
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                    if s > 0:
-                        input_grads[(s, k)] = tuple(
-                            t.grad if t.grad is not None else torch.zeros_like(t)
-                            for t in x
-                            if t.requires_grad
-                        )
-                    for n, leaf in leaves.items():
-                        if leaf.grad is not None:
-                            acc = st.grads.get(n)
-                            st.grads[n] = leaf.grad if acc is None else acc + leaf.grad
-                    st.collected.append(k)
-                elif a.kind is Kind.STEP:
-                    tokens = sum(counts[j] for j in st.collected)
-                    for n, p in zip(st.names, st.master, strict=True):
-                        g = st.grads.get(n)
-                        p.grad = None if g is None else g / max(tokens, 1.0)
-                    if lr_at is not None:
-                        for group in st.optimizer.param_groups:
-                            group["lr"] = lr_at((first_mb + k) // window)
-                    st.optimizer.step()
-                    st.grads.clear()
-                    st.collected.clear()
-                    st.newest += 1
-                    # Every version is kept: memory is not what this reference checks.
-                    st.versions[st.newest] = st.snapshot()
-                done.add(a)
+            while positions[r] < len(row) and replay.ready(row[positions[r]]):
+                replay.run(row[positions[r]])
                 positions[r] += 1
                 progressed = True
         if not progressed:
             raise RuntimeError("reference replay is stuck: the schedule is invalid")
-    return [
-        sum(loss_sums[i * window : (i + 1) * window])
-        / max(sum(counts[i * window : (i + 1) * window]), 1.0)
-        for i in range(len(targets) // window)
-    ]
+    return replay.step_losses()
+
+
+class _Replay:
+    """What one stream's actions share: the activations and input gradients in flight
+    between stages, each micro-batch's loss, and the version stage 0 gave it."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: list[_StageState],
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        first_mb: int,
+        window: int,
+        lr_at: Callable[[int], float] | None,
+        vertical_sync: bool,
+    ) -> None:
+        self.schedule, self.stages = schedule, stages
+        self.inputs, self.targets = inputs, targets
+        self.first_mb, self.window = first_mb, window
+        self.lr_at, self.vertical_sync = lr_at, vertical_sync
+        self.last = len(stages) - 1
+        self.counts = [float((t != IGNORE_INDEX).sum()) for t in targets]
+        self.loss_sums = [0.0] * len(targets)
+        self.first_versions: dict[int, int] = {}  # micro-batch -> version stage 0 used
+        self.base = stages[0].newest  # versions made before this stream, the same on every stage
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.input_grads: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.done: set[Action] = set()
+
+    def ready(self, a: Action) -> bool:
+        """``F(s, k)`` after ``F(s-1, k)``, ``B(s, k)`` after ``B(s+1, k)``."""
+        k = a.microbatch
+        if a.kind is Kind.F:
+            return a.stage == 0 or Action(a.stage - 1, Kind.F, k) in self.done
+        if a.kind is Kind.B:
+            return a.stage == self.last or Action(a.stage + 1, Kind.B, k) in self.done
+        return True
+
+    def run(self, a: Action) -> None:
+        assert a.microbatch is not None
+        if a.kind is Kind.F:
+            self.forward(a.stage, a.microbatch)
+        elif a.kind is Kind.B:
+            self.backward(a.stage, a.microbatch)
+        elif a.kind is Kind.STEP:
+            self.step(a.stage, a.microbatch)
+        self.done.add(a)
+
+    def version_for(self, s: int, k: int) -> int:
+        if self.schedule.name == "pipedream-2bw":
+            # Windows count from the stream's start: its first window uses the newest.
+            return self.base + max(k // self.window - 1, 0)
+        if self.vertical_sync and s > 0:
+            return self.first_versions[k]  # the version that travels with the activations
+        return self.stages[s].newest
+
+    def forward(self, s: int, k: int) -> None:
+        st = self.stages[s]
+        v = self.version_for(s, k)
+        if s == 0:
+            self.first_versions[k] = v
+        leaves = {n: t.detach().requires_grad_() for n, t in st.versions[v].items()}
+        x = (
+            (self.inputs[k],)
+            if s == 0
+            else tuple(
+                t.detach().requires_grad_(t.is_floating_point())
+                for t in self.outputs.pop((s - 1, k))
+            )
+        )
+        out = functional_call(st.module, leaves, x)
+        out = out if isinstance(out, tuple) else (out,)
+        if s == self.last:
+            loss = token_cross_entropy(out[0], self.targets[k])
+            self.loss_sums[k] = float(loss.detach())
+            out = (loss,)
+        else:
+            self.outputs[(s, k)] = out
+        st.saved[k] = (x, out, leaves)
+
+    def backward(self, s: int, k: int) -> None:
+        st = self.stages[s]
+        x, out, leaves = st.saved.pop(k)
+        if s == self.last:
+            torch.autograd.backward(out)
+        else:
+            grads = self.input_grads.pop((s + 1, k))
+            floating = [o for o in out if o.is_floating_point()]
+            pairs = [(o, g) for o, g in zip(floating, grads, strict=True) if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if s > 0:
+            self.input_grads[(s, k)] = tuple(
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in x if t.requires_grad
+            )
+        for n, leaf in leaves.items():
+            if leaf.grad is not None:
+                acc = st.grads.get(n)
+                st.grads[n] = leaf.grad if acc is None else acc + leaf.grad
+        st.collected.append(k)
+
+    def step(self, s: int, k: int) -> None:
+        st = self.stages[s]
+        tokens = sum(self.counts[j] for j in st.collected)
+        for n, p in zip(st.names, st.master, strict=True):
+            g = st.grads.get(n)
+            p.grad = None if g is None else g / max(tokens, 1.0)
+        if self.lr_at is not None:
+            for group in st.optimizer.param_groups:
+                group["lr"] = self.lr_at((self.first_mb + k) // self.window)
+        st.optimizer.step()
+        st.grads.clear()
+        st.collected.clear()
+        st.newest += 1
+        # Every version is kept: memory is not what this reference checks.
+        st.versions[st.newest] = st.snapshot()
+
+    def step_losses(self) -> list[float]:
+        """The mean token loss of each step: its window's loss sums over its tokens."""
+        w = self.window
+        return [
+            sum(self.loss_sums[i * w : (i + 1) * w])
+            / max(sum(self.counts[i * w : (i + 1) * w]), 1.0)
+            for i in range(len(self.targets) // w)
+        ]
