@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -29,7 +30,7 @@ from pipetrain.parallel import (
     replica_mean,
     shard_batch,
 )
-from pipetrain.runtime import Pipeline, build_pipeline
+from pipetrain.runtime import Pipeline, PipelineHooks, build_pipeline
 from pipetrain.train.data import (
     Batch,
     Corpus,
@@ -135,7 +136,7 @@ def open_session(
     mesh: Mesh | None,
 ) -> Session:
     """Build this process's part of the run, in the order the pieces depend on each other."""
-    p, d, r = config.pipeline, config.data, config.run
+    p, r = config.pipeline, config.run
     # Data parallelism: gradients averaged over the replicas (replicated or, with --shard,
     # sharded stages), shards of every batch, and the norm, the NaN decision and
     # checkpoints over every process (the world group).
@@ -144,7 +145,7 @@ def open_session(
 
     pipeline = build_pipeline(
         model_spec(plan.model),
-        schedule=plan.schedule,
+        schedule=plan.prepared,
         microbatches=p.microbatches,
         group=group,
         ranks=None if group is not None else p.pp,
@@ -152,7 +153,7 @@ def open_session(
         seed=r.seed,
         split=plan.split,
         timeout_s=p.timeout_s,
-        grads_hook=replicas.grads_hook if replicas is not None else None,
+        hooks=PipelineHooks(grads_hook=replicas.grads_hook if replicas is not None else None),
     )
     for module in pipeline.modules:
         apply_stage_options(
@@ -165,39 +166,13 @@ def open_session(
     if replicas is not None:  # sharding replaces the parameters: before the optimizer
         replicas.attach(pipeline)
     first, last, corpus = open_data(config, pipeline, everyone)
-    evals: list[tuple[Batch, float | None]] | None = None
-    if corpus is not None:
-        evals = [
-            _shard(b, mesh)
-            for b in eval_batches(
-                corpus, batch_size=d.batch_size, seq_len=d.seq_len, count=d.eval_batches
-            )
-        ]
-
+    evals = _eval_batches(config, corpus, mesh)
     optimizer = build_optimizer(pipeline.named_parameters(), config.optim)
     update = GuardedUpdate(optimizer, config.optim, total_steps=r.steps, group=everyone)
-    grads = (
-        local_gradients(pipeline)
-        if mesh is None
-        else norm_share(
-            local_gradients(pipeline), mesh, sharded=replicas is not None and replicas.sharded
-        )
-    )
+    grads = _gradients(pipeline, mesh, replicas)
     output = open_output(config, role, out)
     if role.reporter and corpus is not None:
-        n_params = sum(param.numel() for param in pipeline.parameters())
-        output.say(f"data: {corpus.description}")
-        output.say(
-            f"model {plan.model.name}: {plan.model.n_layers} blocks, d_model {plan.model.d_model}; "
-            f"schedule {plan.schedule.name} on {p.pp} rank{'s' if p.pp > 1 else ''}, split {[len(s) for s in plan.split]} layers, "
-            f"{n_params:,} parameters in this process, device {device}"
-        )
-        if plan.early_splits:
-            n = len(plan.early_splits)
-            output.say(
-                f"early input gradients: {n} backward{'s' if n > 1 else ''} run as I then W "
-                f"({', '.join(plan.early_splits)}; --no-early-grads runs them whole)"
-            )
+        _describe(config, plan, pipeline, corpus, device, output.say)
     checkpoints = _checkpoints(config, plan, pipeline, optimizer, everyone, device, output)
     return Session(
         config=config,
@@ -235,6 +210,56 @@ def local_gradients(pipeline: Pipeline) -> Gradients:
             if name in pipeline.tied_names or placement.replica(stage) > 0:
                 extra.append(param)
     return Gradients.of(params, not_counted=extra)
+
+
+def _eval_batches(
+    config: TrainConfig, corpus: Corpus | None, mesh: Mesh | None
+) -> list[tuple[Batch, float | None]] | None:
+    """The held-out batches, this replica's rows of each; None where no data is read."""
+    if corpus is None:
+        return None
+    d = config.data
+    return [
+        _shard(b, mesh)
+        for b in eval_batches(
+            corpus, batch_size=d.batch_size, seq_len=d.seq_len, count=d.eval_batches
+        )
+    ]
+
+
+def _gradients(pipeline: Pipeline, mesh: Mesh | None, replicas: GradientSync | None) -> Gradients:
+    """The gradients the norm and the NaN decision see: with dp, each process's share."""
+    if mesh is None:
+        return local_gradients(pipeline)
+    return norm_share(
+        local_gradients(pipeline), mesh, sharded=replicas is not None and replicas.sharded
+    )
+
+
+def _describe(
+    config: TrainConfig,
+    plan: RunPlan,
+    pipeline: Pipeline,
+    corpus: Corpus,
+    device: torch.device,
+    say: Callable[[str], None],
+) -> None:
+    """The data, the model, the schedule and its early input gradients, in the run's first
+    lines."""
+    p = config.pipeline
+    n_params = sum(param.numel() for param in pipeline.parameters())
+    say(f"data: {corpus.description}")
+    say(
+        f"model {plan.model.name}: {plan.model.n_layers} blocks, d_model {plan.model.d_model}; "
+        f"schedule {plan.schedule.name} on {p.pp} rank{'s' if p.pp > 1 else ''}, split {[len(s) for s in plan.split]} layers, "
+        f"{n_params:,} parameters in this process, device {device}"
+    )
+    if plan.early_splits:
+        n = len(plan.early_splits)
+        say(
+            f"early input gradients: {n} backward{'s' if n > 1 else ''} run as I then W "
+            f"({', '.join(plan.early_splits)}; --no-early-grads runs them whole)"
+        )
 
 
 def _shard(batch: Batch, mesh: Mesh | None) -> tuple[Batch, float | None]:
