@@ -1,20 +1,26 @@
-"""The training run of one process: build this rank's stages, train, evaluate, report.
+"""The synchronous training run of one process: set up, train step by step, finish.
+
+``train`` reads top to bottom: ``_set_up`` (this process's checks, plan and device, before
+it meets the others), ``_process_group`` (the group and the data-parallel mesh), then
+``open_session`` (``pipetrain.train.session``: the pipeline, data, optimizer, output and
+checkpoints), ``_step_loop`` (the optimizer steps with their evaluations and
+checkpoints) and ``_finish`` (summary, pictures and sample). An asynchronous schedule
+hands the run to ``pipetrain.train.pipedream`` after the process group is made.
 
 The same function runs every case: ``--pp 1`` (one stage, no process group), the
 single-process debug mode (every rank's stages in this process), and one rank of a
-process group started by ``launch`` or by torchrun. Only rank 0 reports; every rank
-knows the loss, so every rank takes the same decisions.
-
-The set-up lives in ``pipetrain.train.session``; here are the outline of the run, its
-step and its finish.
+process group started by ``pipetrain.launch`` or by torchrun. Only rank 0 reports; every
+rank knows the loss, so every rank takes the same decisions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -30,7 +36,6 @@ from pipetrain.errors import InputError
 from pipetrain.heap import keep_heap
 from pipetrain.launch.rendezvous import join_process_group, report_failure
 from pipetrain.launch.role import ProcessRole
-from pipetrain.models import build_full_model, model_spec
 from pipetrain.parallel import Mesh, build_mesh, replica_mean, state_bytes
 from pipetrain.runtime import Pipeline
 from pipetrain.runtime.build import gpu_identity, use_device
@@ -39,12 +44,13 @@ from pipetrain.schedules.execution import Timeline
 from pipetrain.train.data import Corpus, load_tokenizer
 from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble
 from pipetrain.train.optim import StepOutcome
+from pipetrain.train.pipedream.loop import train_async
 from pipetrain.train.plan import (
     RunPlan,
     plan_run,
     threads_per_process,
 )
-from pipetrain.train.sample import gather_state_dict, generate
+from pipetrain.train.sample import gather_state_dict, sample_text
 from pipetrain.train.session import Session, open_session
 from pipetrain.train.shared import check_same_settings, peak_memory_per_rank
 from pipetrain.train.stage_options import StageOptionError
@@ -53,6 +59,66 @@ __all__ = ["resolve_device", "train"]
 
 # Steps left out of the timing averages: the first runs allocations (and compilation).
 _WARMUP_STEPS = 1
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def train(
+    config: TrainConfig, role: ProcessRole, *, out: IO[str] | None = None, announced: bool = False
+) -> RunSummary | None:
+    """Train as one process of the run; returns the summary on rank 0 (None elsewhere).
+
+    ``announced``: the launcher already printed and saved the resolved config.
+    """
+    out = sys.stdout if out is None else out
+    started = time.perf_counter()
+    plan, device = _set_up(config, role, out, announced)
+    with _process_group(config, role, plan, device) as (group, mesh):
+        if plan.schedule.asynchronous:  # pipedream, pipedream-2bw: weights change inside a step
+            return train_async(config, role, plan, device, group, out, started)
+        session = open_session(config, role, plan, device, group, out, mesh)
+        try:
+            trained = _step_loop(session)
+            return None if trained is None else _finish(session, trained, started)
+        finally:
+            session.output.close()  # also when the run fails: TensorBoard buffers its events
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def _set_up(
+    config: TrainConfig, role: ProcessRole, out: IO[str], announced: bool
+) -> tuple[RunPlan, torch.device]:
+    """This process's checks and settings before it meets the others: the plan and device.
+
+    A failure is reported before it is raised: under torchrun the other nodes would wait
+    for this process until the timeout.
+    """
+    p = config.pipeline
+    try:
+        if role.distributed and role.world_size != p.pp * p.dp:
+            raise ConfigError(
+                f"{role.world_size} processes were started but pipeline.pp x pipeline.dp is "
+                f"{p.pp * p.dp}: start {p.pp * p.dp} processes in all (torchrun --nnodes x "
+                f"--nproc-per-node) or change --pp/--dp"
+            )
+        tokenizer = load_tokenizer(config.data.tokenizer)
+        plan = plan_run(config, vocab_size=tokenizer.vocab_size, reporter=role.reporter)
+        device = resolve_device(p.device, role.local_rank)
+        # Before the process group: its object collectives on nccl use the current device.
+        use_device(device)
+        if device.type == "cpu":
+            torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
+            # Activations live in the C heap: keep its freed pages for the next step.
+            keep_heap()
+        if role.reporter and not announced:
+            announce(config, out)
+    except Exception as exc:
+        report_failure(role, exc)
+        raise
+    return plan, device
 
 
 def resolve_device(setting: str, local_rank: int) -> torch.device:
@@ -72,91 +138,46 @@ def resolve_device(setting: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-# ----------------------------------------------------------------------------- the run
-
-
-def train(
-    config: TrainConfig, role: ProcessRole, *, out: IO[str] | None = None, announced: bool = False
-) -> RunSummary | None:
-    """Train as one process of the run; returns the summary on rank 0 (None elsewhere).
-
-    ``announced``: the launcher already printed and saved the resolved config.
-    """
-    out = sys.stdout if out is None else out
-    started = time.perf_counter()
-    try:
-        plan, device = _set_up(config, role, out, announced)
-    except Exception as exc:
-        # Under torchrun the other nodes would wait for this process until the timeout.
-        report_failure(role, exc)
-        raise
+@contextlib.contextmanager
+def _process_group(
+    config: TrainConfig, role: ProcessRole, plan: RunPlan, device: torch.device
+) -> Iterator[tuple[Any, Mesh | None]]:
+    """The pipeline group and the mesh of a distributed run, (None, None) in one process;
+    the process group is destroyed when the run ends, also when it fails."""
     p = config.pipeline
-    group: Any = None
-    mesh: Mesh | None = None
     if role.distributed and not dist.is_initialized():
         join_process_group(
             role, "nccl" if device.type == "cuda" else "gloo", p.timeout_s, gpu_identity(device)
         )
     try:
-        if role.distributed:
-            # Before the groups are made: ranks that disagree on pp or dp would hang there.
-            check_same_settings(config, plan)
-            mesh = build_mesh(device.type, p.pp, p.dp)
-            # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
-            group = mesh.pp_group if p.pp > 1 else None
-        return _train(config, role, plan, device, group, out, started, mesh)
+        if not role.distributed:
+            yield None, None
+            return
+        # Before the groups are made: ranks that disagree on pp or dp would hang there.
+        check_same_settings(config, plan)
+        mesh = build_mesh(device.type, p.pp, p.dp)
+        # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
+        yield (mesh.pp_group if p.pp > 1 else None), mesh
     finally:
         if role.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _set_up(
-    config: TrainConfig, role: ProcessRole, out: IO[str], announced: bool
-) -> tuple[RunPlan, torch.device]:
-    """This process's checks and settings before it meets the others: the plan and device."""
-    p = config.pipeline
-    if role.distributed and role.world_size != p.pp * p.dp:
-        raise ConfigError(
-            f"{role.world_size} processes were started but pipeline.pp x pipeline.dp is "
-            f"{p.pp * p.dp}: start {p.pp * p.dp} processes in all (torchrun --nnodes x "
-            f"--nproc-per-node) or change --pp/--dp"
-        )
-    tokenizer = load_tokenizer(config.data.tokenizer)
-    plan = plan_run(config, vocab_size=tokenizer.vocab_size, reporter=role.reporter)
-    device = resolve_device(p.device, role.local_rank)
-    # Before the process group: its object collectives on nccl use the current device.
-    use_device(device)
-    if device.type == "cpu":
-        torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
-        # Activations live in the C heap: keep its freed pages for the next step.
-        keep_heap()
-    if role.reporter and not announced:
-        announce(config, out)
-    return plan, device
+# ----------------------------------------------------------------------------- the steps
 
 
-def _train(
-    config: TrainConfig,
-    role: ProcessRole,
-    plan: RunPlan,
-    device: torch.device,
-    group: Any,
-    out: IO[str],
-    started: float,
-    mesh: Mesh | None = None,
-) -> RunSummary | None:
-    if plan.schedule.asynchronous:  # pipedream, pipedream-2bw: weights change inside a step
-        from pipetrain.train.pipedream.loop import train_async
+@dataclass(frozen=True)
+class Trained:
+    """What the step loop leaves to the finish."""
 
-        return train_async(config, role, plan, device, group, out, started)
-    session = open_session(config, role, plan, device, group, out, mesh)
-    try:
-        return _run_session(session, started)
-    finally:
-        session.output.close()  # also when the run fails: TensorBoard buffers its events
+    records: list[StepRecord]  # one per step this session trained
+    first_eval: float  # before the first step (NaN when evaluation is off)
+    final_eval: float
 
 
-def _run_session(session: Session, started: float) -> RunSummary | None:
+def _step_loop(session: Session) -> Trained | None:
+    """The optimizer steps from where the checkpoints resume, with their evaluations and
+    saves; None when a finished run is resumed as it was."""
     run = session.config.run
     start = session.checkpoints.resume()
     if start and start == run.steps:
@@ -182,7 +203,7 @@ def _run_session(session: Session, started: float) -> RunSummary | None:
             break
     session.checkpoints.close()
     final_eval = session.evaluate(done if session.checkpoints.stopped else run.steps)
-    return _finish(session, records, started, first_eval=first_eval, final_eval=final_eval)
+    return Trained(records, first_eval, final_eval)
 
 
 # ----------------------------------------------------------------------------- a step
@@ -302,18 +323,12 @@ def _first_step_guard(
 # ----------------------------------------------------------------------------- the finish
 
 
-def _finish(
-    session: Session,
-    records: list[StepRecord],
-    started: float,
-    *,
-    first_eval: float,
-    final_eval: float,
-) -> RunSummary | None:
+def _finish(session: Session, trained: Trained, started: float) -> RunSummary | None:
     """Timeline picture, summary, data-parallel statistics and sample; the summary on rank 0."""
     config, role, mesh, say = session.config, session.role, session.mesh, session.output.say
     r = config.run
-    summary = _summary(session, records, started, first_eval=first_eval, final_eval=final_eval)
+    records = trained.records
+    summary = _summary(session, trained, started)
     # Recorded first: a picture or a sample that fails must not lose the run's summary.
     session.output.record(summary.to_json())
     if role.reporter:
@@ -345,16 +360,9 @@ def _finish(
     return summary if role.reporter else None
 
 
-def _summary(
-    session: Session,
-    records: list[StepRecord],
-    started: float,
-    *,
-    first_eval: float,
-    final_eval: float,
-) -> RunSummary:
+def _summary(session: Session, trained: Trained, started: float) -> RunSummary:
     """The run's numbers; every rank takes part in gathering the peak memory."""
-    role = session.role
+    role, records = session.role, trained.records
     peaks = peak_memory_per_rank(role, session.device)
     # Timing leaves out the warm-up steps, unless there is nothing else.
     timed = records[_WARMUP_STEPS:] or records
@@ -370,8 +378,8 @@ def _summary(
         simulated_bubble=simulated_bubble([m.timeline for m in timed], session.plan.schedule)
         if session.config.pipeline.pp > 1
         else None,
-        first_eval_loss=first_eval,
-        final_eval_loss=final_eval,
+        first_eval_loss=trained.first_eval,
+        final_eval_loss=trained.final_eval,
         peak_memory=peaks,
         skipped_steps=sum(int(m.outcome.skipped) for m in records),
         untimed_steps=len(records) - len(timed),
@@ -395,17 +403,4 @@ def _sample(
     state = gather_state_dict(pipeline.modules, group)
     if state is None or corpus is None or not here:
         return
-    r = config.run
-    model = build_full_model(model_spec(plan.model), seed=r.seed, device="cpu")
-    model.load_state_dict(state)
-    model.eval()
-    tokenizer = corpus.tokenizer
-    ids = generate(
-        model,
-        tokenizer.encode(r.sample_prompt),
-        new_tokens=r.sample_tokens,
-        context=min(plan.model.max_seq_len, config.data.seq_len),
-        temperature=r.sample_temperature,
-        seed=r.seed,
-    )
-    say(f"sample (temperature {r.sample_temperature}):\n{r.sample_prompt}{tokenizer.decode(ids)}\n")
+    say(sample_text(config, plan.model, state, corpus.tokenizer))

@@ -14,7 +14,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["gather_state_dict", "generate"]
+from pipetrain.config.schema import TrainConfig
+from pipetrain.models import build_full_model, model_spec
+from pipetrain.models.config import ModelConfig
+from pipetrain.train.data import Tokenizer
+
+__all__ = ["gather_state_dict", "generate", "sample_text"]
 
 
 def _local_state(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
@@ -80,3 +85,25 @@ def generate(
         out.append(token)
         ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
     return out
+
+
+def sample_text(
+    config: TrainConfig, model: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Tokenizer
+) -> str:
+    """The run's closing sample: text after ``run.sample_prompt`` from the whole model,
+    built on the CPU with the weights ``state`` (by global name, as gathered)."""
+    r = config.run
+    full = build_full_model(model_spec(model), seed=r.seed, device="cpu")
+    full.load_state_dict(state)
+    full.eval()
+    ids = generate(
+        full,
+        tokenizer.encode(r.sample_prompt),
+        new_tokens=r.sample_tokens,
+        context=min(model.max_seq_len, config.data.seq_len),
+        temperature=r.sample_temperature,
+        seed=r.seed,
+    )
+    return (
+        f"sample (temperature {r.sample_temperature}):\n{r.sample_prompt}{tokenizer.decode(ids)}\n"
+    )
