@@ -1,8 +1,10 @@
 """What one process of a synchronous run holds, built once before its first step.
 
-``open_session`` does the set-up of ``pipetrain.train.loop``: this rank's pipeline with its
-stage options, the data-parallel reducer, the data, the optimizer and its guard, the
-output and the checkpoints. The loop then only steps, evaluates and finishes.
+``open_session`` is the set-up step of ``pipetrain.train.loop.train``: this rank's pipeline
+with its stage options, the data-parallel gradient sync (``pipetrain.parallel``), the data
+and output (``pipetrain.train.shared``, as the asynchronous trainer opens them), the
+optimizer and its guard, and the checkpoints. The loop then only steps, evaluates and
+finishes.
 """
 
 from __future__ import annotations
