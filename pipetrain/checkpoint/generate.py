@@ -23,7 +23,7 @@ from pipetrain.checkpoint.load import load_checkpoint
 from pipetrain.checkpoint.manifest import Manifest
 from pipetrain.errors import InputError
 from pipetrain.models import ModelConfig, StageModule, build_stage, model_spec
-from pipetrain.runtime.build import even_split
+from pipetrain.runtime.inputs import even_split
 
 __all__ = ["Generation", "PipelineModel", "generate_tokens", "load_pipeline_model"]
 

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.cli.ckpt import reading, resolve_checkpoint
     from pipetrain.launch.rendezvous import join_process_group
     from pipetrain.launch.role import ProcessRole
-    from pipetrain.runtime.build import gpu_identity, use_device
+    from pipetrain.runtime.device import gpu_identity, use_device
     from pipetrain.train.data import load_tokenizer
 
     path = resolve_checkpoint(args.checkpoint)

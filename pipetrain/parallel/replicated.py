@@ -75,7 +75,7 @@ class _Launched:
 class ReplicaGradients:
     """DDP for the stages of one pipeline rank: bucketed, asynchronous, per stage.
 
-    Build it, pass ``grads_hook`` to ``build_pipeline(grads_hook=...)``, then ``attach``
+    Build it, pass ``grads_hook`` to ``build_pipeline`` (``PipelineHooks``), then ``attach``
     the pipeline. Per optimizer step: ``begin(sync)`` before each pipeline step (sync only
     on the last of a gradient accumulation), ``finish(step)`` after the last one.
     """

@@ -162,7 +162,7 @@ def check_shardable(schedule: Schedule) -> None:
 class ShardedGradients:
     """FSDP2 per stage: the counterpart of ``parallel.ReplicaGradients`` for ``--shard``.
 
-    Build it, pass ``grads_hook`` to ``build_pipeline(grads_hook=...)``, apply the stage
+    Build it, pass ``grads_hook`` to ``build_pipeline`` (``PipelineHooks``), apply the stage
     options, then ``attach`` the pipeline (this shards it: build the optimizer after).
     Per optimizer step: ``begin(sync)`` before each pipeline step (sync only on the last
     of a gradient accumulation), ``finish(step)`` after the last one; ``reshard()`` after

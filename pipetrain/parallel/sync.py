@@ -5,7 +5,7 @@ replicated stages (``replicated.ReplicaGradients``: DDP per stage, all-reduce) a
 sharded ones (``sharded.ShardedGradients``: FSDP2 per stage, reduce-scatter):
 
     sync = gradient_sync(mesh, shard=..., timeout_s=...)   # None without replicas
-    build_pipeline(..., grads_hook=sync.grads_hook)        # a stage's gradients are final
+    build_pipeline(..., hooks=PipelineHooks(grads_hook=sync.grads_hook))  # grads final
     sync.attach(pipeline)                                  # before the optimizer is built
     per optimizer step: sync.begin(sync=last_micro_step) before each pipeline step,
                         sync.finish(step) after the last one

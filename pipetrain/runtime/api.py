@@ -27,66 +27,46 @@ Usage, in a script started on every rank (``torchrun --nproc-per-node 2 train.py
 
 Without a process group (``group=None``) the pipeline runs every rank's actions in this
 one process with an in-memory transport (``ranks`` says how many), giving exactly the same
-numbers: the debug mode. Pass a ``Schedule`` instead of a name to run a schedule of your
-own (``pipetrain.schedules.io`` loads one from CSV); it is validated and lowered here.
+numbers: the debug mode. Pass a ``Schedule``, or the path of a CSV or JSON schedule file,
+instead of a name to run a schedule of your own (``pipetrain.schedules.io`` writes and
+reads them); ``build_pipeline`` validates and lowers it.
 
 The loss is the sum over all target tokens of ``loss_fn`` (cross-entropy by default),
 divided by the number of targets that are not -100 in the whole batch: the gradients are
 those of one large batch, however it is split into micro-batches.
 
-This module holds the pipeline and its step; ``build_pipeline`` (in
-``pipetrain.runtime.build``, with its argument checks) is re-exported here.
+This module holds the pipeline and its step. ``build_pipeline``
+(``pipetrain.runtime.build``) builds one: it checks its arguments
+(``pipetrain.runtime.inputs``), builds this process's stages and connects them
+(``pipetrain.runtime.wiring``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipetrain.models import PipelineSpec, StageModule
-from pipetrain.runtime.build import (
-    build_pipeline,
+from pipetrain.runtime.collectives import dist_barrier, dist_step_summary
+from pipetrain.runtime.errors import PipelineError, PipelineInputError, lost_peer_error
+from pipetrain.runtime.executor import RankExecutor
+from pipetrain.runtime.inputs import (
     check_class_targets,
     check_token_ids,
-    default_device,
-    even_split,
-    forward_only,
+    count_targets,
     positive_count,
+    split_batch,
     token_table_rows,
 )
-from pipetrain.runtime.collectives import (
-    DistReducer,
-    LocalReducer,
-    ReplicaGroup,
-    TiedGroup,
-    dist_barrier,
-    dist_step_summary,
-)
-from pipetrain.runtime.errors import PipelineError, PipelineInputError, lost_peer_error
-from pipetrain.runtime.executor import ComputeHook, GradsHook, RankExecutor, StepHook
-from pipetrain.runtime.stage import IGNORE_INDEX, LossFn, StageRunner
+from pipetrain.runtime.result import StepResult
 from pipetrain.runtime.timeline import merge_timelines, rank_events
-from pipetrain.runtime.transport import DistTransport, InMemoryTransport
+from pipetrain.runtime.wiring import Wiring
 from pipetrain.schedules import Kind, Schedule
-from pipetrain.schedules.execution import Timeline
 
-__all__ = ["Pipeline", "StepResult", "build_pipeline", "default_device", "even_split"]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one step returns, the same on every rank."""
-
-    loss: float  # mean loss per target token over the whole batch
-    tokens: int  # target tokens that count (not -100)
-    timeline: Timeline  # measured actions of every rank, seconds from the step's start
-    step_time_s: float  # wall time of the step on this rank
+__all__ = ["Pipeline", "StepResult"]
 
 
 class Pipeline:
@@ -97,24 +77,19 @@ class Pipeline:
         schedule: Schedule,
         spec: PipelineSpec,
         split: tuple[tuple[int, ...], ...],
-        ranks: tuple[int, ...],
         stage_modules: dict[int, StageModule],
-        group: Any,
-        device: torch.device,
-        loss_fn: LossFn,
-        timeout_s: float,
-        step_hook: StepHook | None,
-        compute_hook: ComputeHook | None = None,
-        grads_hook: GradsHook | None = None,
+        wiring: Wiring,
         *,
+        device: torch.device,
+        timeout_s: float,
         class_targets: bool = False,
     ) -> None:
+        """``stage_modules``: this process's stages, connected by ``wiring``
+        (``pipetrain.runtime.wiring.wire``); ``build_pipeline`` builds both."""
         self.schedule = schedule
         self.spec = spec
         self.split = split
         self.device = device
-        self._group = group
-        self._ranks = ranks  # the ranks whose programs run in this process
         self._timeout_s = timeout_s
         # Every pass (training step or evaluation) has its own number on the wire, which
         # the messages' headers check; errors name the pass as the user counts it.
@@ -126,104 +101,17 @@ class Pipeline:
         self._started = False
         self._partial: str | None = None
         self._stage_modules = stage_modules
-        placement = schedule.placement
-        split_mbs = _split_microbatches(schedule)  # stage -> its split backwards, None: all
-        runners = {
-            s: StageRunner(
-                s,
-                module,
-                is_first=placement.is_first(s),
-                is_last=placement.is_last(s),
-                loss_fn=loss_fn,
-                split_backward=s in split_mbs,
-                split_only=split_mbs.get(s),
-            )
-            for s, module in stage_modules.items()
-        }
-        replica_groups = [
-            ReplicaGroup(
-                j,
-                placement.replicas_of(j),
-                tuple(placement.rank_of(s) for s in placement.replicas_of(j)),
-            )
-            for j in range(placement.num_model_stages)
-        ]
-        holders = spec.tied_holders(split)
-        tied_groups = [
-            TiedGroup(
-                key,
-                tuple(
-                    s
-                    for s in range(placement.num_stages)
-                    if placement.model_stage(s) in model_stages
-                ),
-                tuple(
-                    placement.rank_of(s)
-                    for s in range(placement.num_stages)
-                    if placement.model_stage(s) in model_stages
-                ),
-            )
-            for key, model_stages in holders.items()
-            if len(model_stages) * placement.replicas > 1
-        ]
-        tied_params = {
-            (key, s): module.tied_parameters()[key]
-            for s, module in stage_modules.items()
-            for key in module.tied_parameters()
-        }
-        tied_ids = {id(p) for p in tied_params.values()}
-        replica_params = {
-            s: [p for p in module.parameters() if p.requires_grad and id(p) not in tied_ids]
-            for s, module in stage_modules.items()
-        }
+        self._group = wiring.group
+        self._transport = wiring.transport
+        self._reducer = wiring.reducer
+        self._train = wiring.train
+        self._eval = wiring.eval
+        self._rank_map = wiring.rank_map
         # Kept so that rebind_parameters can update, in place, what the reducers sum.
-        self._tied_params = tied_params
-        self._replica_params = replica_params
-        self.tied_names: dict[str, str] = {}
-        for module in stage_modules.values():
-            by_id = {id(p): key for key, p in module.tied_parameters().items()}
-            for name, p in module.named_parameters(remove_duplicate=False):
-                if id(p) in by_id and name != by_id[id(p)]:
-                    self.tied_names[name] = by_id[id(p)]
-        forward_schedule = forward_only(schedule)
-        self._reducer: LocalReducer | DistReducer
-        if group is None:
-            transport: Any = InMemoryTransport()
-            self._reducer = LocalReducer(replica_groups, replica_params, tied_groups, tied_params)
-        else:
-            rank = ranks[0]
-            transport = DistTransport(group, placement.stage_to_rank, device, timeout_s)
-            self._reducer = DistReducer(
-                group, rank, replica_groups, replica_params, tied_groups, tied_params, timeout_s
-            )
-        self._transport = transport
-        # The runtime's errors number ranks within the pipeline's group; where those are
-        # not the global ranks (data parallelism: one pipeline per replica), they say
-        # which process is which.
-        self._rank_map = ""
-        if group is not None:
-            world = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
-            if world != list(range(len(world))):
-                pairs = ", ".join(f"{r} is global rank {g}" for r, g in enumerate(world))
-                self._rank_map = f" [ranks of this pipeline's group: {pairs}]"
-
-        def executors(program: Schedule, grads: GradsHook | None = None) -> list[RankExecutor]:
-            return [
-                RankExecutor(
-                    program,
-                    r,
-                    {s: runners[s] for s in placement.stages_of(r)},
-                    transport,
-                    self._reducer,
-                    step_hook,
-                    compute_hook,
-                    grads,
-                )
-                for r in ranks
-            ]
-
-        self._train = executors(schedule, grads_hook)
-        self._eval = executors(forward_schedule)
+        self._tied_params = wiring.tied_params
+        self._replica_params = wiring.replica_params
+        self.tied_names = wiring.tied_names
+        placement = schedule.placement
         self._has_first = any(placement.is_first(s) for s in stage_modules)
         self._vocab = token_table_rows(spec, stage_modules)
         self._has_last = any(placement.is_last(s) for s in stage_modules)
@@ -318,35 +206,6 @@ class Pipeline:
             self._eval, inputs, targets, training=False, denominator=denominator, label=label
         ).loss
 
-    def _split(self, name: str, batch: torch.Tensor | None, needed: bool) -> list[torch.Tensor]:
-        m = self.schedule.microbatches
-        if batch is None:
-            if needed:
-                raise PipelineInputError(
-                    f"this rank holds a {'first' if name == 'inputs' else 'last'} stage: pass {name}"
-                )
-            return []
-        if not isinstance(batch, torch.Tensor):
-            raise PipelineInputError(
-                f"{name} is a {type(batch).__name__}: pass a tensor (torch.tensor(...)) whose first "
-                f"dimension is the batch"
-            )
-        if batch.dim() < 1 or batch.shape[0] % m:
-            params = dict(self.schedule.params)
-            # An asynchronous schedule built for microbatches=m runs a stream of several
-            # optimizer steps of m each: the count here is not the one the caller passed.
-            stream = (
-                f" (schedule {self.schedule.name!r} streams {params['steps']} steps of "
-                f"{params['window']} micro-batches per call: stack the steps' batches)"
-                if self.schedule.asynchronous and {"steps", "window"} <= params.keys()
-                else ""
-            )
-            raise PipelineInputError(
-                f"{name} has batch size {batch.shape[0] if batch.dim() else 0}, not a multiple of "
-                f"microbatches={m}{stream}: make the batch size a multiple of {m}"
-            )
-        return list(batch.to(self.device).chunk(m, dim=0))
-
     def _run(
         self,
         executors: list[RankExecutor],
@@ -422,34 +281,14 @@ class Pipeline:
         denominator: float | None,
     ) -> StepResult:
         """One pass: ``step`` numbers its messages on the wire, ``where`` names it in errors."""
-        input_mbs = self._split("inputs", inputs, self._has_first)
+        device = self.device
+        input_mbs = split_batch("inputs", inputs, self._has_first, self.schedule, device)
         if self._vocab is not None and inputs is not None:
             check_token_ids(inputs, self._vocab)
-        target_mbs = self._split("targets", targets, self._has_last)
+        target_mbs = split_batch("targets", targets, self._has_last, self.schedule, device)
         if self._class_targets and targets is not None:
             check_class_targets(targets)
-        tokens = 0
-        if targets is not None:
-            tokens = int((targets != IGNORE_INDEX).sum())
-            if tokens == 0 and self._has_last and denominator is None:
-                raise PipelineInputError(
-                    f"targets of shape {tuple(targets.shape)} are empty: pass at least one "
-                    f"sequence of at least one token"
-                    if targets.numel() == 0
-                    else "every target is -100 (ignored): the batch has no token to learn from"
-                )
-        if (
-            isinstance(inputs, torch.Tensor)
-            and isinstance(targets, torch.Tensor)
-            and inputs.dim() > 0
-            and targets.dim() > 0
-            and inputs.shape[0] != targets.shape[0]
-        ):
-            # Checked before any rank starts: only a last stage would find out, mid-step.
-            raise PipelineInputError(
-                f"inputs hold {inputs.shape[0]} sequences but targets {targets.shape[0]}: pass "
-                f"one row of targets per row of inputs"
-            )
+        tokens = count_targets(inputs, targets, self._has_last, denominator)
         divide_by = float(max(tokens, 1)) if denominator is None else positive_count(denominator)
         if training:
             self._reducer.begin()
@@ -520,25 +359,6 @@ class Pipeline:
         ]
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
-
-
-def _split_microbatches(schedule: Schedule) -> dict[int, frozenset[int] | None]:
-    """The stages whose backward the schedule splits into I and W, each with the
-    micro-batches it splits, or None where it splits every one (the zero-bubble family)."""
-    split: dict[int, set[int]] = {}
-    forwards: dict[int, set[int]] = {}
-    for row in schedule.actions:
-        for action in row:
-            if action.microbatch is None:
-                continue
-            if action.kind is Kind.I:
-                split.setdefault(action.stage, set()).add(action.microbatch)
-            elif action.kind is Kind.F:
-                forwards.setdefault(action.stage, set()).add(action.microbatch)
-    return {
-        stage: None if mbs == forwards.get(stage) else frozenset(mbs)
-        for stage, mbs in split.items()
-    }
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -27,7 +28,15 @@ from pipetrain.runtime.wire_format import MessageKey
 from pipetrain.schedules import Action, Kind, Schedule
 from pipetrain.schedules.wire import PeerOrders, peer_orders, wire_orders
 
-__all__ = ["ComputeHook", "GradReducer", "GradsHook", "RankExecutor", "StepHook", "Transport"]
+__all__ = [
+    "ComputeHook",
+    "GradReducer",
+    "GradsHook",
+    "PipelineHooks",
+    "RankExecutor",
+    "StepHook",
+    "Transport",
+]
 
 # Called for a STEP action with (stage, micro-batch): the caller's optimizer step of that
 # stage (asynchronous schedules).
@@ -38,6 +47,22 @@ ComputeHook = Callable[[Action], None]
 # Called with a stage right after the last action of a step that adds to its weight
 # gradients (its last B or W): data parallelism starts that stage's all-reduce there.
 GradsHook = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class PipelineHooks:
+    """The caller's code that a pipeline runs inside its steps (``build_pipeline(hooks=)``).
+
+    ``step_hook(stage, microbatch)`` runs the STEP actions of asynchronous schedules;
+    ``compute_hook(action)`` runs before each F, B, I and W (where
+    pipetrain.train.pipedream.weights picks a micro-batch's weight version);
+    ``grads_hook(stage)`` runs right after a stage's last B or W of a training step (data
+    parallelism starts its all-reduce there). None: nothing runs there.
+    """
+
+    step_hook: StepHook | None = None
+    compute_hook: ComputeHook | None = None
+    grads_hook: GradsHook | None = None
 
 
 class Transport(Protocol):
@@ -102,8 +127,8 @@ class RankExecutor:
                 )
             if action.kind is Kind.STEP and step_hook is None:
                 raise PipelineInputError(
-                    f"rank {rank}: schedule {schedule.name!r} has STEP actions: pass step_hook (the optimizer step "
-                    f"of a stage) to build_pipeline"
+                    f"rank {rank}: schedule {schedule.name!r} has STEP actions: pass hooks=PipelineHooks(step_hook=...) "
+                    f"(the optimizer step of a stage) to build_pipeline"
                 )
             handlers.append(handler)
         if grads_hook is not None:

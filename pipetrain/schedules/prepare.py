@@ -62,7 +62,7 @@ def prepare_schedule(
     splits: tuple[str, ...] = ()
     if isinstance(source, Schedule):
         schedule = source
-    elif is_schedule_file(source):
+    elif isinstance(source, str) and is_schedule_file(source):
         schedule = _load(source, ranks, microbatches)
     else:
         schedule = build_schedule(source, ranks, microbatches, chunks=chunks)

@@ -38,7 +38,7 @@ from pipetrain.launch.rendezvous import join_process_group, report_failure
 from pipetrain.launch.role import ProcessRole
 from pipetrain.parallel import Mesh, build_mesh, replica_mean, state_bytes
 from pipetrain.runtime import Pipeline
-from pipetrain.runtime.build import gpu_identity, use_device
+from pipetrain.runtime.device import gpu_identity, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
 from pipetrain.train.data import Corpus, load_tokenizer

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from pipetrain.launch.process_exit import exit_rank
 from pipetrain.models import build_full_model, get_model_config, model_spec
-from pipetrain.runtime import PipelineError, api, build_pipeline, wire_format
+from pipetrain.runtime import PipelineError, build_pipeline, wire_format, wiring
 from pipetrain.runtime.stage import token_cross_entropy
 from pipetrain.schedules import Schedule
 from pipetrain.schedules.early_grads import early_grads
@@ -244,12 +244,12 @@ def unpacked_messages() -> Iterator[None]:
 @contextlib.contextmanager
 def one_stream_transport() -> Iterator[None]:
     """Pipelines built inside use DistTransport(one_stream=True), as on NCCL."""
-    original = api.DistTransport
-    api.DistTransport = functools.partial(original, one_stream=True)
+    original = wiring.DistTransport
+    wiring.DistTransport = functools.partial(original, one_stream=True)
     try:
         yield
     finally:
-        api.DistTransport = original
+        wiring.DistTransport = original
 
 
 def run_equal(out: Path) -> None:

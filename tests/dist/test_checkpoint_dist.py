@@ -45,7 +45,7 @@ WORKER = textwrap.dedent(
     from pipetrain.checkpoint import Layout, load_checkpoint, save_checkpoint
     from pipetrain.checkpoint.save import KILL_BEFORE_RENAME_ENV
     from pipetrain.models import get_model_config, model_spec
-    from pipetrain.runtime.api import build_pipeline
+    from pipetrain.runtime import build_pipeline
     from pipetrain.schedules.gpipe import gpipe
     from pipetrain.schedules.one_f_one_b import one_f_one_b
     from pipetrain.schedules.zero_bubble import zb_v

@@ -23,7 +23,7 @@ WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from pipetrain.models import get_model_config, model_spec
-    from pipetrain.runtime import build_pipeline
+    from pipetrain.runtime import PipelineHooks, build_pipeline
     from pipetrain.config.schema import OptimConfig
     from pipetrain.train.data import Batch
     from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
@@ -70,7 +70,7 @@ WORKER = textwrap.dedent(
         pipe = build_pipeline(spec, schedule=schedule, microbatches=2, group=mesh.pp_group,
                               chunks=chunks, device="cpu", timeout_s=60,
                               split=block_split(config.n_layers, 2 * (chunks or 1)),
-                              grads_hook=replicas.grads_hook)
+                              hooks=PipelineHooks(grads_hook=replicas.grads_hook))
         replicas.attach(pipe)
         opt = build_optimizer(pipe.named_parameters(), optim)
         update = GuardedUpdate(opt, optim, total_steps=STEPS, group=mesh.world_group)

@@ -28,7 +28,7 @@ WORKER = textwrap.dedent(
     from torch.distributed.tensor import DTensor
     from pipetrain.checkpoint import load_checkpoint, save_checkpoint
     from pipetrain.models import get_model_config, model_spec
-    from pipetrain.runtime import build_pipeline
+    from pipetrain.runtime import PipelineHooks, build_pipeline
     from pipetrain.config.schema import OptimConfig
     from pipetrain.train.data import Batch
     from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
@@ -118,7 +118,8 @@ WORKER = textwrap.dedent(
                 chunks=chunks,
                 device="cpu", timeout_s=60,
                 split=block_split(config.n_layers, stages),
-                grads_hook=self.dp.grads_hook if self.dp is not None else None)
+                hooks=PipelineHooks(
+                    grads_hook=self.dp.grads_hook if self.dp is not None else None))
             if self.dp is not None:
                 self.dp.attach(self.pipe)
             self.opt = build_optimizer(self.pipe.named_parameters(), optim)

@@ -18,7 +18,12 @@ from pipetrain.models import (
     get_model_config,
     model_spec,
 )
-from pipetrain.runtime import PipelineInputError, StageMismatchError, build_pipeline
+from pipetrain.runtime import (
+    PipelineHooks,
+    PipelineInputError,
+    StageMismatchError,
+    build_pipeline,
+)
 from pipetrain.schedules import Kind
 from pipetrain.train.pipedream.weights import WeightVersions
 
@@ -242,8 +247,10 @@ def test_an_asynchronous_step_outside_its_stream_is_refused_before_any_update():
         ranks=2,
         microbatches=4,
         device="cpu",
-        step_hook=lambda stage, k: holder["v"].step_hook(stage, k),
-        compute_hook=lambda action: holder["v"].compute_hook(action),
+        hooks=PipelineHooks(
+            step_hook=lambda stage, k: holder["v"].step_hook(stage, k),
+            compute_hook=lambda action: holder["v"].compute_hook(action),
+        ),
     )
     modules = dict(zip(pipe.stages, pipe.modules, strict=True))
     optimizers = {s: torch.optim.SGD(m.parameters(), lr=0.1) for s, m in modules.items()}

@@ -61,7 +61,7 @@ def test_a_training_rank_makes_its_gpu_current_before_it_joins(
 
 
 def test_a_cpu_run_never_touches_the_current_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipetrain.runtime.build import use_device
+    from pipetrain.runtime.device import use_device
 
     current = _fake_gpus(monkeypatch, 2)
     use_device(torch.device("cpu"))

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from pipetrain.models import build_full_model, get_model_config, model_spec
-from pipetrain.runtime import PipelineError, PipelineInputError, build_pipeline, even_split
+from pipetrain.runtime import (
+    PipelineError,
+    PipelineHooks,
+    PipelineInputError,
+    build_pipeline,
+    even_split,
+)
 from pipetrain.runtime.stage import token_cross_entropy
 from pipetrain.schedules import Action, Kind, Placement, Schedule
 from pipetrain.schedules.io import load_csv
@@ -285,7 +291,7 @@ def test_step_hook_runs_for_step_actions(tied_spec):
         schedule=Schedule.build("async", Placement.linear(1), 2, rows, asynchronous=True),
         microbatches=2,
         device="cpu",
-        step_hook=lambda stage, mb: calls.append((stage, mb)),
+        hooks=PipelineHooks(step_hook=lambda stage, mb: calls.append((stage, mb))),
     )
     pipe.step(*batch())
     assert calls == [(0, 0), (0, 1)]

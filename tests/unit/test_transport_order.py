@@ -19,9 +19,10 @@ import pytest
 import torch
 
 import pipetrain.runtime.transport as transport_module
-from pipetrain.runtime.build import forward_only, resolve_schedule
+from pipetrain.runtime.build import resolve_schedule
 from pipetrain.runtime.executor import RankExecutor
 from pipetrain.runtime.transport import DistTransport
+from pipetrain.runtime.wiring import forward_only
 from pipetrain.schedules import Placement, Schedule, parse_action
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.wire import Message, message_of

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipetrain.runtime.build import forward_only
+from pipetrain.runtime.wiring import forward_only
 from pipetrain.schedules import Action, Kind, Placement, Schedule, ScheduleError, parse_action
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.registry import SCHEDULE_NAMES, build_schedule, get_spec

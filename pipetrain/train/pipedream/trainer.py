@@ -33,7 +33,7 @@ from torch import nn
 
 from pipetrain.errors import InputError
 from pipetrain.models import PipelineSpec
-from pipetrain.runtime import Pipeline, build_pipeline
+from pipetrain.runtime import Pipeline, PipelineHooks, build_pipeline
 from pipetrain.runtime.stage import IGNORE_INDEX, token_cross_entropy
 from pipetrain.schedules import Action, Kind
 from pipetrain.schedules.execution import Timeline
@@ -121,8 +121,7 @@ class AsyncTrainer:
             split=split,
             loss_fn=self._loss,
             timeout_s=timeout_s,
-            step_hook=self._step_hook,
-            compute_hook=self._compute_hook,
+            hooks=PipelineHooks(step_hook=self._step_hook, compute_hook=self._compute_hook),
         )
         modules = dict(zip(self.pipeline.stages, self.pipeline.modules, strict=True))
         if any(module.tied_parameters() for module in modules.values()) and pp > 1:

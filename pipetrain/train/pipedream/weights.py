@@ -125,9 +125,10 @@ class _Stage:
 class WeightVersions:
     """The weight versions of this process's stages under one rule; feeds the runtime's hooks.
 
-    Pass ``compute_hook`` and ``step_hook`` to ``build_pipeline`` and run every training
-    step inside ``stream()``. ``optimizers`` maps each stage here to an optimizer holding
-    its parameters (stages may share one: a STEP hides the others' gradients).
+    Pass ``compute_hook`` and ``step_hook`` to ``build_pipeline`` (``PipelineHooks``) and run
+    every training step inside ``stream()``. ``optimizers`` maps each stage here to an
+    optimizer holding its parameters (stages may share one: a STEP hides the others'
+    gradients).
     ``grad_scale(stage, k)`` multiplies the gradients before the STEP that follows
     backward k (the runtime divides every loss by the tokens of the whole stream; an
     update wants the mean over its own micro-batches).
