@@ -129,6 +129,12 @@ def _spec(
 
 
 def _specs() -> tuple[ScheduleSpec, ...]:
+    """Every built-in family, one ``_spec`` entry each, in the order the CLI lists them.
+
+    Long because it is a table, not logic: one entry of about eight lines per family, and
+    a reader comparing two families (their placements, chunks, flags) wants them side by
+    side in one place. A new family is one more entry here.
+    """
     zb_h1 = _external("zero_bubble", "zb_h1")
     zb_h2 = _external("zero_bubble", "zb_h2")
     zb_v = _external("zero_bubble", "zb_v")
