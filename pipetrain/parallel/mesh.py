@@ -1,16 +1,21 @@
-"""Pipeline x data parallelism: ``pp * dp`` processes as ``dp`` pipelines of ``pp`` stages.
+"""Pipeline x data (x tensor) parallelism: ``pp * dp * tp`` processes as ``dp * tp``
+pipelines of ``pp`` stages, the ``tp`` pipelines of one replica each holding a slice of
+every layer (``pipetrain.parallel.tp``).
 
-The processes form a 2-D device mesh (torch's DeviceMesh) with dimensions ``("pp", "dp")``:
-global rank ``pp_rank * dp + dp_rank``. Each row of the mesh along "pp" is one pipeline
-(the runtime runs on that group, never on the world); each column along "dp" holds the
-replicas of one pipeline rank's stages::
+The processes form a device mesh (torch's DeviceMesh) with dimensions ``("pp", "dp",
+"tp")``: global rank ``(pp_rank * dp + dp_rank) * tp + tp_rank``. Each row of the mesh
+along "pp" is one pipeline (the runtime runs on that group, never on the world); each
+column along "dp" holds the replicas of one pipeline rank's stages; along "tp" (the
+innermost, neighbouring ranks) the ranks that share each layer. With tp == 1::
 
                  dp_rank 0   dp_rank 1
     pp_rank 0     rank 0      rank 1      <- dp group {0, 1}: replicas of stage 0
     pp_rank 1     rank 2      rank 3      <- dp group {2, 3}: replicas of stage 1
                  pipeline 0  pipeline 1
 
-Data: every replica reads rows ``[dp_rank * B/dp, (dp_rank + 1) * B/dp)`` of the global
+With pp = 2, tp = 2 (dp = 1): pipelines {0, 2} and {1, 3}, tp groups {0, 1} and {2, 3}.
+
+Data: the tp ranks of a replica read the same rows; every replica reads rows ``[dp_rank * B/dp, (dp_rank + 1) * B/dp)`` of the global
 batch of B sequences, so the replicas together see each row of every batch exactly once.
 
 Gradients: ``pipetrain.parallel.sync`` (one face, ``GradientSync``, over DDP per stage in
@@ -60,7 +65,7 @@ RowsT = TypeVar("RowsT", bound=Batch)
 
 @dataclass(frozen=True)
 class Mesh:
-    """This process's place in the (pp, dp) mesh and the groups of both dimensions."""
+    """This process's place in the (pp, dp, tp) mesh and the groups of its dimensions."""
 
     pp: int
     dp: int
@@ -71,38 +76,50 @@ class Mesh:
     world_group: Any  # every process: clipping, the NaN decision, checkpoints
     # The 1-D DeviceMesh of this process's dp group (FSDP2 shards over it); None when dp == 1.
     dp_mesh: Any = None
+    # Tensor parallelism: the ranks that share each layer of this process's stages, the
+    # innermost dimension (neighbouring ranks, as on one node); tp_mesh None when tp == 1.
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None
+    tp_mesh: Any = None
 
     @property
     def rank(self) -> int:
-        return self.pp_rank * self.dp + self.dp_rank
+        return (self.pp_rank * self.dp + self.dp_rank) * self.tp + self.tp_rank
 
 
-def build_mesh(device_type: str, pp: int, dp: int) -> Mesh:
-    """The (pp, dp) mesh over the initialised default process group.
+def build_mesh(device_type: str, pp: int, dp: int, tp: int = 1) -> Mesh:
+    """The (pp, dp, tp) mesh over the initialised default process group: global rank
+    ``(pp_rank * dp + dp_rank) * tp + tp_rank``.
 
-    With dp == 1 the pipeline runs on the world group itself, as without this module.
+    With dp == tp == 1 the pipeline runs on the world group itself, as without this module.
     """
     world = dist.get_world_size()
-    if world != pp * dp:
+    if world != pp * dp * tp:
         raise ConfigError(
-            f"{world} processes were started but pipeline.pp x pipeline.dp is {pp} x {dp} = "
-            f"{pp * dp}: start {pp * dp} processes or change --pp/--dp"
+            f"{world} processes were started but pipeline.pp x pipeline.dp x pipeline.tp is "
+            f"{pp} x {dp} x {tp} = {pp * dp * tp}: start {pp * dp * tp} processes or change "
+            f"--pp/--dp/--tp"
         )
     rank = dist.get_rank()
-    if dp == 1:
+    if dp == 1 and tp == 1:
         return Mesh(pp, 1, rank, 0, dist.group.WORLD, None, dist.group.WORLD)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     return Mesh(
         pp,
         dp,
-        rank // dp,
-        rank % dp,
+        rank // (dp * tp),
+        rank // tp % dp,
         mesh.get_group("pp"),
-        mesh.get_group("dp"),
+        mesh.get_group("dp") if dp > 1 else None,
         dist.group.WORLD,
-        mesh["dp"],
+        mesh["dp"] if dp > 1 else None,
+        tp=tp,
+        tp_rank=rank % tp,
+        tp_group=mesh.get_group("tp") if tp > 1 else None,
+        tp_mesh=mesh["tp"] if tp > 1 else None,
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipetrain.config.schema import ConfigError
 from pipetrain.parallel.mesh import Mesh
@@ -40,20 +41,31 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "ReplicaGradients"]
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # A layer sharded by tensor parallelism has DTensor weights and gradients: the
+    # replicas of one tp rank hold the same slice, and reduce that slice.
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _grads_of(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     # A parameter without a gradient this step still takes its place in the bucket, so
     # every replica's buckets line up element for element.
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    return [p.grad for p in params if p.grad is not None]
+    return [_local(p.grad) for p in params if p.grad is not None]
+
+
+def _nbytes(param: torch.Tensor) -> int:
+    local = _local(param)
+    return local.numel() * local.element_size()
 
 
 def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
     buckets: list[list[nn.Parameter]] = []
     size = limit
     for p in params:
-        nbytes = p.numel() * p.element_size()
+        nbytes = _nbytes(p)
         if size + nbytes > limit and size > 0:
             buckets.append([])
             size = 0
@@ -126,7 +138,7 @@ class ReplicaGradients:
             self._stage_buckets[stage] = _buckets(mine[::-1], self._bucket_bytes) if mine else []
         self._late = _buckets(late, self._bucket_bytes) if late else []
         buckets = [b for bs in self._stage_buckets.values() for b in bs] + self._late
-        self.bytes_per_step = sum(p.numel() * p.element_size() for b in buckets for p in b)
+        self.bytes_per_step = sum(_nbytes(p) for b in buckets for p in b)
         rank = dist.get_rank(self._mesh.pp_group) if self._mesh.pp_group is not None else 0
         self._plan(pipeline.schedule.actions[rank])
 
@@ -188,10 +200,9 @@ class ReplicaGradients:
                 ) from exc
             launched.flat.mul_(scale)
             offset = 0
-            for p in launched.params:
-                assert p.grad is not None
-                n = p.grad.numel()
-                p.grad.copy_(launched.flat[offset : offset + n].view_as(p.grad))
+            for grad in _grads_of(launched.params):
+                n = grad.numel()
+                grad.copy_(launched.flat[offset : offset + n].view_as(grad))
                 offset += n
         self._waits.append(time.perf_counter() - t0)
         self._in_flight.clear()

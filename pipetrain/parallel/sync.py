@@ -99,9 +99,25 @@ def norm_share(grads: Gradients, mesh: Mesh, *, sharded: bool = False) -> Gradie
     After the dp all-reduce every replica holds the same gradients: only replica 0 counts
     its squares, so the world sum is the norm of one model. Sharded, each replica holds a
     different slice of them and counts its own (optim's ``check_gradients`` takes the
-    local shards). Every rank still checks every gradient of its own for non-finite
-    values, so all ranks decide a skip together.
+    local shards). Under tensor parallelism a layer's sharded weights are different
+    slices on each tp rank and all count; what every tp rank holds whole (norms, the
+    row-wise projections' biases) counts on tp rank 0 only. Every rank still checks every
+    gradient of its own for non-finite values, so all ranks decide a skip together.
     """
-    if mesh.dp_rank == 0 or sharded:
-        return grads
-    return Gradients(counted=(), all=grads.all)
+    if mesh.dp_rank != 0 and not sharded:
+        return Gradients(counted=(), all=grads.all)
+    if mesh.tp > 1 and mesh.tp_rank != 0:
+        return Gradients(counted=tuple(p for p in grads.counted if _tp_sharded(p)), all=grads.all)
+    return grads
+
+
+def _tp_sharded(param: torch.Tensor) -> bool:
+    """Whether the ranks of the "tp" dimension hold different slices of ``param``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return False
+    return isinstance(param.placements[names.index("tp")], Shard)

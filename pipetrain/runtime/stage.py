@@ -24,7 +24,9 @@ schedules split them all.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -258,6 +260,23 @@ def _as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
+def _vocab_parallel(outputs: tuple[Any, ...]) -> contextlib.AbstractContextManager[None]:
+    """torch's ``loss_parallel`` where a stage's logits are sharded over the vocabulary
+    (tensor parallelism): cross-entropy on the shards, forward and backward."""
+    if any(_is_dtensor(o) for o in outputs):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def _is_dtensor(value: object) -> bool:
+    # No DTensor exists unless its module was imported, and importing it costs about 1 s
+    # of every rank's start-up: runs without tensor parallelism do not pay it here.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(value, dtensor.DTensor)
+
+
 class StageRunner:
     """Forward and backward of one (virtual) stage, micro-batch by micro-batch."""
 
@@ -333,9 +352,12 @@ class StageRunner:
             raise StageMismatchError(
                 f"stage {self.stage} is a last stage but got no targets: pass targets to step()"
             )
-        return self.loss_fn(outputs[0], target) / denominator
+        with _vocab_parallel(outputs):
+            return self.loss_fn(outputs[0], target) / denominator
 
     def _add_loss(self, loss: torch.Tensor) -> None:
+        if _is_dtensor(loss):  # a loss of sharded logits, replicated over tp
+            loss = loss.full_tensor()  # type: ignore[attr-defined]
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
 
     def backward(
@@ -359,7 +381,8 @@ class StageRunner:
             pairs = [(o, g) for o, g in zip(saved.outputs, grads, strict=True) if o.requires_grad]
             outputs, grads = tuple(o for o, _ in pairs), tuple(g for _, g in pairs)
         try:
-            torch.autograd.backward(outputs, grads)
+            with _vocab_parallel(outputs):
+                torch.autograd.backward(outputs, grads)
         finally:
             if self.queue is not None:
                 self.queue.end()
