@@ -127,7 +127,7 @@ def test_a_dead_peer_is_reported_as_lost_at_once_in_one_line(tmp_path: Path) -> 
         assert seconds < TIMEOUT_S / 2
         assert re.fullmatch(
             rf"rank {rank}: waiting on other ranks in peak_memory_per_rank "
-            r"\(pipetrain/train/loop\.py:\d+\): a peer was lost \(.*\)",
+            r"\(pipetrain/train/shared\.py:\d+\): a peer was lost \(.*\)",
             text,
         ), text
 
