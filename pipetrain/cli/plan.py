@@ -1,12 +1,14 @@
 """``pipetrain plan``: where to cut a model for a schedule, what each rank holds, which micro-batch.
 
     pipetrain plan --model llama-default [--set n_layers=24] --pp 3 [--schedule 1f1b] [--chunks V]
+                   [--tp 8 [--sequence-parallel] [--tp-bandwidth 1.5e11]]
                    [--split 4,3,5 | --balance uniform|params|profile]
                    [--batch-size 32] [--seq-len 128] [--microbatches 8]
                    [--memory-limit 16GiB] [--json]
 
 Without ``--balance profile`` the times are estimated from FLOPs (and say so); with it
 each layer is measured on this machine's device, which needs torch, imported only then.
+With ``--tp`` every figure per rank is one tensor-parallel rank's (docs/memory_model.md).
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.plan_text import TpReport, render
 from pipetrain.models.config import ModelConfig, get_model_config, parse_overrides
 from pipetrain.partition.balance import LayerCost, format_bytes, parse_split
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
 from pipetrain.partition.overhead import remove_fixed_cost, split_fixed_cost
 from pipetrain.partition.planner import Overheads, Plan, make_plan
 from pipetrain.schedules.registry import SCHEDULE_NAMES, get_spec
+from pipetrain.sim.tensor_parallel import layer_collectives, tp_time, tp_traffic
 
 __all__ = ["add_parser", "parse_size", "run"]
+
+_FP32 = 4  # bytes of one number of the activations the planner counts
 
 _UNITS = {
     "": 1,
@@ -69,6 +75,7 @@ def add_parser(subparsers: Any) -> None:
     _add_split_flags(p)
     _add_batch_flags(p)
     _add_cost_flags(p)
+    _add_tp_flags(p)
     _add_profile_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)
@@ -151,6 +158,33 @@ def _add_cost_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tp_flags(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism inside every stage: its degree and its link."""
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks per stage (as train --tp): matrices, their gradients and "
+        "optimizer state, and attention's and the MLP's activations split N ways; per-rank "
+        "figures are one tp rank's (default 1)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: the norms' and the residual stream's activations split over the "
+        "sequence too (as train --sequence-parallel)",
+    )
+    p.add_argument(
+        "--tp-bandwidth",
+        type=float,
+        default=None,
+        metavar="BYTES/S",
+        help="bytes per second of a rank's tensor-parallel link: the tp all-reduces (2 per "
+        "block forward, 2 backward) add their time to the layers (default: bytes only, no time)",
+    )
+
+
 def _add_profile_flags(p: argparse.ArgumentParser) -> None:
     """How --balance profile measures the layers."""
     p.add_argument(
@@ -178,7 +212,7 @@ def _add_profile_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
-    for name in ("pp", "batch_size", "microbatches", "threads", "repeats"):
+    for name in ("pp", "tp", "batch_size", "microbatches", "threads", "repeats"):
         value = getattr(args, name)
         if value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -189,6 +223,7 @@ def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
         ("--flops", args.flops, False),
         ("--overhead-ms", args.overhead_ms, True),
         ("--latency-ms", args.latency_ms, True),
+        ("--tp-bandwidth", 1.0 if args.tp_bandwidth is None else args.tp_bandwidth, False),
     ):
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             raise UsageError(
@@ -198,6 +233,15 @@ def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
     if not 1 <= seq_len <= config.max_seq_len:
         raise UsageError(
             f"--seq-len {seq_len} is outside 1..{config.max_seq_len} (the model's max_seq_len)"
+        )
+    if args.tp == 1 and (args.sequence_parallel or args.tp_bandwidth is not None):
+        flag = "--sequence-parallel" if args.sequence_parallel else "--tp-bandwidth"
+        raise UsageError(f"{flag} is for tensor parallelism: add --tp 2 (or more), or drop it")
+    if args.tp > 1 and args.balance == "profile" and args.split is None:
+        # The profile times whole layers on one device; a tp rank's share is not measured.
+        raise UsageError(
+            "--balance profile measures whole layers on one device, not a tp rank's share: "
+            "use --balance uniform or params with --tp"
         )
     return seq_len
 
@@ -211,7 +255,17 @@ def _costs(
             f"estimated from FLOPs at {args.flops:.3g} FLOP/s plus {args.overhead_ms} ms per layer "
             "and action (use --balance profile to measure)"
         )
-        costs = estimate_costs(config, seq_len, flops_per_second=args.flops)
+        if args.tp > 1:
+            link = f"{args.tp_bandwidth:.3g} B/s" if args.tp_bandwidth else "no time (bytes only)"
+            source += f"; tp {args.tp} collectives at {link}"
+        costs = estimate_costs(
+            config,
+            seq_len,
+            flops_per_second=args.flops,
+            tp=args.tp,
+            sequence_parallel=args.sequence_parallel,
+            tp_bandwidth=args.tp_bandwidth,
+        )
         return costs, source, args.overhead_ms / 1e3
     import torch  # only a measured plan needs torch
 
@@ -311,7 +365,11 @@ def run(args: argparse.Namespace) -> int:
         overheads=Overheads(
             per_layer=per_layer,
             latency=args.latency_ms / 1e3,
-            message_bytes_per_sample=4.0 * seq_len * config.d_model,
+            # With sequence parallelism a tp rank sends its peer 1/tp of the sequence.
+            message_bytes_per_sample=_FP32
+            * seq_len
+            * config.d_model
+            / (args.tp if args.sequence_parallel else 1),
         ),
         whole_batch=spec.whole_batch,
     )
@@ -320,87 +378,32 @@ def run(args: argparse.Namespace) -> int:
     blocks = ",".join(
         str(sum(1 for i in stage if costs[i].kind == "block")) for stage in plan.partition.stages
     )
+    tp = _tp_report(args, plan, costs, seq_len * config.d_model * _FP32)
     if args.json:
         out = plan.to_json()
-        out.update(model=config.name, seq_len=seq_len, train_split=blocks)
+        out.update(model=config.name, seq_len=seq_len, train_split=blocks, **tp.to_json())
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
-        sys.stdout.write(render(plan, config.name, seq_len))
+        sys.stdout.write(render(plan, config.name, seq_len, tp))
         sys.stdout.write(f"to train this split: pipetrain train ... --split {blocks}\n")
     return 0
 
 
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _count(n: int) -> str:
-    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}"
-
-
-def render(plan: Plan, model: str, seq_len: int) -> str:
-    """The plan as tables for a terminal."""
-    lines = [
-        f"{model}: {plan.schedule} on {plan.pp} ranks, {plan.partition.num_stages} stages "
-        f"({plan.partition.method} split), batch {plan.batch_size} x {seq_len} tokens in "
-        f"{plan.microbatches} micro-batches of {plan.microbatch_size}",
-        f"times: {plan.time_source}; per micro-batch",
-        "",
-        f"{'stage':>5} {'rank':>5}  {'layers':<24} {'params':>8} {'fwd ms':>9} {'bwd ms':>9} "
-        f"{'act/mb':>10} {'live':>4} {'peak act':>10}",
-    ]
-    for s in plan.stages:
-        ranks = ",".join(map(str, s.ranks))
-        span = s.first if s.first == s.last else f"{s.first} .. {s.last}"
-        lines.append(
-            f"{s.stage:>5} {ranks:>5}  {span:<24} {_count(s.params):>8} {_ms(s.forward):>9} "
-            f"{_ms(s.backward):>9} {_bytes(s.activation_bytes):>10} {s.live:>4} "
-            f"{_bytes(s.peak_activation_bytes):>10}"
+def _tp_report(
+    args: argparse.Namespace, plan: Plan, costs: Sequence[LayerCost], activation: float
+) -> TpReport:
+    """Per pipeline rank, the bytes its tp collectives move through one tp rank's link per
+    step, and their time; ``activation``: bytes of one sequence's (T, C) activation."""
+    traffic = [0.0] * plan.pp
+    time = [0.0] * plan.pp
+    for stage in plan.stages:
+        per_mb = sum(
+            layer_collectives(costs[i].kind, sequence_parallel=args.sequence_parallel).total
+            for i in stage.layers
         )
-    lines += [
-        "",
-        f"{'rank':>5} {'compute/step s':>15} {'params+grads+adamw':>19} {'peak activations':>17} {'total':>10}",
-    ]
-    for r in range(plan.pp):
-        lines.append(
-            f"{r:>5} {plan.rank_time[r]:>15.3f} {_bytes(plan.rank_static_bytes[r]):>19} "
-            f"{_bytes(plan.rank_peak_activation_bytes[r]):>17} {_bytes(plan.rank_bytes[r]):>10}"
-        )
-    lines += [
-        "",
-        f"imbalance (slowest stage / mean): {plan.imbalance:.3f}",
-        f"simulated step time: {plan.step_time:.3f} s",
-    ]
-    if plan.memory_limit is not None:
-        fit = plan.max_microbatch_size
-        lines.append(
-            f"memory limit {_bytes(plan.memory_limit)} per rank: largest micro-batch that fits: "
-            f"{fit if fit else 'none'}"
-        )
-    lines.append(
-        "micro-batch counts by simulated step time (compute linear in the micro-batch size plus "
-        "the fixed part per layer and action, and --latency-ms per message):"
-    )
-    for o in sorted(plan.options, key=lambda o: o.step_time):
-        note = "" if o.fits else "  (over the memory limit)"
-        lines.append(
-            f"  m={o.microbatches:<4} micro-batch {o.microbatch_size:<4} {o.step_time:>8.3f} s  "
-            f"peak {_bytes(o.peak_bytes)}{note}"
-        )
-    best = plan.recommended
-    lines.append(
-        "recommended: none fits the memory limit"
-        if best is None
-        else f"recommended: --microbatches {best.microbatches} (micro-batch size {best.microbatch_size})"
-    )
-    return "\n".join(lines) + "\n"
+        size = activation * plan.microbatch_size
+        for rank in stage.ranks:  # a replica runs its share of the micro-batches
+            count = per_mb * plan.microbatches / len(stage.ranks)
+            traffic[rank] += tp_traffic(count, size, args.tp)
+            time[rank] += tp_time(count, size, args.tp, args.tp_bandwidth)
+    return TpReport(args.tp, args.sequence_parallel, args.tp_bandwidth, tuple(traffic), tuple(time))

@@ -117,6 +117,11 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig(
             "llama", 128256, 4096, 32, 32, 8, 14336, 8192, False, 1e-5, 500_000.0, "llama3-8b"
         ),
+        # Llama 3.1 70B: for the planner and the meta device only (about 70.6 B parameters,
+        # 282 GB in fp32: never materialised on this machine).
+        ModelConfig(
+            "llama", 128256, 8192, 80, 64, 8, 28672, 8192, False, 1e-5, 500_000.0, "llama3-70b"
+        ),
     )
 }
 

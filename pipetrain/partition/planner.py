@@ -330,7 +330,7 @@ def _check_fits(
         raise PartitionError(
             f"rank {r} needs {format_bytes(static[r] + peaks[r])} with this {method} "
             f"split, over the memory limit of {format_bytes(memory_limit)} per rank: use "
-            "--balance params or profile, more ranks (--pp), "
+            "--balance params or profile, more ranks (--pp, --tp), "
             f"{'a smaller --batch-size' if whole_batch else 'more micro-batches'}, or a higher "
             "--memory-limit"
         )

@@ -1,0 +1,102 @@
+"""The tensor-parallel collectives inside a stage: how many, how large, how long (torch-free).
+
+With ``tp`` ranks sharing every layer the Megatron way (``pipetrain.parallel.tp``), each
+transformer block runs, per micro-batch of ``b`` sequences of ``T`` tokens::
+
+    forward   x -> [norm] -> q,k,v (column) -> attn -> wo (row) -> all-reduce (b, T, C)
+                -> [norm] -> gate,up (column) -> act -> down (row) -> all-reduce (b, T, C)
+    backward  the same two all-reduces, of the input gradients of the column-wise linears
+
+so 2 all-reduces of a (b, T, C) activation forward and 2 backward. With sequence
+parallelism each all-reduce becomes a reduce-scatter (after the row-wise linear) and an
+all-gather (before the next column-wise one): the same bytes through every link. The
+embedding (split over the vocabulary) adds its lookup's partial sums: one all-reduce
+forward (a reduce-scatter with sequence parallelism); the head (split over the
+vocabulary, logits kept sharded) gathers its input forward only with sequence
+parallelism, and all-reduces its input gradient backward (a reduce-scatter with sequence
+parallelism). The loss's own reductions over the vocabulary are (b, T) numbers, left out.
+
+A ring all-reduce of ``n`` bytes over ``tp`` ranks moves ``2 (tp - 1) / tp * n`` bytes
+through every rank's link; an all-gather or reduce-scatter half that. These collectives
+sit on the critical path of the layer (the next matmul needs their result), so their time
+is added to the layer's forward and backward; latency is left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipetrain.errors import InputError
+
+__all__ = [
+    "TensorParallelError",
+    "TpCollectives",
+    "layer_collectives",
+    "tp_time",
+    "tp_traffic",
+]
+
+
+class TensorParallelError(InputError):
+    """A tensor-parallel degree, bandwidth or size that makes no sense."""
+
+
+@dataclass(frozen=True)
+class TpCollectives:
+    """One layer's tp collectives for one micro-batch, in all-reduces of one (b, T, C)
+    activation each (an all-gather or reduce-scatter counts a half: the same traffic)."""
+
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+_LAYERS = {
+    # kind: (without sequence parallelism, with it)
+    "block": (TpCollectives(2.0, 2.0), TpCollectives(2.0, 2.0)),
+    "embedding": (TpCollectives(1.0, 0.0), TpCollectives(0.5, 0.0)),
+    "head": (TpCollectives(0.0, 1.0), TpCollectives(0.5, 0.5)),
+}
+
+
+def layer_collectives(kind: str, *, sequence_parallel: bool = False) -> TpCollectives:
+    """The all-reduce equivalents a layer of ``kind`` ("embedding" | "block" | "head") runs
+    per micro-batch under tensor parallelism (see the module docstring)."""
+    try:
+        plain, sp = _LAYERS[kind]
+    except KeyError:
+        raise TensorParallelError(
+            f"layer kind {kind!r} is unknown: use one of {', '.join(_LAYERS)}"
+        ) from None
+    return sp if sequence_parallel else plain
+
+
+def _check(tp: int) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise TensorParallelError(f"tp is {tp!r}: use a whole number >= 1 (--tp)")
+
+
+def tp_traffic(allreduces: float, activation_bytes: float, tp: int) -> float:
+    """Bytes through one rank's link for ``allreduces`` ring all-reduces of
+    ``activation_bytes`` each over ``tp`` ranks: ``2 (tp - 1) / tp`` of the bytes each."""
+    _check(tp)
+    if activation_bytes < 0 or allreduces < 0:
+        raise TensorParallelError("tp collective sizes and counts must be 0 or more")
+    return allreduces * 2.0 * (tp - 1) / tp * activation_bytes
+
+
+def tp_time(allreduces: float, activation_bytes: float, tp: int, bandwidth: float | None) -> float:
+    """Seconds (or time units) of ``allreduces`` all-reduces of ``activation_bytes`` over
+    ``tp`` ranks at ``bandwidth`` bytes per unit of one rank's link; None: no time."""
+    traffic = tp_traffic(allreduces, activation_bytes, tp)
+    if bandwidth is None or traffic == 0:
+        return 0.0
+    if not 0 < bandwidth < float("inf"):
+        raise TensorParallelError(
+            f"bandwidth is {bandwidth}: give a positive, finite number of bytes per time "
+            "unit (--tp-bandwidth)"
+        )
+    return traffic / bandwidth
