@@ -6,6 +6,8 @@
     pipetrain simulate --compare --pp 4 --microbatches 8 [--plot all.png]
     pipetrain simulate --schedule 1f1b --pp 2 --microbatches 4 --weight-bytes 4.9e6 \
         --dp 2 [--shard] [--dp-bandwidth 1e6]
+    pipetrain simulate --schedule 1f1b --pp 4 --microbatches 8 --tp 8 --tp-bytes 2.1e9 \
+        --tp-bandwidth 1.5e11 --costs F=0.05,B=0.1
 
 Imports no torch: everything here is pure schedule arithmetic (matplotlib only for
 ``--plot``). The text it prints is formatted in ``pipetrain.cli.simulate_text``; the flags are checked
@@ -43,6 +45,7 @@ from pipetrain.sim.data_parallel import (
 )
 from pipetrain.sim.render import plot, plot_compare, text_grid, transfers, write_chrome_trace
 from pipetrain.sim.simulator import SimResult, scale_costs, simulate
+from pipetrain.sim.tensor_parallel import tp_time, tp_traffic, with_tp_time
 
 __all__ = ["add_parser", "run"]
 
@@ -58,6 +61,7 @@ def add_parser(subparsers: Any) -> None:
     _add_schedule_flags(p)
     _add_cost_flags(p)
     _add_data_parallel_flags(p)
+    _add_tensor_parallel_flags(p)
     _add_output_flags(p)
     p.set_defaults(run=run)
 
@@ -142,6 +146,56 @@ def _add_data_parallel_flags(p: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="bytes per time unit of a rank's data-parallel link (default: bytes only, no time)",
     )
+
+
+def _add_tensor_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism inside each stage and its collectives."""
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks per stage: every F, B and I waits for the tp all-reduces "
+        "of --tp-bytes at --tp-bandwidth (default 1: none). --weight-bytes and "
+        "--activation-bytes are then one tp rank's, as pipetrain plan --tp prints them",
+    )
+    p.add_argument(
+        "--tp-bytes",
+        type=float,
+        default=0.0,
+        metavar="BYTES",
+        help="bytes one micro-batch all-reduces over tp in the forward of one rank's share "
+        "(2 x blocks x micro-batch x T x C x dtype); the backward as many (default 0)",
+    )
+    p.add_argument(
+        "--tp-bandwidth",
+        type=float,
+        default=None,
+        metavar="BYTES",
+        help="bytes per time unit of a rank's tensor-parallel link (default: bytes only, no time)",
+    )
+
+
+def _tensor_parallel(case: SimCase, costs: Costs, args: argparse.Namespace) -> Costs:
+    """``costs`` with the tp collectives' time on every F, B and I, with --tp above 1."""
+    if args.tp < 1:
+        raise UsageError(f"--tp {args.tp}: give a whole number >= 1")
+    if args.tp == 1:
+        if args.tp_bytes or args.tp_bandwidth is not None:
+            raise UsageError("--tp-bytes and --tp-bandwidth need --tp 2 (or more)")
+        return costs
+    seconds = tp_time(1, args.tp_bytes, args.tp, args.tp_bandwidth)
+    return with_tp_time(costs, seconds, stage_share(case.schedule))
+
+
+def _tp_json(args: argparse.Namespace) -> dict[str, Any]:
+    """Per micro-batch, the time and link bytes of a rank's tp collectives."""
+    return {
+        "tp": args.tp,
+        "tp_bytes": args.tp_bytes,
+        "time_per_forward": tp_time(1, args.tp_bytes, args.tp, args.tp_bandwidth),
+        "traffic_per_microbatch": tp_traffic(2, args.tp_bytes, args.tp),
+    }
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
@@ -239,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         need(args, "pp", "microbatches")
         case = single_case(args)
+    costs = _tensor_parallel(case, costs, args)
     result = _run_case(case, costs, args)
     dp = _data_parallel(case, result, costs, args)
     if args.save:
@@ -252,9 +307,20 @@ def run(args: argparse.Namespace) -> int:
         links = [dp.spans if dp is not None else ()]
         write_chrome_trace(traced, args.trace, messages=[sent], links=links)
     if args.json:
-        print(json.dumps({**result.to_json(), **({"data_parallel": dp.to_json()} if dp else {})}))
+        tp = {"tensor_parallel": _tp_json(args)} if args.tp > 1 else {}
+        print(
+            json.dumps(
+                {**result.to_json(), **({"data_parallel": dp.to_json()} if dp else {}), **tp}
+            )
+        )
         return 0
     print(format_summary(result))
+    if args.tp > 1:
+        tp = _tp_json(args)
+        print(
+            f"  tp={args.tp} collectives  {tp['time_per_forward']:g} per F, B and I; "
+            f"{tp['traffic_per_microbatch']:g} bytes per micro-batch through each tp link"
+        )
     if dp is not None:
         print(format_dp(dp))
     if args.ascii or grid_fits(result):
@@ -271,8 +337,10 @@ def run(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace, costs: Costs) -> int:
     from pipetrain.schedules import registry
 
-    if args.dp != 1 or args.shard:
-        raise UsageError("--dp and --shard work with --schedule or --schedule-file: drop --compare")
+    if args.dp != 1 or args.shard or args.tp != 1:
+        raise UsageError(
+            "--dp, --shard and --tp work with --schedule or --schedule-file: drop --compare"
+        )
 
     need(args, "pp", "microbatches")
     # Checking a schedule's fit may build it: the size comes first.

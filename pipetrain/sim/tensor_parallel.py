@@ -24,9 +24,10 @@ is added to the layer's forward and backward; latency is left out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipetrain.errors import InputError
+from pipetrain.schedules.execution import Costs
 
 __all__ = [
     "TensorParallelError",
@@ -34,6 +35,7 @@ __all__ = [
     "layer_collectives",
     "tp_time",
     "tp_traffic",
+    "with_tp_time",
 ]
 
 
@@ -83,8 +85,12 @@ def tp_traffic(allreduces: float, activation_bytes: float, tp: int) -> float:
     """Bytes through one rank's link for ``allreduces`` ring all-reduces of
     ``activation_bytes`` each over ``tp`` ranks: ``2 (tp - 1) / tp`` of the bytes each."""
     _check(tp)
-    if activation_bytes < 0 or allreduces < 0:
-        raise TensorParallelError("tp collective sizes and counts must be 0 or more")
+    inf = float("inf")
+    if not (0 <= activation_bytes < inf and 0 <= allreduces < inf):
+        raise TensorParallelError(
+            f"tp collective of {activation_bytes:g} bytes x {allreduces:g}: give finite "
+            "numbers >= 0 (--tp-bytes)"
+        )
     return allreduces * 2.0 * (tp - 1) / tp * activation_bytes
 
 
@@ -100,3 +106,23 @@ def tp_time(allreduces: float, activation_bytes: float, tp: int, bandwidth: floa
             "unit (--tp-bandwidth)"
         )
     return traffic / bandwidth
+
+
+def with_tp_time(costs: Costs, seconds: float, share: float) -> Costs:
+    """``costs`` (one rank's share of the model per micro-batch) with ``seconds`` of tp
+    collectives added to every F, B and I (the input gradient's all-reduces; W has none).
+
+    One-number costs are the rank's share and get all of it; per-stage tuples are each
+    stage's own time and get ``share`` of it (a stage is ``share`` of the rank's share)."""
+
+    def add(value: float | tuple[float, ...]) -> float | tuple[float, ...]:
+        if isinstance(value, tuple):
+            return tuple(v + seconds * share for v in value)
+        return value + seconds
+
+    return replace(
+        costs,
+        forward=add(costs.forward),
+        backward=add(costs.backward),
+        backward_input=add(costs.backward_input),
+    )
