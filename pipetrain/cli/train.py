@@ -28,6 +28,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model.name", str, "model preset (llama-default, llama-tiny, gpt2-tiny, ...)"),
     "--pp": ("pipeline.pp", int, "pipeline ranks (processes); 1 = one stage in this process"),
     "--dp": ("pipeline.dp", int, "data-parallel replicas of the pipeline (pp x dp processes)"),
+    "--tp": (
+        "pipeline.tp",
+        int,
+        "tensor-parallel ranks per stage: each layer split over tp processes (pp x dp x tp)",
+    ),
     "--chunks": ("pipeline.chunks", int, "stages per rank (interleaved and looped schedules)"),
     "--schedule": (
         "pipeline.schedule",
@@ -78,6 +83,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "--compile": ("pipeline.compile", "torch.compile each stage"),
     "--single-process": ("pipeline.single_process", "run every rank in this process (debug mode)"),
     "--shard": ("pipeline.shard", "shard each stage over the --dp replicas (FSDP2 fully_shard)"),
+    "--sequence-parallel": (
+        "pipeline.sequence_parallel",
+        "with --tp: norms and residuals on 1/tp of the sequence",
+    ),
     "--tensorboard": ("run.tensorboard", "write TensorBoard logs (needs tensorboard)"),
     "--resume": ("run.resume", "continue from the newest valid checkpoint in --checkpoint-dir"),
     "--vertical-sync": ("pipeline.vertical_sync", "pipedream: stage 0's weight version for all"),
@@ -211,8 +220,8 @@ def run_config(config: TrainConfig) -> int:
             return _train_rank(config, role)
         # Everything checkable is checked before any process starts.
         plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
-        processes = config.pipeline.pp * config.pipeline.dp
-        if processes == 1 or config.pipeline.single_process:
+        processes = config.pipeline.processes
+        if processes == 1:
             train(config, ProcessRole())
             return 0
         announce(config, sys.stdout)

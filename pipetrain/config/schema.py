@@ -68,6 +68,14 @@ class PipelineConfig:
     """Shard each stage's parameters, gradients and optimizer state over the dp replicas
     (FSDP2's fully_shard; pipetrain.parallel.sharded) instead of replicating them. Needs
     dp > 1."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage: each block's projections, the embedding and the head
+    are split over tp neighbouring processes (pipetrain.parallel.tp, on torch's DTensor):
+    pp x dp x tp processes. heads, KV heads, the MLP width and the vocabulary must divide."""
+    sequence_parallel: bool = False
+    """With tp > 1: the norms and the residual stream run on 1/tp of the sequence (an
+    all-gather and a reduce-scatter replace each all-reduce), which divides their
+    activation memory by tp. Llama models (gpt2's learned positions are refused)."""
     chunks: int = 1
     """Stages per rank (virtual stages): >1 only for schedules that loop over the ranks."""
     schedule: str = "1f1b"
@@ -112,6 +120,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         _at_least("pipeline.pp", self.pp, 1)
         _at_least("pipeline.dp", self.dp, 1)
+        _at_least("pipeline.tp", self.tp, 1)
         _at_least("pipeline.chunks", self.chunks, 1)
         _at_least("pipeline.microbatches", self.microbatches, 1)
         _at_least("pipeline.threads", self.threads, 0)
@@ -129,6 +138,11 @@ class PipelineConfig:
             )
         self._check_processes()
         _check_values("pipeline", self)
+
+    @property
+    def processes(self) -> int:
+        """Processes of the run: pp x dp x tp (one, in the single-process mode)."""
+        return 1 if self.single_process else self.pp * self.dp * self.tp
 
     def _check_split(self) -> None:
         if self.balance not in _BALANCES:
@@ -157,6 +171,16 @@ class PipelineConfig:
         if self.shard and self.compile:
             raise ConfigError(
                 "pipeline.shard with pipeline.compile is not supported: drop --compile or --shard"
+            )
+        if self.tp > 1 and self.single_process:
+            raise ConfigError(
+                "pipeline.tp splits each layer over processes, which one process cannot "
+                "simulate: drop --single-process or use --tp 1"
+            )
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError(
+                "pipeline.sequence_parallel splits the sequence over tensor-parallel ranks but "
+                f"pipeline.tp is {self.tp}: add --tp 2 (or more) or drop --sequence-parallel"
             )
         if self.dp > 1 and self.single_process:
             raise ConfigError(

@@ -7,6 +7,8 @@
   ``sharded`` (FSDP2 per stage, reduce-scatter); ``Gradients`` and ``norm_share`` say
   which gradients enter the global norm.
 - ``stats``: what the reduction cost (``DataParallelStats``).
+- ``tp``: tensor parallelism inside a stage (``shard_pipeline``: torch's DTensor plans
+  per layer, over the mesh's "tp" dimension).
 
 It takes a built pipeline and a mesh; it knows no trainer.
 """
@@ -22,6 +24,7 @@ from pipetrain.parallel.replicated import ReplicaGradients
 from pipetrain.parallel.sharded import ShardedGradients, check_shardable
 from pipetrain.parallel.stats import DataParallelStats, gather_stats, state_bytes
 from pipetrain.parallel.sync import Gradients, GradientSync, gradient_sync, norm_share
+from pipetrain.parallel.tp import TensorParallelError, check_divisible, shard_pipeline
 
 __all__ = [
     "DataParallelStats",
@@ -30,7 +33,9 @@ __all__ = [
     "Mesh",
     "ReplicaGradients",
     "ShardedGradients",
+    "TensorParallelError",
     "build_mesh",
+    "check_divisible",
     "check_shardable",
     "gather_stats",
     "gradient_sync",
@@ -38,5 +43,6 @@ __all__ = [
     "replica_denominator",
     "replica_mean",
     "shard_batch",
+    "shard_pipeline",
     "state_bytes",
 ]

@@ -43,8 +43,9 @@ from pipetrain.errors import InputError
 from pipetrain.models.gpt2 import GPT2Block, GPT2Embedding, GPT2Head
 from pipetrain.models.llama import LlamaBlock, LlamaEmbedding, LlamaHead
 from pipetrain.models.stage import StageModule
+from pipetrain.runtime import Pipeline
 
-__all__ = ["TensorParallelError", "check_divisible", "shard_stage"]
+__all__ = ["TensorParallelError", "check_divisible", "shard_pipeline", "shard_stage"]
 
 
 class TensorParallelError(InputError):
@@ -131,6 +132,15 @@ _PLANS: dict[type[nn.Module], Callable[[bool], Plan]] = {
     LlamaHead: _head_plan,
     GPT2Head: _head_plan,
 }
+
+
+def shard_pipeline(pipeline: Pipeline, tp_mesh: Any, *, sequence_parallel: bool = False) -> None:
+    """Shard every stage of this rank over ``tp_mesh``; before the stage options (recompute,
+    precision, compile) and before FSDP2, which then shards the tp shards over dp."""
+    for module in pipeline.modules:
+        shard_stage(module, tp_mesh, sequence_parallel=sequence_parallel)
+    # The sums of tied weights (and Chimera's replicas) must add the sharded parameters.
+    pipeline.rebind_parameters()
 
 
 def shard_stage(module: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = False) -> None:

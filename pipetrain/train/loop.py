@@ -98,11 +98,16 @@ def _set_up(
     """
     p = config.pipeline
     try:
-        if role.distributed and role.world_size != p.pp * p.dp:
+        if role.distributed and role.world_size != p.processes:
+            product, flags = (
+                ("pipeline.pp x pipeline.dp", "--pp/--dp")
+                if p.tp == 1
+                else ("pipeline.pp x pipeline.dp x pipeline.tp", "--pp/--dp/--tp")
+            )
             raise ConfigError(
-                f"{role.world_size} processes were started but pipeline.pp x pipeline.dp is "
-                f"{p.pp * p.dp}: start {p.pp * p.dp} processes in all (torchrun --nnodes x "
-                f"--nproc-per-node) or change --pp/--dp"
+                f"{role.world_size} processes were started but {product} is "
+                f"{p.processes}: start {p.processes} processes in all (torchrun --nnodes x "
+                f"--nproc-per-node) or change {flags}"
             )
         tokenizer = load_tokenizer(config.data.tokenizer)
         plan = plan_run(config, vocab_size=tokenizer.vocab_size, reporter=role.reporter)
@@ -153,9 +158,9 @@ def _process_group(
         if not role.distributed:
             yield None, None
             return
-        # Before the groups are made: ranks that disagree on pp or dp would hang there.
+        # Before the groups are made: ranks that disagree on pp, dp or tp would hang there.
         check_same_settings(config, plan)
-        mesh = build_mesh(device.type, p.pp, p.dp)
+        mesh = build_mesh(device.type, p.pp, p.dp, p.tp)
         # One pipeline rank (--pp 1 --dp N) runs its single stage without a pipeline group.
         yield (mesh.pp_group if p.pp > 1 else None), mesh
     finally:
@@ -350,9 +355,10 @@ def _finish(session: Session, trained: Trained, started: float) -> RunSummary | 
             records[-1].timeline, r.timeline, say, taking_turns=not role.distributed, what="step"
         )
     # The replicas hold the same weights: the first one samples. Sharded, every replica
-    # takes part in gathering the full weights.
-    here = mesh is None or mesh.dp_rank == 0
-    if r.sample_tokens and (here or session.sharded):
+    # takes part in gathering the full weights, as every tp rank does for its slices.
+    first_replica = mesh is None or mesh.dp_rank == 0
+    here = first_replica and (mesh is None or mesh.tp_rank == 0)
+    if r.sample_tokens and (first_replica or session.sharded):
         _sample(
             config, session.plan, session.pipeline, session.group, session.corpus, say, here=here
         )

@@ -31,6 +31,7 @@ __all__ = [
     "build_optimizer",
     "check_gradients",
     "local_grads",
+    "local_tensor",
     "lr_at",
     "param_groups",
 ]
@@ -94,15 +95,16 @@ class GradCheck:
     finite: bool
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # Sharded parameters (FSDP2, --shard) have DTensor gradients: each rank works on its
-    # own shard, and the sums over the world group add the shards up.
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the shard of a DTensor (sharded parameters, FSDP2's or
+    tensor parallelism's, have DTensor gradients: each rank works on its own shard, and
+    the sums over the world group add the shards up)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def local_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """This rank's part of each existing gradient (the shard of a DTensor one)."""
-    return [_local(p.grad) for p in params if p.grad is not None]
+    return [local_tensor(p.grad) for p in params if p.grad is not None]
 
 
 def check_gradients(grads: Gradients, loss: float, group: dist.ProcessGroup | None) -> GradCheck:

@@ -128,6 +128,8 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
         from pipetrain.parallel.sharded import check_shardable
 
         check_shardable(schedule)
+    if p.tp > 1:
+        _check_tensor_parallel(config, model)
     stages = schedule.placement.num_model_stages
     # An explicit or balanced split may leave the first stage the embedding alone and the
     # last the head alone (its own checks say what else it refuses); an even split of the
@@ -147,6 +149,33 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
             )
     return RunPlan(model, prepared, _stage_layers(config, model, schedule))
+
+
+def _check_tensor_parallel(config: TrainConfig, model: ModelConfig) -> None:
+    """Sizes that ``pipeline.tp`` ranks share evenly, and a layout the plans support."""
+    from pipetrain.parallel.tp import TensorParallelError, check_divisible
+
+    p = config.pipeline
+    try:
+        check_divisible(
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads,
+            ffn_hidden=model.ffn_hidden,
+            vocab=model.vocab_size,
+            tp=p.tp,
+        )
+    except TensorParallelError as exc:
+        raise ConfigError(str(exc)) from None
+    if p.sequence_parallel and model.family == "gpt2":
+        raise ConfigError(
+            "pipeline.sequence_parallel is not supported with gpt2's learned positions: "
+            "drop --sequence-parallel, or use a llama model"
+        )
+    if p.sequence_parallel and config.data.seq_len % p.tp:
+        raise ConfigError(
+            f"pipeline.sequence_parallel splits data.seq_len {config.data.seq_len} over "
+            f"pipeline.tp {p.tp} ranks: use a --seq-len that {p.tp} divides"
+        )
 
 
 def _prepare_schedule(config: TrainConfig, *, tied_embeddings: bool) -> PreparedSchedule:

@@ -31,6 +31,7 @@ from pipetrain.parallel import (
     replica_denominator,
     replica_mean,
     shard_batch,
+    shard_pipeline,
 )
 from pipetrain.runtime import Pipeline, PipelineHooks, build_pipeline
 from pipetrain.train.data import (
@@ -40,7 +41,7 @@ from pipetrain.train.data import (
     train_batch,
 )
 from pipetrain.train.metrics import RunOutput
-from pipetrain.train.optim import GuardedUpdate, build_optimizer
+from pipetrain.train.optim import GuardedUpdate, build_optimizer, local_tensor
 from pipetrain.train.plan import RunPlan
 from pipetrain.train.shared import open_data, open_output
 from pipetrain.train.stage_options import apply_stage_options
@@ -157,6 +158,8 @@ def open_session(
         timeout_s=p.timeout_s,
         hooks=PipelineHooks(grads_hook=replicas.grads_hook if replicas is not None else None),
     )
+    if mesh is not None and mesh.tp > 1:  # first: the options and FSDP2 wrap the tp shards
+        shard_pipeline(pipeline, mesh.tp_mesh, sequence_parallel=p.sequence_parallel)
     for module in pipeline.modules:
         apply_stage_options(
             module,
@@ -249,11 +252,13 @@ def _describe(
     """The data, the model, the schedule and its early input gradients, in the run's first
     lines."""
     p = config.pipeline
-    n_params = sum(param.numel() for param in pipeline.parameters())
+    # A tensor-parallel layer's DTensor parameters count what this process holds.
+    n_params = sum(local_tensor(param).numel() for param in pipeline.parameters())
+    tp = f" x tp {p.tp}{' (sequence parallel)' if p.sequence_parallel else ''}" if p.tp > 1 else ""
     say(f"data: {corpus.description}")
     say(
         f"model {plan.model.name}: {plan.model.n_layers} blocks, d_model {plan.model.d_model}; "
-        f"schedule {plan.schedule.name} on {p.pp} rank{'s' if p.pp > 1 else ''}, split {[len(s) for s in plan.split]} layers, "
+        f"schedule {plan.schedule.name} on {p.pp} rank{'s' if p.pp > 1 else ''}{tp}, split {[len(s) for s in plan.split]} layers, "
         f"{n_params:,} parameters in this process, device {device}"
     )
     if plan.early_splits:

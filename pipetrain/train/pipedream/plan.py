@@ -78,6 +78,11 @@ def check_async(config: TrainConfig, *, asynchronous: bool, tied_embeddings: boo
             f"pipeline.vertical_sync is for pipedream: {p.schedule} already gives every stage "
             f"of a micro-batch the same version; drop --vertical-sync"
         )
+    if p.tp > 1:
+        raise ConfigError(
+            f"pipeline.tp {p.tp}: the asynchronous trainer keeps weight versions of whole "
+            f"layers, not of tensor-parallel shards: use --tp 1 or a synchronous schedule"
+        )
     if p.dp > 1:
         raise ConfigError(
             f"pipeline.dp {p.dp}: asynchronous schedules update each stage on its own and run "

@@ -1,0 +1,180 @@
+"""`pipetrain train --tp`: pp=2 x tp=2 through the real launcher (4 processes) equals one
+process on the full batch, with and without sequence parallelism, and its checkpoints
+resume under (pp=2, tp=1), (pp=1, tp=2) and (pp=4) with the same next losses; `ckpt
+export` writes the whole weights; bad tensor-parallel settings are one line, exit 2,
+before any process starts.
+
+Six launches in all: the one-process reference, pp2 x tp2 (saving at step 2), pp2 x tp2
+with --sequence-parallel, and the three resumes from its step 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from run_records import read_records
+
+from pipetrain.checkpoint import read_manifest
+from pipetrain.cli import main
+
+pytestmark = pytest.mark.e2e
+
+TINY = [
+    "--model", "llama-tiny", "--steps", "4", "--batch-size", "8", "--seq-len", "16",
+    "--microbatches", "4", "--eval-every", "0", "--set", "data.max_bytes=100000",
+    "--set", "optim.warmup_steps=1", "--set", "run.sample_tokens=0",
+    "--set", "data.eval_batches=1",
+]  # fmt: skip
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
+
+
+def _train(out: Path, name: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable, "-m", "pipetrain.cli", "train", *TINY, *flags, "--name", name,
+        "--set", f"run.out_dir={json.dumps(str(out))}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=280, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _assert_losses(
+    got: dict[int, float], want: dict[int, float], steps: list[int], what: str
+) -> None:
+    assert sorted(got) == steps, what
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), f"{what}: step {step}"
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp")
+
+
+@pytest.fixture(scope="module")
+def reference(out: Path) -> dict[int, float]:
+    """One process, one stage, the full batch."""
+    code = main(
+        [
+            "train",
+            *TINY,
+            "--pp",
+            "1",
+            "--name",
+            "ref",
+            "--set",
+            f"run.out_dir={json.dumps(str(out))}",
+        ]
+    )
+    assert code == 0
+    return _losses(out / "ref")
+
+
+@pytest.fixture(scope="module")
+def pp2_tp2(out: Path) -> subprocess.CompletedProcess[str]:
+    ckpt = out / "ckpt_pp2tp2"
+    return _train(
+        out,
+        "pp2tp2",
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "2",
+    )
+
+
+def test_pp2_tp2_starts_4_processes_and_equals_one_process(
+    out: Path, reference: dict[int, float], pp2_tp2: subprocess.CompletedProcess[str]
+) -> None:
+    _assert_losses(_losses(out / "pp2tp2"), reference, [1, 2, 3, 4], "pp=2 tp=2")
+    summary = next(r for r in read_records(out / "pp2tp2") if r.get("summary"))
+    assert len(summary["peak_memory"]) == 4  # one entry per process
+    layout = read_manifest(out / "ckpt_pp2tp2" / "step_000002").layout
+    assert (layout.pp, layout.world_size) == (2, 4)
+
+
+def test_sequence_parallel_equals_one_process(out: Path, reference: dict[int, float]) -> None:
+    _train(out, "sp", "--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1")
+    _assert_losses(_losses(out / "sp"), reference, [1, 2, 3, 4], "pp=2 tp=2 sequence-parallel")
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [("pp2", ["--pp", "2"]), ("pp1tp2", ["--pp", "1", "--tp", "2"]), ("pp4", ["--pp", "4"])],
+)
+def test_a_tp_checkpoint_resumes_under_another_layout(
+    out: Path,
+    reference: dict[int, float],
+    pp2_tp2: subprocess.CompletedProcess[str],
+    name: str,
+    layout: list[str],
+) -> None:
+    ckpt = out / f"ckpt_{name}"
+    ckpt.mkdir()
+    shutil.copytree(out / "ckpt_pp2tp2" / "step_000002", ckpt / "step_000002")
+    result = _train(out, name, *layout, "--checkpoint-dir", str(ckpt), "--resume")
+    assert "at step 2" in result.stdout, result.stdout[-2000:]
+    _assert_losses(_losses(out / name), reference, [3, 4], f"{name} resumed from pp=2 tp=2")
+
+
+def test_export_of_a_tp_checkpoint_holds_the_whole_weights(
+    out: Path, pp2_tp2: subprocess.CompletedProcess[str]
+) -> None:
+    from pipetrain.checkpoint.safetensors_io import read_safetensors
+
+    target = out / "export.safetensors"
+    step = out / "ckpt_pp2tp2" / "step_000004"
+    assert main(["ckpt", "export", str(step), "--out", str(target)]) == 0
+    weights, _ = read_safetensors(target)
+    assert tuple(weights["embed.tok.weight"].shape) == (256, 32)  # the whole vocabulary
+    assert tuple(weights["layers.0.attn.wq.weight"].shape) == (32, 32)
+    assert tuple(weights["layers.0.mlp.w2.weight"].shape) == (32, 64)
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--tp", "3"], "pipeline.tp is 3 but the model's n_heads is 4"),
+        (
+            ["--tp", "2", "--pp", "2", "--single-process"],
+            "pipeline.tp splits each layer over processes",
+        ),
+        (["--sequence-parallel"], "pipeline.sequence_parallel splits the sequence over"),
+        (["--tp", "2", "--schedule", "pipedream"], "pipeline.tp 2: the asynchronous trainer"),
+        (
+            ["--tp", "2", "--sequence-parallel", "--model", "gpt2-tiny"],
+            "pipeline.sequence_parallel is not supported with gpt2",
+        ),
+    ],
+)
+def test_bad_tensor_parallel_settings_are_one_line_and_exit_2(
+    out: Path, flags: list[str], line: str
+) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "pipetrain.cli",
+        "train",
+        *TINY,
+        *flags,
+        "--set",
+        f"run.out_dir={json.dumps(str(out / 'bad'))}",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [e for e in result.stderr.splitlines() if e.strip()]
+    assert len(errors) == 1 and errors[0].startswith(f"pipetrain train: error: {line}"), errors
