@@ -1,8 +1,9 @@
-"""Pipeline x data parallelism at an equal number of processes: pp=4, pp=2 x dp=2, dp=4.
+"""Pipeline x data x tensor parallelism at an equal number of processes: pp=4, pp=2 x
+dp=2, dp=4, pp=2 x tp=2, tp=4.
 
     .venv/bin/python benchmarks/bench_dp.py [--model llama-default] [--steps 6] [--reps 2]
                                             [--batch-size 32] [--seq-len 128] [--rows 4]
-                                            [--layouts "pp=2 x dp=2,pp=2 x dp=2 --shard"]
+                                            [--layouts "pp=2 x dp=2,pp=2 x tp=2"]
 
 Each layout trains the same global batch through ``pipetrain train`` (the real launcher,
 4 local processes, 1F1B, evaluation and sampling off) with micro-batches of ``--rows``
@@ -10,7 +11,9 @@ sequences everywhere, so the layouts differ only in how the work is spread: pp=4
 32/4 = 8 micro-batches through 4 stages; pp=2 x dp=2 runs 16 rows per replica in 4
 micro-batches through 2 stages; dp=4 runs 8 rows per replica in 2 micro-batches of the
 whole model. "pp=2 x dp=2 --shard" is the mixed layout with each stage sharded over its
-replicas (FSDP2) instead of replicated. tokens/s is the run summary's (steps after the first, all replicas
+replicas (FSDP2) instead of replicated. With tensor parallelism the tp ranks of a stage
+share its micro-batches: pp=2 x tp=2 runs 8 micro-batches through 2 stages whose layers
+are split over 2 processes each; tp=4 runs them through one stage split over 4. tokens/s is the run summary's (steps after the first, all replicas
 together). The layouts alternate within each repetition; the table shows medians.
 Prints a Markdown table.
 """
@@ -28,22 +31,29 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# (label, pp, dp, sharded stages)
-LAYOUTS = (
-    ("pp=4", 4, 1, False),
-    ("pp=2 x dp=2", 2, 2, False),
-    ("pp=2 x dp=2 --shard", 2, 2, True),
-    ("dp=4", 1, 4, False),
+# (label, pp, dp, tp, extra flags)
+LAYOUTS: tuple[tuple[str, int, int, int, tuple[str, ...]], ...] = (
+    ("pp=4", 4, 1, 1, ()),
+    ("pp=2 x dp=2", 2, 2, 1, ()),
+    ("pp=2 x dp=2 --shard", 2, 2, 1, ("--shard",)),
+    ("dp=4", 1, 4, 1, ()),
+    ("pp=2 x tp=2", 2, 1, 2, ()),
+    ("pp=2 x tp=2 --sequence-parallel", 2, 1, 2, ("--sequence-parallel",)),
+    ("tp=4", 1, 1, 4, ()),
 )
 
 
 def run(
-    args: argparse.Namespace, pp: int, dp: int, shard: bool, out: Path, name: str
+    args: argparse.Namespace,
+    layout: tuple[str, int, int, int, tuple[str, ...]],
+    out: Path,
+    name: str,
 ) -> dict[str, float]:
+    _, pp, dp, tp, extra = layout
     microbatches = args.batch_size // (dp * args.rows)
     command = [
         sys.executable, "-m", "pipetrain.cli", "train", "--model", args.model,
-        "--pp", str(pp), "--dp", str(dp), *(["--shard"] if shard else []),
+        "--pp", str(pp), "--dp", str(dp), "--tp", str(tp), *extra,
         "--microbatches", str(microbatches),
         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
         "--steps", str(args.steps), "--name", name,
@@ -65,8 +75,10 @@ def run(
         "dp_wait_ms": 1e3 * max(dp_record.get("dp_wait_s", [0.0])),
         "dp_mb": max(dp_record.get("dp_bytes_per_step", [0])) / 1e6,
         "peak_mib": max(summary["peak_memory"]) / 2**20,
-        # Parameters + AdamW state of the largest rank (reported by dp runs only).
-        "state_mb": max(dp_record.get("dp_state_bytes") or [math.nan]) / 1e6,
+        # Parameters + AdamW state of the largest rank, and of rank 0 (the first stage's
+        # first tp rank).
+        "state_mb": max(summary.get("state_bytes") or [math.nan]) / 1e6,
+        "state0_mb": (summary.get("state_bytes") or [math.nan])[0] / 1e6,
     }
 
 
@@ -94,9 +106,10 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in layouts}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
-            for label, pp, dp, shard in layouts:
-                name = f"pp{pp}dp{dp}{'shard' if shard else ''}-{rep}"
-                results[label].append(run(args, pp, dp, shard, Path(tmp), name))
+            for layout in layouts:
+                label = layout[0]
+                name = f"{label.replace(' ', '').replace('=', '').replace('--', '-')}-{rep}"
+                results[label].append(run(args, layout, Path(tmp), name))
                 print(f"# rep {rep}: {label}: {results[label][-1]}", file=sys.stderr, flush=True)
     print(
         f"model {args.model}, batch {args.batch_size} x {args.seq_len}, micro-batches of "
@@ -104,7 +117,7 @@ def main() -> None:
     )
     print(
         "| layout | tokens/s | step s | measured bubble | dp all-reduce MB/step/rank "
-        "| dp wait ms/step | peak MiB/rank | params + AdamW MB/rank |"
+        "| dp wait ms/step | peak MiB/rank | params + AdamW MB/rank (largest, rank 0) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for label, *_ in layouts:
@@ -116,7 +129,7 @@ def main() -> None:
         print(
             f"| {label} | {med('tokens_per_s'):,.0f} | {med('step_s'):.2f} | "
             f"{med('bubble'):.1%} | {med('dp_mb'):.1f} | {med('dp_wait_ms'):.0f} | "
-            f"{med('peak_mib'):.0f} | {med('state_mb'):.1f} |"
+            f"{med('peak_mib'):.0f} | {med('state_mb'):.2f}, {med('state0_mb'):.2f} |"
         )
 
 

@@ -109,6 +109,9 @@ PRESETS: dict[str, ModelConfig] = {
         # The main job: 3 stages x 4 blocks on a 2-core CPU, batch 32 x 128 in 8 micro-batches.
         # About 2.4 M parameters, so 60-100 steps fit in a few minutes.
         ModelConfig("llama", 256, 128, 12, 4, 2, 384, 128, False, name="llama-default"),
+        # The default's wider sibling, for layouts that split layers (tp up to 4 divides its
+        # 8 heads and 4 KV heads): about 25 M parameters.
+        ModelConfig("llama", 256, 512, 8, 8, 4, 1536, 128, False, name="llama-wide"),
         ModelConfig("gpt2", 50257, 768, 12, 12, 12, 3072, 1024, True, name="gpt2-124m"),
         # Llama 3.2 1B and Llama 3.1 8B (context limited to 8192 for planning).
         ModelConfig(

@@ -52,7 +52,7 @@ from pipetrain.train.plan import (
 )
 from pipetrain.train.sample import gather_state_dict, sample_text
 from pipetrain.train.session import Session, open_session
-from pipetrain.train.shared import check_same_settings, peak_memory_per_rank
+from pipetrain.train.shared import check_same_settings, peak_memory_per_rank, per_rank
 from pipetrain.train.stage_options import StageOptionError
 
 __all__ = ["resolve_device", "train"]
@@ -370,6 +370,7 @@ def _summary(session: Session, trained: Trained, started: float) -> RunSummary:
     """The run's numbers; every rank takes part in gathering the peak memory."""
     role, records = session.role, trained.records
     peaks = peak_memory_per_rank(role, session.device)
+    held = per_rank(role, state_bytes(session.pipeline.parameters(), session.optimizer))
     # Timing leaves out the warm-up steps, unless there is nothing else.
     timed = records[_WARMUP_STEPS:] or records
     train_time = sum(m.elapsed for m in timed)
@@ -387,6 +388,7 @@ def _summary(session: Session, trained: Trained, started: float) -> RunSummary:
         first_eval_loss=trained.first_eval,
         final_eval_loss=trained.final_eval,
         peak_memory=peaks,
+        state_bytes=held,
         skipped_steps=sum(int(m.outcome.skipped) for m in records),
         untimed_steps=len(records) - len(timed),
     )

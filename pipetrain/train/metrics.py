@@ -341,12 +341,16 @@ class RunSummary:
     # The first steps, left out of tokens_per_s (allocations; an asynchronous run's first
     # stream); 0 when the run had no others.
     untimed_steps: int = 1
+    # Bytes of parameters and optimizer state each rank holds (its shards where sharded:
+    # --shard, --tp), in rank order; empty where not measured.
+    state_bytes: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "summary": True,
-            **{k: v for k, v in self.__dict__.items() if k != "peak_memory"},
+            **{k: v for k, v in self.__dict__.items() if k not in ("peak_memory", "state_bytes")},
             "peak_memory": list(self.peak_memory),
+            "state_bytes": list(self.state_bytes),
         }
 
     def format(self) -> str:

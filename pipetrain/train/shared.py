@@ -24,6 +24,7 @@ __all__ = [
     "open_data",
     "open_output",
     "peak_memory_per_rank",
+    "per_rank",
 ]
 
 
@@ -107,6 +108,15 @@ def check_same_data(corpus: Corpus | None, group: Any) -> None:
     problem = data_disagree(everyone)
     if problem is not None:
         raise DataError(problem)
+
+
+def per_rank(role: ProcessRole, value: int) -> tuple[int, ...]:
+    """Every rank's ``value``, in rank order, known on every rank (a collective)."""
+    if not role.distributed:
+        return (value,)
+    everyone: list[Any] = [None] * role.world_size
+    dist.all_gather_object(everyone, value)
+    return tuple(int(v) for v in everyone)
 
 
 def peak_memory_per_rank(role: ProcessRole, device: torch.device) -> tuple[int, ...]:
