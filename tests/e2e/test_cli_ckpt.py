@@ -1,5 +1,12 @@
 """``pipetrain ckpt`` and ``pipetrain generate`` end to end: through main(argv), and as
-real processes for the exit statuses and the torchrun path of generate."""
+real processes for the exit statuses and the torchrun path of generate.
+
+On damaged and odd inputs, one line and exit status 2 for what cannot be done, a warning
+for a damaged checkpoint that is described: a damaged or unreadable shard, a directory
+with only an unfinished save, an export to a directory, a checkpoint deleted while being
+read (as a run saving with --keep does), a non-finite --temperature; and the layout of a
+V schedule's checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,18 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from cli_errors import one_line_error as _one_line_error
 from local_port import reserved_port
+from torch import nn
 
-from pipetrain.checkpoint import Layout, save_checkpoint
+from pipetrain.checkpoint import Layout, read_manifest, save_checkpoint
 from pipetrain.checkpoint.export import load_weights
 from pipetrain.checkpoint.manifest import COMPLETE_MARKER, MANIFEST_NAME
 from pipetrain.checkpoint.safetensors_io import read_safetensors
@@ -228,3 +239,167 @@ def test_generate_across_two_ranks_matches_one_process(
         )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == expected
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_generate_refuses_a_non_finite_temperature(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # nan crashed torch.multinomial after loading the model; inf ignored the model.
+    argv = ["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--temperature", value]
+    assert f"--temperature is {value}" in _one_line_error(argv, capsys)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints of a one-layer model at steps 1 and 2."""
+    root = tmp_path_factory.mktemp("sweep") / "ckpt"
+    torch.manual_seed(0)
+    for step in (1, 2):
+        save_checkpoint(root, step, modules=nn.Linear(4, 4), model={"family": "toy"})
+    return root
+
+
+def _copy(root: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    return copy
+
+
+def test_inspect_of_a_damaged_checkpoint_warns_and_an_unreadable_one_is_one_line(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = _copy(root, tmp_path)
+    shard = copy / "step_000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    code, out, err = cli(capsys, "ckpt", "inspect", str(copy / "step_000002"), "--json")
+    problem = f"{shard}: sha256 differs from the manifest (the file is damaged)"
+    assert code == 0 and err == f"warning: damaged checkpoint: {problem}\n"
+    assert json.loads(out)["problems"] == [problem]
+    code, out, err = cli(capsys, "ckpt", "inspect", str(root / "step_000002"), "--json")
+    assert code == 0 and err == "" and json.loads(out)["problems"] == []
+
+    metadata = copy / "step_000001" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:50])
+    code, out, err = cli(capsys, "ckpt", "inspect", str(copy / "step_000001"))
+    lines = err.splitlines()
+    assert code == 2 and out == "" and len(lines) == 2
+    assert lines[0].startswith(f"warning: damaged checkpoint: {metadata}: 50 bytes")
+    assert lines[1].startswith(f"pipetrain ckpt: error: {metadata}: unreadable (UnpicklingError")
+
+
+def test_verify_of_a_directory_with_only_an_unfinished_save_names_it(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    partial = crashed / "step_000003.tmp-0123abcd"
+    shutil.copytree(root / "step_000001", partial)
+    code, out, _ = cli(capsys, "ckpt", "verify", str(crashed))
+    assert code == 1
+    assert out.splitlines() == [
+        f"note {partial}: an unfinished save, ignored",
+        f"{crashed}: no checkpoints (step_NNNNNN directories) found",
+    ]
+
+
+def test_export_to_a_directory_is_one_line(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = cli(capsys, "ckpt", "export", str(root), "--out", str(tmp_path))
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        f"pipetrain ckpt: error: cannot write the export to {tmp_path}: it is a directory; "
+        f"pass --out a file path such as {tmp_path / 'model.safetensors'}"
+    ]
+
+
+def test_export_of_a_directory_names_the_checkpoint_and_all_damaged_says_so(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "w.safetensors"
+    code, out, err = cli(capsys, "ckpt", "export", str(root), "--out", str(out_file))
+    assert code == 0, err
+    assert out.startswith(f"wrote {out_file}: ")
+    assert out.rstrip("\n").endswith(f"(native), from {root / 'step_000002'}")
+
+    copy = _copy(root, tmp_path)
+    shards = [next((copy / f"step_00000{step}").glob("*.distcp")) for step in (1, 2)]
+    for shard in shards:
+        shard.write_bytes(shard.read_bytes()[:10])
+    for argv in (
+        ["ckpt", "export", str(copy), "--out", str(out_file)],
+        ["ckpt", "inspect", str(copy)],
+    ):
+        code, out, err = cli(capsys, *argv)
+        assert code == 2 and out == ""
+        line = err.splitlines()[-1]
+        # It said the directory held no step_NNNNNN with a COMPLETE marker: both have one.
+        assert line.startswith(
+            f"pipetrain ckpt: error: checkpoint {copy}: no valid checkpoint: {shards[1]}: 10 bytes"
+        )
+        assert line.endswith(
+            "(and 1 more damaged); restore the damaged files, or pass another checkpoint"
+        )
+
+
+def test_a_v_schedules_checkpoint_says_two_stages_per_rank(
+    work: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = work / "ckpt_v"
+    argv = [
+        "train", "--model", "llama-tiny", "--pp", "2", "--schedule", "zb-v", "--single-process",
+        "--steps", "1", "--batch-size", "4", "--microbatches", "4", "--seq-len", "8",
+        "--eval-every", "0", "--set", "run.evaluate=false", "--set", "run.sample_tokens=0",
+        "--set", "optim.warmup_steps=0", "--data", str(work / "data"),
+        "--set", f"run.out_dir={work / 'runs'}", "--name", "v", "--checkpoint-dir", str(ckpt),
+    ]  # fmt: skip
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    # It said chunks=1 (pipeline.chunks, which the V schedules ignore) beside 4 stages.
+    layout = read_manifest(ckpt / "step_000001").layout
+    assert (layout.pp, layout.chunks, len(layout.stages)) == (2, 2, 4)
+    code, out, err = cli(capsys, "ckpt", "inspect", str(ckpt))
+    assert code == 0, err
+    assert "layout: pp=2 chunks=2 schedule=zb-v world_size=1" in out
+
+
+def test_a_checkpoint_deleted_while_being_read_is_said_to_be_gone_not_damaged(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A training run saving into the directory with --keep deletes its oldest checkpoint
+    # while export, inspect, generate or verify reads it: here, as the read begins.
+    import pipetrain.checkpoint
+    import pipetrain.checkpoint.export
+
+    copy = _copy(root, tmp_path)
+    real_export = pipetrain.checkpoint.export.export_checkpoint
+
+    def export_pruned(path: Path, *args: object, **kwargs: object) -> object:
+        shutil.rmtree(path)
+        return real_export(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipetrain.checkpoint.export, "export_checkpoint", export_pruned)
+    code, out, err = cli(capsys, "ckpt", "export", str(copy), "--out", str(tmp_path / "m.st"))
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"pipetrain ckpt: error: checkpoint {copy / 'step_000002'} was deleted while being read "
+        "(a training run saving there with --keep removes its oldest): run the command again "
+        "to read the newest"
+    ]
+    monkeypatch.undo()
+
+    real_verify = pipetrain.checkpoint.verify_checkpoint
+
+    def verify_pruned(path: Path, **kwargs: bool) -> object:
+        if path.name == "step_000001":
+            shutil.rmtree(path)
+        return real_verify(path, **kwargs)
+
+    monkeypatch.setattr(pipetrain.checkpoint, "verify_checkpoint", verify_pruned)
+    code, out, _ = cli(capsys, "ckpt", "verify", str(copy))
+    assert code == 0, out
+    assert f"note {copy / 'step_000001'}: deleted while being verified" in out
+    assert "BAD" not in out

@@ -1,5 +1,11 @@
 """Checkpoints through ``pipetrain train`` (2 local processes): exact resume, SIGTERM,
-and a resume under another layout that skips a damaged newest checkpoint."""
+and a resume under another layout that skips a damaged newest checkpoint.
+
+In this process (main(argv)): a used --checkpoint-dir is refused without --resume, a
+resume past the run's steps or from only damaged checkpoints is one line, a resumed run
+keeps its metrics and a finished one has nothing to train; an asynchronous run resumed
+between streams of another length names a stream length that fits.
+"""
 
 from __future__ import annotations
 
@@ -164,3 +170,94 @@ def test_resume_after_a_crash_keeps_one_trajectory_in_the_metrics(
     now = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert now[:first_past] == records[:first_past]
     assert [r["step"] for r in now if "loss" in r] == [1, 2, 3, 4]
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_train_refuses_a_used_directory_without_resume_and_resume_keeps_the_metrics(
+    work: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = work / "ckpt_train"
+    argv = [
+        "train", "--model", "llama-tiny", "--pp", "1", "--steps", "2", "--batch-size", "2",
+        "--microbatches", "1", "--seq-len", "8", "--eval-every", "0",
+        "--set", "run.sample_tokens=0", "--set", "optim.warmup_steps=0",
+        "--data", str(work / "data"), "--set", f"run.out_dir={work / 'runs'}", "--name", "same",
+        "--checkpoint-dir", str(ckpt),
+    ]  # fmt: skip
+    code, _, err = cli(capsys, *argv)
+    assert code == 0, err
+    # Again without --resume (forgotten after a preemption): its saves would replace these.
+    code, _, err = cli(capsys, *argv)
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        f"pipetrain train: error: {ckpt} already holds checkpoints of an earlier run (the "
+        "newest step_000002, step 2): add --resume to continue it, or pass another "
+        "--checkpoint-dir (or remove those) to start over"
+    )
+    assert [s for s, _ in list_checkpoints(ckpt).complete] == [2]
+    code, _, err = cli(capsys, *argv, "--resume", "--steps", "1")
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        f"pipetrain train: error: {ckpt / 'step_000002'} is at step 2, past this run's 1 "
+        "steps: pass --steps 3 or more to continue it, or another --checkpoint-dir"
+    )
+
+    # Resumed under the same name, the run continues its metrics file.
+    code, _, err = cli(capsys, *argv, "--resume", "--steps", "3")
+    assert code == 0, err
+    lines = (work / "runs" / "same" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert not list((work / "runs" / "same").glob("metrics.superseded-*"))  # none past step 2
+    # Resumed again as it is, the finished run has nothing to train: it appended an
+    # evaluation and a summary of 0 steps (nan tokens/s) to the metrics.
+    code, out, err = cli(capsys, *argv, "--resume", "--steps", "3")
+    assert code == 0, err
+    assert "the run is already at step 3 of 3: nothing to train" in out
+    assert (work / "runs" / "same" / "metrics.jsonl").read_text().splitlines() == lines
+
+    for step in (2, 3):
+        shard = next((ckpt / f"step_00000{step}").glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:10])
+    code, out, err = cli(capsys, *argv, "--resume", "--steps", "3")
+    assert code == 2 and "starting from step 0" not in out
+    assert err.splitlines()[-1].startswith(
+        f"pipetrain train: error: no valid checkpoint in {ckpt}: {shard}: 10 bytes"
+    )
+
+
+def test_async_resume_between_streams_of_another_length_names_a_stream_that_fits(
+    work: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = work / "ckpt_async"
+    argv = [
+        "train", "--model", "llama-tiny", "--pp", "2", "--single-process",
+        "--schedule", "pipedream", "--steps", "4", "--batch-size", "2", "--microbatches", "2",
+        "--seq-len", "8", "--eval-every", "0", "--set", "run.sample_tokens=0",
+        "--set", "optim.warmup_steps=0", "--data", str(work / "data"),
+        "--set", f"run.out_dir={work / 'runs'}", "--checkpoint-dir", str(ckpt),
+    ]  # fmt: skip
+    code, _, err = cli(capsys, *argv, "--checkpoint-every", "2")  # streams of 2 steps
+    assert code == 0, err
+    shutil.rmtree(ckpt / "step_000004")
+    code, _, err = cli(capsys, *argv, "--resume")  # streams of 4: step 2 is inside one
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        "pipetrain train: error: the checkpoint is at step 2, not between two streams of 4 "
+        "steps (from run.steps, eval_every, checkpoint_every): pass --stream-steps 2, or the "
+        "--checkpoint-every and --eval-every of the saved run"
+    )
+    code, out, err = cli(capsys, *argv, "--resume", "--stream-steps", "2")
+    assert code == 0, err
+    assert f"resumed from {ckpt / 'step_000002'} at step 2" in out
+    # Resumed again as it is, the finished asynchronous run has nothing to train (it
+    # evaluated again and reported "trained 4 steps, 0 tokens ... nan tokens/s").
+    code, out, err = cli(capsys, *argv, "--resume", "--stream-steps", "2")
+    assert code == 0, err
+    assert "the run is already at step 4 of 4: nothing to train" in out
+    assert "nan tokens/s" not in out

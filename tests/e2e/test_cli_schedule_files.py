@@ -1,5 +1,7 @@
 """Schedule files through ``pipetrain simulate``: written with --save, loaded back with
---schedule-file to the same numbers, and every malformed file refused in one line."""
+--schedule-file to the same numbers (a spreadsheet's CSV with a byte-order mark too), and
+every malformed file refused in one line, as are --chunks beside a file and a hand-edited
+param the report divides by."""
 
 from __future__ import annotations
 
@@ -112,3 +114,26 @@ def test_training_with_a_saved_file_equals_the_builtin_to_the_bit(
         steps[name] = [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
     capsys.readouterr()
     assert len(steps["zb"]) == 2 and steps["zb"] == steps["zb-h1"]
+
+
+def test_schedule_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    built = registry.build_schedule("pipedream", 2, 2)
+    csv_path, json_path = tmp_path / "mine.csv", tmp_path / "mine.json"
+    io.dump_csv(built, csv_path)
+    io.dump_json(built, json_path)
+    # --chunks cannot change a file's placement: refused rather than ignored.
+    assert "drop --chunks" in refused(capsys, "--schedule-file", str(csv_path), "--chunks", "2")
+    # A hand-edited param that the report divides by: one line, not a ZeroDivisionError.
+    doc = json.loads(json_path.read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**doc, "params": {"window": 2, "steps": 0}}))
+    assert "param 'steps'" in refused(capsys, "--schedule-file", str(bad), "--json")
+    # Saved by a spreadsheet as "CSV UTF-8": a byte-order mark in front.
+    excel = tmp_path / "excel.csv"
+    excel.write_bytes(b"\xef\xbb\xbf" + csv_path.read_bytes())
+    code, out, err = cli(capsys, "--schedule-file", str(excel), "--json")
+    assert code == 0, err
+    _, plain, _ = cli(capsys, "--schedule-file", str(csv_path), "--json")
+    mine, ref = json.loads(out), json.loads(plain)
+    assert (mine.pop("schedule"), ref.pop("schedule")) == ("excel", "mine")
+    assert mine == ref

@@ -1,4 +1,9 @@
-"""``pipetrain simulate`` end to end: through main(argv), and once as a real process."""
+"""``pipetrain simulate`` end to end: through main(argv), and once as a real process.
+
+Bad outputs and sizes are exit status 2 and one line, never a traceback: outputs that
+cannot be written, sizes that are not finite bytes, --dp with an asynchronous schedule,
+and a size the replay could not finish in reasonable time.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from simulate_cli import cli, refused
 
 from pipetrain.cli import main
 from pipetrain.schedules import io, registry
 
 pytestmark = pytest.mark.e2e
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(["simulate", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_json_object_for_1f1b(capsys: pytest.CaptureFixture[str]) -> None:
@@ -390,3 +390,57 @@ def test_early_grads_is_refused_for_a_schedule_file(
     code, out, err = cli(capsys, "--schedule-file", str(path), "--early-grads")
     assert (code, out, err.count("\n")) == (2, "", 1)
     assert "--early-grads changes a built-in schedule" in err
+
+
+SMALL = ["--schedule", "1f1b", "--pp", "2", "--microbatches", "2"]
+
+
+def test_outputs_that_cannot_be_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "missing"
+    err = refused(capsys, *SMALL, "--trace", str(missing / "t.json"))
+    assert "cannot write" in err and "t.json" in err
+    err = refused(capsys, *SMALL, "--plot", str(missing / "p.svg"))
+    assert "cannot write" in err and "p.svg" in err
+    (tmp_path / "d.json").mkdir()
+    assert "Is a directory" in refused(capsys, *SMALL, "--trace", str(tmp_path / "d.json"))
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--activation-bytes", "-5"],
+        ["--activation-bytes", "inf"],
+        ["--weight-bytes", "nan"],
+        ["--weight-bytes", "-1", "--dp", "2"],
+    ],
+)
+def test_sizes_must_be_finite_bytes(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    err = refused(capsys, *SMALL, *argv)
+    assert argv[0] in err and "finite number of bytes >= 0" in err
+
+
+def test_dp_refuses_asynchronous_schedules(capsys: pytest.CaptureFixture[str]) -> None:
+    # One all-reduce after a stage's last B/W is one synchronous step; PipeDream updates
+    # after every backward (train refuses --dp with it too; --shard already refused it).
+    argv = ["--schedule", "pipedream", "--pp", "2", "--microbatches", "2"]
+    err = refused(capsys, *argv, "--dp", "2", "--weight-bytes", "100")
+    assert "'pipedream' is asynchronous" in err and "drop --dp" in err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--schedule", "1f1b", "--pp", "1000", "--microbatches", "1001"],
+        ["--schedule", "zb-v", "--pp", "1000", "--microbatches", "501"],
+        ["--compare", "--pp", "100000", "--microbatches", "100000"],
+    ],
+)
+def test_a_size_the_replay_cannot_finish_is_refused_up_front(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    # It used to generate and replay for minutes to hours, growing by about 1.5 kB per
+    # stage micro-batch, where a typo in --microbatches wants one line.
+    err = refused(capsys, *argv)
+    assert "stage micro-batches to replay" in err and "lower --pp or --microbatches" in err

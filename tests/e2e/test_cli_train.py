@@ -2,7 +2,8 @@
 loss-independence matrix (per-step losses equal to 1e-5 relative against --pp 1).
 
 Few launches: the tiny model, 5 steps, small batches. The single-process cases run the
-CLI in this process; the multi-process ones go through the real launcher.
+CLI in this process; the multi-process ones go through the real launcher. Outputs and a
+config file that cannot be used are one line and exit status 2 before any training.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_errors import one_line_error as _one_line_error
 from local_port import reserved_port
 from run_records import read_records
 
@@ -409,3 +411,22 @@ def test_gradient_accumulation_takes_several_pipeline_steps_per_update(tmp_path:
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["tokens"] == 3 * 8 * 32 for r in steps)
     assert all(r["grad_norm"] > 0 and not r["skipped"] for r in steps)
+
+
+def test_train_checks_its_outputs_and_config_file_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "ckpt"
+    a_file.write_text("")
+    runs = tmp_path / "runs"
+    base = ["train", "--model", "llama-tiny", "--pp", "1", "--set", f"run.out_dir={json.dumps(str(runs))}"]  # fmt: skip
+    # Used to train every step, then fail at the first save.
+    line = _one_line_error([*base, "--checkpoint-dir", str(a_file)], capsys)
+    assert "run.checkpoint_dir" in line and "is not a folder" in line
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[run]\n")
+    line = _one_line_error([*base, "--config", str(binary)], capsys)
+    assert "is not UTF-8 text" in line
+    line = _one_line_error([*base, "--model", ""], capsys)
+    assert line.startswith("pipetrain train: error: model.name '' is not a model preset")
+    assert not runs.exists()

@@ -1,6 +1,10 @@
 """Checkpoint library in one process: round trips across splits, tied weights, optimizer
 and RNG state, verification (flipped byte, missing file, version, model shape), keep and
-crash leftovers, and the resume fallback."""
+crash leftovers, and the resume fallback.
+
+Around damaged checkpoints: damaged DCP metadata and a marker that is not text are a
+damaged checkpoint, ``keep`` counts back from the save just made, and resume refuses to
+start over when every checkpoint is damaged."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import hashlib
 import json
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -355,3 +360,81 @@ def test_two_writer_threads_write_two_files_hashed_and_verified_in_parallel(
     victim.write_bytes(bytes(data))
     with pytest.raises(CheckpointCorruptError, match=r"__0_1\.distcp: sha256 differs"):
         load_checkpoint(path, modules=fresh, model=MODEL, threads=2)
+
+
+def _save(root: Path, step: int, keep: int | None = None) -> Path:
+    torch.manual_seed(step)
+    return save_checkpoint(root, step, modules=nn.Linear(4, 4), model=MODEL, keep=keep).path
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda data: data[:100], lambda data: b"k" + data[1:]],
+    ids=["truncated", "first-byte"],
+)
+def test_damaged_dcp_metadata_is_a_corrupt_checkpoint_naming_the_file(
+    tmp_path: Path, damage: Callable[[bytes], bytes]
+) -> None:
+    path = _save(tmp_path, 1)
+    metadata = path / ".metadata"
+    metadata.write_bytes(damage(metadata.read_bytes()))
+    with pytest.raises(CheckpointCorruptError, match=r"\.metadata: unreadable \(UnpicklingError"):
+        tensor_metadata(path)
+
+
+def _damage(checkpoint: Path) -> Path:
+    shard = next(checkpoint.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    return shard
+
+
+def test_keep_counts_back_from_the_save_just_made_not_from_a_damaged_later_step(
+    tmp_path: Path,
+) -> None:
+    # A run resumed past a damaged step 6 (here: started over) saves steps 2 and 4 with
+    # keep=1: each save must survive its own pruning, and the older one go.
+    _damage(_save(tmp_path, 6))
+    assert _save(tmp_path, 2, keep=1).is_dir()
+    assert _save(tmp_path, 4, keep=1).is_dir()
+    assert [s for s, _ in list_checkpoints(tmp_path).complete] == [4, 6]
+    # Saving step 6 again replaces the damaged one, and keep applies as usual.
+    _save(tmp_path, 6, keep=1)
+    assert [s for s, _ in list_checkpoints(tmp_path).complete] == [6]
+    assert verify_checkpoint(tmp_path / "step_000006").ok
+
+
+def test_resume_when_every_checkpoint_is_damaged_refuses_instead_of_starting_over(
+    tmp_path: Path,
+) -> None:
+    _damage(_save(tmp_path, 1))
+    shard = _damage(_save(tmp_path, 2))
+    size = {f.name: f.size for f in read_manifest(shard.parent).files}[shard.name]
+    with pytest.raises(CheckpointCorruptError) as raised:
+        resume_checkpoint(tmp_path, modules=nn.Linear(4, 4), model=MODEL)
+    assert str(raised.value) == (
+        f"no valid checkpoint in {tmp_path}: {shard}: 10 bytes, the manifest says {size} "
+        "(and 1 more damaged); restore the damaged files, or move the checkpoints away "
+        "(or pass another checkpoint directory) to start over"
+    )
+    # Only unfinished saves (a crash before the first checkpoint): nothing to resume yet.
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (tmp_path / "step_000001").rename(crashed / "step_000001.tmp-0123abcd")
+    assert resume_checkpoint(crashed, modules=nn.Linear(4, 4), model=MODEL) is None
+
+
+def test_a_marker_that_is_not_text_is_a_damaged_checkpoint_and_resume_falls_back(
+    tmp_path: Path,
+) -> None:
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    marker = newest / COMPLETE_MARKER
+    data = bytearray(marker.read_bytes())
+    data[3] ^= 0x80  # no longer UTF-8
+    marker.write_bytes(bytes(data))
+    assert verify_checkpoint(newest).problems == (
+        f"{newest / MANIFEST_NAME}: sha256 differs from the one in {COMPLETE_MARKER}; "
+        "the manifest is damaged",
+    )
+    result = resume_checkpoint(tmp_path, modules=nn.Linear(4, 4), model=MODEL)
+    assert result is not None and result.step == 1

@@ -1,5 +1,6 @@
 """Export: the safetensors writer/reader, native export loadable into the single-process
-model with the same loss, and the Hugging Face Llama mapping (same attention scores)."""
+model with the same loss, the Hugging Face Llama mapping (same attention scores), and
+exports to paths that cannot be written (one line, an earlier export kept whole)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
-from pipetrain.checkpoint import CheckpointError, save_checkpoint
+from pipetrain.checkpoint import CheckpointError, export, save_checkpoint
 from pipetrain.checkpoint.export import export_checkpoint, load_weights, read_weights
 from pipetrain.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from pipetrain.models import build_full_model, build_stage, get_model_config, model_spec
 from pipetrain.models.llama import apply_rotary, rotary_tables
+
+MODEL = {"family": "toy", "d_model": 4}
 
 
 def _model_fields(config: object) -> dict[str, object]:
@@ -189,3 +193,33 @@ def test_load_weights_names_a_missing_tensor(tmp_path: Path) -> None:
     write_safetensors(tmp_path / "w.safetensors", {"embed.tok.weight": torch.zeros(256, 32)})
     with pytest.raises(CheckpointError, match=r"has no tensor 'layers\.0\.attn_norm\.weight'"):
         load_weights(stages, tmp_path / "w.safetensors")
+
+
+def _save(root: Path, step: int, keep: int | None = None) -> Path:
+    torch.manual_seed(step)
+    return save_checkpoint(root, step, modules=nn.Linear(4, 4), model=MODEL, keep=keep).path
+
+
+def test_export_to_a_directory_or_below_a_file_is_one_line_and_keeps_an_earlier_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _save(tmp_path / "ckpt", 1)
+    with pytest.raises(CheckpointError, match="is a directory; pass --out a file path"):
+        export_checkpoint(path, tmp_path)
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(CheckpointError, match=r"cannot write the export to .*plain/w\.safetensors"):
+        export_checkpoint(path, tmp_path / "plain" / "w.safetensors")
+
+    out = tmp_path / "w.safetensors"
+    export_checkpoint(path, out)
+    before = out.read_bytes()
+
+    def disk_full(file: Path, *args: object) -> int:
+        Path(file).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "write_safetensors", disk_full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        export_checkpoint(_save(tmp_path / "other", 2), out)
+    assert out.read_bytes() == before  # the earlier export, whole; no partial file left
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["plain", "w.safetensors"]

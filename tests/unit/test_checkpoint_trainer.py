@@ -1,5 +1,8 @@
 """The loop's side of checkpoints in one process: when saves happen, resume, the stop
-signal (SIGTERM finishes the step, saves, stops; a second SIGINT interrupts), policy errors."""
+signal (SIGTERM finishes the step, saves, stops; a second SIGINT interrupts), policy errors,
+and what resume does with this run's settings: a checkpoint past the run's steps is one
+line, settings that change the run from here are named, this run's optimizer settings are
+kept with the saved state."""
 
 from __future__ import annotations
 
@@ -13,8 +16,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.checkpoint import CheckpointError, Layout, list_checkpoints, read_manifest, trainer
+from pipetrain.checkpoint import (
+    CheckpointError,
+    Layout,
+    list_checkpoints,
+    read_manifest,
+    save_checkpoint,
+    trainer,
+)
 from pipetrain.checkpoint.trainer import CheckpointPolicy, RunCheckpoints, StopSignal
+
+MODEL = {"family": "toy", "d_model": 4}
 
 
 def _run(
@@ -187,3 +199,101 @@ def test_handlers_go_back_when_a_failed_loop_drops_the_object(tmp_path: Path) ->
 def test_policy_errors_name_the_setting(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(CheckpointError, match=message):
         CheckpointPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_past_the_run_steps_is_refused_in_one_line(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(tmp_path, 5, modules=model, optimizer=optimizer, model=MODEL)
+
+    def run(total: int) -> RunCheckpoints:
+        return RunCheckpoints(
+            CheckpointPolicy(str(tmp_path), resume=True),
+            modules=[model],
+            optimizer=optimizer,
+            model=MODEL,
+            layout=Layout(),
+            config={},
+            total_steps=total,
+            group=None,
+            device=torch.device("cpu"),
+        )
+
+    short = run(3)
+    with pytest.raises(CheckpointError) as raised:
+        short.resume()
+    short.close()
+    assert str(raised.value) == (
+        f"{tmp_path / 'step_000005'} is at step 5, past this run's 3 steps: pass --steps 6 "
+        "or more to continue it, or another --checkpoint-dir"
+    )
+    done = run(5)
+    assert done.resume() == 5  # a finished run resumed with the same steps: nothing to do
+    done.close()
+
+
+def test_resume_names_the_settings_that_change_the_run_from_here(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = {
+        "pipeline": {"pp": 2},
+        "data": {"batch_size": 4, "seq_len": 16},
+        "optim": {"lr": 0.1, "grad_accum": 1},
+        "run": {"steps": 5, "seed": 0, "name": "first"},
+    }
+    save_checkpoint(tmp_path, 2, modules=model, optimizer=optimizer, model=MODEL, config=saved)
+
+    def resume(config: dict[str, dict[str, object]]) -> list[str]:
+        said: list[str] = []
+        run = RunCheckpoints(
+            CheckpointPolicy(str(tmp_path), resume=True),
+            modules=[model],
+            optimizer=optimizer,
+            model=MODEL,
+            layout=Layout(),
+            config=config,
+            total_steps=5,
+            group=None,
+            device=torch.device("cpu"),
+            say=said.append,
+        )
+        assert run.resume() == 2
+        run.close()
+        return [line for line in said if line.startswith("note:")]
+
+    # Another layout and another run name change nothing that matters.
+    same = {**saved, "pipeline": {"pp": 3}, "run": {**saved["run"], "name": "second"}}
+    assert resume(same) == []
+    other = {**same, "optim": {"lr": 0.1, "grad_accum": 2}, "run": {**same["run"], "steps": 8}}
+    assert resume(other) == [
+        "note: resuming with settings other than the saved run's (optim.grad_accum 1 -> 2, "
+        "run.steps 5 -> 8): the steps from here are not those of the run continued as it was"
+    ]
+
+
+def test_resume_keeps_this_runs_optimizer_settings_and_loads_the_state(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    saved = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    saved.step()
+    save_checkpoint(tmp_path, 1, modules=model, optimizer=saved, model=MODEL)
+    moments = saved.state[model.weight]["exp_avg"].clone()
+
+    changed = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.5), weight_decay=0.7)
+    run = RunCheckpoints(
+        CheckpointPolicy(str(tmp_path), resume=True),
+        modules=[model],
+        optimizer=changed,
+        model=MODEL,
+        layout=Layout(),
+        config={},
+        total_steps=3,
+        group=None,
+        device=torch.device("cpu"),
+    )
+    assert run.resume() == 1
+    run.close()
+    (group,) = changed.param_groups
+    assert (group["betas"], group["weight_decay"]) == ((0.8, 0.5), 0.7)
+    assert torch.equal(changed.state[model.weight]["exp_avg"], moments)

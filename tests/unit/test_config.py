@@ -4,7 +4,8 @@ rejections.
 Every bad input must end in one ``ConfigError`` line naming the field and the fix, raised
 by ``load_config`` before any process starts (not a traceback, nor an error after
 training); the later cases were found by a sweep as a user, and each used to crash, hang
-or fail late.
+or fail late (a --timeline that is a folder or neither a .png picture nor a .json trace
+was found only after the last step).
 """
 
 from __future__ import annotations
@@ -426,3 +427,21 @@ def test_train_help_lists_every_field_with_its_doc() -> None:
     for f in config_fields():
         assert f"  {f.key} = " in text and f.doc in text
     assert '  run.sample_prompt = "def "' in text and "  pipeline.shard = false" in text
+
+
+def test_a_timeline_path_that_is_a_folder_is_refused_before_training(tmp_path: Path) -> None:
+    # It was found only when the picture was drawn, after the last step.
+    folder = tmp_path / "step.png"
+    folder.mkdir()
+    overrides = {"run.out_dir": str(tmp_path / "runs"), "run.timeline": str(folder)}
+    with pytest.raises(ConfigError, match=r"run.timeline .* is a folder: name a .png file"):
+        load_config(overrides=overrides)
+
+
+def test_a_timeline_is_a_png_picture_or_a_json_trace(tmp_path: Path) -> None:
+    base = {"run.out_dir": str(tmp_path / "runs")}
+    for name in ("step.png", "step.json"):
+        path = str(tmp_path / name)
+        assert load_config(overrides={**base, "run.timeline": path}).run.timeline == path
+    with pytest.raises(ConfigError, match=r"must name a .png picture or a .json Chrome/Perfetto"):
+        load_config(overrides={**base, "run.timeline": str(tmp_path / "step.txt")})

@@ -1,9 +1,11 @@
-"""The process-free parts of pipetrain.parallel.mesh and the `dp` config field."""
+"""The process-free parts of pipetrain.parallel.mesh and the `dp` config field, and the
+errors of ``--shard``'s reduce-scatter, which name the step as the progress does (from 1)."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -19,9 +21,11 @@ from pipetrain.parallel import (
     norm_share,
     replica_denominator,
     shard_batch,
+    sharded,
 )
 from pipetrain.parallel.replicated import _buckets
 from pipetrain.parallel.sharded import fsdp_internals, missing_fsdp_internals
+from pipetrain.runtime import PipelineError
 from pipetrain.schedules.registry import build_schedule
 from pipetrain.train.data import Batch
 from pipetrain.train.optim import Gradients
@@ -206,3 +210,46 @@ def test_config_dp_field() -> None:
         load_config(None, {"pipeline.dp": 4, "pipeline.microbatches": 8, "data.batch_size": 24})
     with pytest.raises(ConfigError, match="drop --single-process"):
         load_config(None, {"pipeline.dp": 2, "pipeline.single_process": True})
+
+
+def _failing(module: Any) -> None:
+    raise RuntimeError("Connection closed by peer\nmore detail")
+
+
+def _gradients(monkeypatch: pytest.MonkeyPatch) -> sharded.ShardedGradients:
+    # No process group: the mesh only has to name this rank, the reduction is faked.
+    mesh = Mesh(2, 2, 1, 0, None, None, None, dp_mesh=object())
+    grads = sharded.ShardedGradients(mesh, timeout_s=1.0)
+    grads._modules = {0: object()}  # type: ignore[dict-item]
+    grads._order = [0]
+    monkeypatch.setattr(sharded, "_reduce_scatter_now", _failing)
+    return grads
+
+
+def test_reduce_scatter_failure_names_the_step_from_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    grads = _gradients(monkeypatch)
+    # The loop's step 4 (from 0) is what the progress shows as step 5.
+    with pytest.raises(PipelineError) as failed:
+        grads.finish(4)
+    message = str(failed.value)
+    assert message.startswith("rank 2: training step 5, reduce-scatter of stage 0's"), message
+    assert message.endswith("failed or timed out: Connection closed by peer"), message
+
+
+def test_reduce_scatter_failure_inside_a_step_names_that_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grads = _gradients(monkeypatch)
+    monkeypatch.setattr(sharded, "_reduce_scatter_now", lambda module: None)
+    grads.finish(6)  # a resumed run: its first finished step was the loop's 6
+    monkeypatch.setattr(sharded, "_reduce_scatter_now", _failing)
+    grads._sync = True
+    with pytest.raises(PipelineError, match=r"^rank 2: training step 8, reduce-scatter"):
+        grads.grads_hook(0)  # inside the next pipeline step, the progress's step 8
+
+
+def test_reduce_scatter_failure_before_any_finished_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    grads = _gradients(monkeypatch)
+    grads._sync = True
+    with pytest.raises(PipelineError, match=r"^rank 2: its first training step, reduce-scatter"):
+        grads.grads_hook(0)

@@ -1,4 +1,6 @@
-"""Models: presets, split-independent weights, global names, chained forward, user layers."""
+"""Models: presets, split-independent weights, global names, chained forward, user layers,
+and preset fields a model would ignore or could not use (GPT-2's n_kv_heads, an infinite
+norm_eps or rope_theta) refused."""
 
 from __future__ import annotations
 
@@ -241,3 +243,18 @@ def test_building_stages_does_not_import_dynamo() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_gpt2_refuses_grouped_query_attention_it_would_ignore() -> None:
+    # GPT-2's attention projects keys and values at full width whatever n_kv_heads says, so
+    # --set n_kv_heads=2 planned and built plain multi-head attention without a word.
+    with pytest.raises(InputError, match="set n_kv_heads=4"):
+        get_model_config("gpt2-tiny", n_kv_heads=2)
+    assert get_model_config("llama-tiny", n_kv_heads=1).n_kv_heads == 1
+
+
+@pytest.mark.parametrize("field", ["norm_eps", "rope_theta"])
+def test_an_infinite_norm_eps_or_rope_theta_is_refused(field: str) -> None:
+    # Both passed the "> 0" check: an infinite norm_eps makes every normalised activation 0.
+    with pytest.raises(InputError, match=f"model {field} must be finite and > 0"):
+        get_model_config("llama-tiny", **{field: float("inf")})

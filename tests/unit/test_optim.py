@@ -1,4 +1,5 @@
-"""Optimizer: decay groups, the learning-rate schedule, clipping, the NaN guard."""
+"""Optimizer: decay groups, the learning-rate schedule, clipping, the NaN guard, and a
+diverging run's advice, which names what to change."""
 
 from __future__ import annotations
 
@@ -137,3 +138,19 @@ def test_nan_loss_or_gradient_skips_and_k_in_a_row_stop() -> None:
         match=r"step 6: .*3 steps in a row \(optim.max_bad_steps = 3\): lower --lr",
     ):
         update.apply(5, Gradients.of(params), math.nan)
+
+
+def test_divergence_names_the_fields_to_change_without_sending_fp32_to_fp32() -> None:
+    param = torch.nn.Parameter(torch.ones(3))
+    config = OptimConfig(max_bad_steps=1)
+    update = GuardedUpdate(
+        build_optimizer([("w", param)], config), config, total_steps=5, group=None
+    )
+    param.grad = torch.tensor([1.0, math.nan, 0.0])
+    with pytest.raises(TrainingDiverged) as diverged:
+        update.apply(0, Gradients.of([param]), 2.0)
+    message = str(diverged.value)
+    # The advice fits an fp32 run too (the only one told to "use --precision fp32" before).
+    assert message.endswith(
+        "lower --lr or raise optim.warmup_steps (under --precision bf16, also try fp32)"
+    ), message

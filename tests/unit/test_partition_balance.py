@@ -1,4 +1,6 @@
-"""Partition methods on known costs: explicit and uniform cuts, exact balancing vs brute force."""
+"""Partition methods on known costs: explicit and uniform cuts, exact balancing vs brute force
+(also under a memory limit with several stages per rank: the most even split, as the
+dynamic programme would find it)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipetrain.errors import InputError
@@ -237,3 +239,49 @@ def test_explicit_split_is_exactly_the_counts(counts: list[int]) -> None:
     assert [len(part.blocks(costs, s)) for s in range(len(counts))] == counts
     assert [i for stage in part.stages for i in stage] == list(range(len(costs)))
     assert 0 in part.stages[0] and len(costs) - 1 in part.stages[-1]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=4, max_size=8),
+    st.sampled_from([(0, 0, 0), (0, 1, 0, 1), (0, 1, 1, 0), (0, 0, 1, 1), ((0, 1), (1, 0))]),
+    st.integers(5, 60),
+)
+@example([(0, 4), (3, 2), (2, 2), (1, 3), (5, 0)], (0, 0, 0), 38)
+def test_several_stages_per_rank_get_the_split_the_dynamic_programme_would(
+    layers: list[tuple[int, int]], ranks: tuple[int | tuple[int, ...], ...], limit: int
+) -> None:
+    # Where ranks hold several stages under a limit, the search minimised only the heaviest
+    # stage and kept the first split found that reached it, not the most even: in the
+    # example, params 0 | 3+2 | 1+5 (squares 61) where 0+3 | 2 | 1+5 gives 49.
+    costs = [
+        LayerCost(f"l{i}", "block", 0.0, 0.0, 0.0, 0.0, p, p, a) for i, (p, a) in enumerate(layers)
+    ]
+    n, s = len(costs), len(ranks)
+    held = [(r,) if isinstance(r, int) else r for r in ranks]
+    memory = MemoryModel(float(limit), 1, tuple(range(s, 0, -1)), 1.0)
+
+    def fits(bounds: list[tuple[int, int]]) -> bool:
+        used = [0.0] * (max(max(h) for h in held) + 1)
+        for stage, (i, j) in enumerate(bounds):
+            for rank in held[stage]:
+                used[rank] += memory.stage_bytes(costs, stage, i, j)
+        return all(u <= limit for u in used)
+
+    def key(bounds: list[tuple[int, int]]) -> tuple[int, int]:
+        weights = [sum(c.param_bytes for c in costs[i:j]) for i, j in bounds]
+        return max(weights), sum(w * w for w in weights)
+
+    splits = [
+        list(itertools.pairwise((0, *cuts, n)))
+        for cuts in itertools.combinations(range(1, n), s - 1)
+    ]
+    feasible = [b for b in splits if fits(b)]
+    if not feasible:
+        with pytest.raises(InputError, match="memory limit"):
+            split_by_params(costs, ranks, memory)
+        return
+    part = split_by_params(costs, ranks, memory)
+    bounds = [(stage[0], stage[-1] + 1) for stage in part.stages]
+    assert fits(bounds)
+    assert key(bounds) == min(key(b) for b in feasible)

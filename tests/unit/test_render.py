@@ -1,4 +1,6 @@
-"""Pictures of hand-built timelines: ASCII golden output, trace structure, PNG/SVG files."""
+"""Pictures of hand-built timelines: ASCII golden output, trace structure, PNG/SVG files;
+the ASCII grid squeezed within the width of a terminal, and pictures and traces that
+cannot be written refused in one line."""
 
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import pytest
 from test_sim_metrics import GPIPE_2_2, ONE_F_ONE_B_2_2, PIPEDREAM_2, timeline
 
 from pipetrain.errors import InputError
+from pipetrain.schedules import registry
 from pipetrain.schedules.actions import Kind
 from pipetrain.schedules.execution import Costs, Event, Timeline, replay
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.registry import build_schedule
 from pipetrain.sim.data_parallel import data_parallel_cost, sharded_cost
 from pipetrain.sim.render import (
+    RenderError,
     chrome_trace,
     plot,
     plot_compare,
@@ -24,7 +28,7 @@ from pipetrain.sim.render import (
     transfers,
     write_chrome_trace,
 )
-from pipetrain.sim.simulator import simulate
+from pipetrain.sim.simulator import SimResult, simulate
 
 
 def test_ascii_gpipe_golden() -> None:
@@ -232,3 +236,34 @@ def test_chrome_trace_shows_dp_all_reduces_gathers_and_reduce_scatters() -> None
     ]
     # The traced replay is the held one: the first F waits for its gather.
     assert min(e.start for e in sharded.timeline.events) == 1.0
+
+
+@pytest.fixture(scope="module")
+def long_runs() -> list[SimResult]:
+    """m = 64 on 4 ranks: far wider than a terminal, so every grid is squeezed."""
+    return [simulate(registry.build_schedule(n, 4, 64)) for n in ("1f1b", "zb-v", "gpipe")]
+
+
+@pytest.mark.parametrize("width", [20, 57, 120])
+def test_squeezed_grid_and_its_ruler_stay_within_the_width(
+    long_runs: list[SimResult], width: int
+) -> None:
+    for result in long_runs:
+        lines = text_grid(result.timeline, width=width).splitlines()
+        # The header and the chunk legend are text; the ruler and the rows are the grid.
+        grid = [line for line in lines[1:] if not line.startswith("(squeezed")]
+        assert len(grid) == 1 + result.num_ranks
+        assert max(len(line) for line in grid) <= width, (result.schedule, width)
+
+
+def test_unwritable_trace_and_picture_are_one_line_errors(tmp_path: Path) -> None:
+    tl = simulate(registry.build_schedule("1f1b", 2, 2)).timeline
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(RenderError, match=r"cannot write .*trace\.json.*: pick a writable"):
+        write_chrome_trace(tl, missing / "trace.json")
+    with pytest.raises(RenderError, match="Is a directory"):
+        write_chrome_trace(tl, tmp_path)
+    folder = tmp_path / "picture.png"
+    folder.mkdir()
+    with pytest.raises(RenderError, match=r"cannot write .*picture\.png"):
+        plot(tl, folder)

@@ -1,4 +1,8 @@
-"""CSV and JSON files: round trips, hand-edited files, and one-line errors for bad input."""
+"""CSV and JSON files: round trips, hand-edited files, and one-line errors for bad input.
+
+Files as users make them: saved by a spreadsheet (a byte-order mark), binary, runaway or
+deeply nested files (short one-line errors), a blank row between ranks, and hand-written
+JSON params checked while the generators' own still load."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.schedules import ScheduleError
+from pipetrain.schedules import ScheduleError, registry
 from pipetrain.schedules.io import dump_csv, dump_json, load_csv, load_json
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.registry import SCHEDULE_NAMES, build_schedule
@@ -193,3 +197,86 @@ def test_pytorch_only_actions_say_what_to_do(tmp_path: Path) -> None:
     assert "REDUCE_GRAD" in errors(csv, "0F0,0B0,0REDUCE_GRAD\n1F0,1B0\n")
     message = errors(csv, "0F0,0F1,0B0,0B1\n1F0,(1F1;1B0)OVERLAP_F_B,1B1\n")
     assert "row 2, column 2" in message and "write them as two cells" in message
+
+
+@pytest.fixture(scope="module")
+def gpipe_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("files")
+    built = registry.build_schedule("gpipe", 2, 2)
+    dump_csv(built, root / "g.csv")
+    dump_json(built, root / "g.json")
+    return root / "g.csv", root / "g.json"
+
+
+def test_a_byte_order_mark_from_a_spreadsheet_is_accepted(
+    tmp_path: Path, gpipe_files: tuple[Path, Path]
+) -> None:
+    for path, load in zip(gpipe_files, (load_csv, load_json), strict=True):
+        marked = tmp_path / f"excel{path.suffix}"
+        marked.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+        assert load(marked).actions == load(path).actions
+
+
+def message(path: Path, data: str | bytes) -> str:
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    load = load_json if path.suffix == ".json" else load_csv
+    with pytest.raises(ScheduleError) as info:
+        load(path)
+    text = str(info.value)
+    assert "\n" not in text
+    return text
+
+
+def test_binary_huge_and_deep_files_are_short_one_line_errors(tmp_path: Path) -> None:
+    binary = message(tmp_path / "s.csv", b"\x7fELF\x02\x01\x01\x00\xd0\xff" * 20)
+    assert "is not UTF-8 text" in binary and "check the path" not in binary
+    # A quote that is never closed swallows the rest of the file into one cell, over the
+    # csv module's 128 KiB field limit.
+    runaway = message(tmp_path / "s.csv", '0F0,"0B0\n' + "1F0,1B0\n" * 20_000)
+    assert "row 1" in runaway and "not a CSV of actions" in runaway
+    long_cell = message(tmp_path / "s.csv", "0F0," + "x" * 5000 + "\n")
+    assert "row 1, column 2" in long_cell and "(5000 characters)" in long_cell
+    assert len(long_cell) < 300
+    # Columns aligned with wide padding are still fine.
+    (tmp_path / "wide.csv").write_text(f"{'0F0':>50},{'0B0':<50}\n")
+    assert load_csv(tmp_path / "wide.csv").num_ranks == 1
+    deep = message(tmp_path / "s.json", "[" * 100_000 + "]" * 100_000)
+    assert "nested too deeply" in deep
+
+
+def test_a_blank_row_between_ranks_is_refused_not_an_idle_rank(tmp_path: Path) -> None:
+    # It used to load as pp=3 with rank 1 idle, and every later rank shifted by one.
+    text = message(tmp_path / "s.csv", "0F0,0B0\n\n1F0,1B0\n")
+    assert "row 2 (rank 1) has no actions" in text and "remove the blank row" in text
+    assert "row 1 (rank 0)" in message(tmp_path / "s.csv", " , \n0F0,0B0\n1F0,1B0\n")
+    # Blank lines after the last rank are still fine.
+    (tmp_path / "t.csv").write_text("0F0,0B0\n1F0,1B0\n\n\n")
+    assert load_csv(tmp_path / "t.csv").num_ranks == 2
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"steps": 0}, "param 'steps' must be a whole number >= 1, got 0"),
+        ({"window": -2}, "param 'window' must be a whole number >= 1, got -2"),
+        ({"window": True}, "param 'window' must be a whole number >= 1, got True"),
+        ({"windw": 2}, "unknown param 'windw'"),
+        ({"v": 2}, "param 'v' is 2 but the placement puts 1 stage(s) on each rank"),
+        ({"window": 1, "steps": 1}, "window=1 x steps=1 must equal 'microbatches' (2)"),
+    ],
+)
+def test_json_params_are_checked(
+    tmp_path: Path, gpipe_files: tuple[Path, Path], params: dict[str, int], expected: str
+) -> None:
+    doc = json.loads(gpipe_files[1].read_text())
+    assert expected in message(tmp_path / "p.json", json.dumps({**doc, "params": params}))
+
+
+def test_json_params_of_the_generators_still_load(tmp_path: Path) -> None:
+    for name, p, m in (("pipedream-2bw", 2, 2), ("interleaved-1f1b", 2, 4)):
+        built = registry.build_schedule(name, p, m)
+        dump_json(built, tmp_path / "s.json")
+        assert load_json(tmp_path / "s.json").params == built.params

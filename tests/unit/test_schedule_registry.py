@@ -1,10 +1,13 @@
-"""The registry: every name builds, constraints fail up front with the fix, flags are true."""
+"""The registry: every name builds, constraints fail up front with the fix, flags are true;
+every refusal of its sizes is one line naming a flag."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from pipetrain.schedules import Kind, ScheduleError
+from pipetrain.schedules import Kind, ScheduleError, registry
 from pipetrain.schedules.execution import Costs, replay
 from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.registry import (
@@ -129,3 +132,25 @@ def test_lowering_keeps_every_schedule_timing(name: str) -> None:
     plain = {(e.rank, e.action): (e.start, e.end) for e in replay(schedule, costs).events}
     lowered = replay(lower(schedule), costs).events
     assert {(e.rank, e.action): (e.start, e.end) for e in lowered if not e.action.is_comm} == plain
+
+
+def _sizes(p: int) -> list[int]:
+    return sorted({1, max(p - 1, 1), p, 2 * p + 1, 32})
+
+
+def test_every_refusal_of_the_registry_is_one_line_naming_a_flag() -> None:
+    refused = 0
+    for name in registry.SCHEDULE_NAMES:
+        spec = registry.get_spec(name)
+        for p in (1, 2, 3, 4, 8):
+            for m in _sizes(p):
+                for v in (None, 1, 3) if spec.uses_chunks else (None,):
+                    reason = spec.check(p, m, v)
+                    if reason is None:
+                        continue
+                    refused += 1
+                    assert "\n" not in reason, (name, p, m, v)
+                    assert "--" in reason, (name, p, m, v, reason)
+                    # "use 2 or 2" offers one fix twice (Chimera at p = 1 did).
+                    assert not re.search(r"\buse (\d+) or \1\b", reason), reason
+    assert refused > 50  # the sweep reaches the constraints, not only the easy sizes

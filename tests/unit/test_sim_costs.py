@@ -1,4 +1,5 @@
-"""Cost text and the spreading of a rank's share over a schedule's stages."""
+"""Cost text and the spreading of a rank's share over a schedule's stages; any subset of
+B, I and W describes one backward, and one that does not add up is refused."""
 
 from __future__ import annotations
 
@@ -87,3 +88,38 @@ def test_a_rank_share_is_spread_over_the_stages_of_a_rank() -> None:
 def test_per_stage_numbers_must_match_the_model_stages() -> None:
     with pytest.raises(CostsError, match="3 numbers for 4 model stages of 1f1b"):
         stage_costs(Costs(forward=(1.0, 1.0, 1.0)), registry.build_schedule("1f1b", 4, 4))
+
+
+@pytest.mark.parametrize(
+    ("text", "b", "i", "w"),
+    [
+        ("B=4,W=0.5", 4.0, 3.5, 0.5),
+        ("B=4,I=3", 4.0, 3.0, 1.0),
+        ("I=2", 3.0, 2.0, 1.0),
+        ("W=0.5", 1.5, 1.0, 0.5),
+        ("B=3,I=1,W=2", 3.0, 1.0, 2.0),
+        ("B=4/2,I=1", (4.0, 2.0), 1.0, (3.0, 1.0)),
+    ],
+)
+def test_any_subset_of_b_i_w_describes_one_backward(
+    text: str, b: object, i: object, w: object
+) -> None:
+    # A split-backward schedule (I, W) and a plain one (B) are compared on one model only
+    # when B = I + W: "B=4,W=0.5" once left I at 1 and ZB-H1 looked twice as fast as 1F1B.
+    c = parse_costs(text)
+    assert (c.backward, c.backward_input, c.backward_weight) == (b, i, w)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("B=4,I=1,W=1", "B must equal I + W"),
+        ("B=2,I=3", "I is longer than B"),
+        ("B=1/1,W=0.5/2", "W is longer than B"),
+        ("B=1/1,I=1/1/1", "B and I give different numbers of stages"),
+    ],
+)
+def test_a_backward_that_does_not_add_up_is_refused(text: str, expected: str) -> None:
+    with pytest.raises(CostsError, match="--costs") as info:
+        parse_costs(text)
+    assert expected in str(info.value) and "\n" not in str(info.value)

@@ -1,5 +1,6 @@
-"""The Python API as a user's own loop meets it: wrong calls, a step that fails part-way,
-and user layers with mixed boundaries, all in the single-process debug mode.
+"""The runtime's Python API (``build_pipeline``, ``Pipeline.step``) as a user's own loop
+meets it: wrong calls, a step that fails part-way, and user layers with mixed boundaries,
+all in the single-process debug mode.
 """
 
 from __future__ import annotations
