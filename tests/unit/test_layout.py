@@ -102,7 +102,8 @@ def test_no_two_modules_import_each_other() -> None:
         f"{a} <-> {b}"
         for a, targets in edges.items()
         for b in targets
-        if a < b and a in edges.get(b, set())
+        if a < b
+        and a in edges.get(b, set())
         # A package's __init__ re-exports its modules; a module importing a sibling
         # through the package is the same edge, not a cycle of two files.
         and not (b.startswith(a + ".") or a.startswith(b + "."))
