@@ -3,7 +3,8 @@ full batch.
 
 Two meshes over the same four processes: pp=2 x tp=2 (1F1B, ZB-H1 with its split
 backward, interleaved 1F1B, sequence parallelism, GPT-2 with the embedding and head tied
-across stages) and pp=1 x dp=2 x tp=2 (data parallelism around tensor parallelism). Every
+across stages) and pp=1 x dp=2 x tp=2 (data parallelism around tensor parallelism,
+replicated, and sharded with FSDP2 on ZB-H1). Every
 rank also trains the single-process reference, and compares per-step losses and global
 gradient norms (clipping engaged) to 1e-5 relative over 5 AdamW steps, and the final
 weights, gathered whole, to 1e-4.
@@ -32,7 +33,8 @@ WORKER = textwrap.dedent(
     from pipetrain.train.optim import GuardedUpdate, build_optimizer
     from pipetrain.train.session import local_gradients
     from pipetrain.parallel import (
-        Gradients, ReplicaGradients, build_mesh, norm_share, replica_mean, shard_batch,
+        Gradients, ReplicaGradients, ShardedGradients, build_mesh, norm_share, replica_mean,
+        shard_batch,
     )
     from pipetrain.parallel.tp import shard_stage
     from pipetrain.train.plan import block_split
@@ -62,11 +64,12 @@ WORKER = textwrap.dedent(
             rows.append([loss, o.grad_norm, o.clip_factor])
         return rows, {n: p.detach().clone() for n, p in pipe.named_parameters()}
 
-    def parallel(mesh, model, schedule, *, chunks=None, sp=False):
+    def parallel(mesh, model, schedule, *, chunks=None, sp=False, fsdp=False):
         config = get_model_config(model)
         spec = model_spec(config)
         ref_rows, ref_params = reference(spec, config)
-        replicas = ReplicaGradients(mesh, timeout_s=60) if mesh.dp > 1 else None
+        kind = ShardedGradients if fsdp else ReplicaGradients
+        replicas = kind(mesh, timeout_s=60) if mesh.dp > 1 else None
         pipe = build_pipeline(
             spec, schedule=schedule, microbatches=2, group=mesh.pp_group if mesh.pp > 1 else None,
             ranks=None if mesh.pp > 1 else 1, chunks=chunks, device="cpu", timeout_s=60,
@@ -80,7 +83,7 @@ WORKER = textwrap.dedent(
             replicas.attach(pipe)
         opt = build_optimizer(pipe.named_parameters(), optim)
         update = GuardedUpdate(opt, optim, total_steps=STEPS, group=mesh.world_group)
-        grads = norm_share(local_gradients(pipe), mesh)
+        grads = norm_share(local_gradients(pipe), mesh, sharded=fsdp)
         rows = []
         for step in range(STEPS):
             shard = shard_batch(batches[step], mesh.dp_rank, mesh.dp)
@@ -116,6 +119,8 @@ WORKER = textwrap.dedent(
     flat = build_mesh("cpu", 1, 2, 2)
     out["dp_members"] = dist.get_process_group_ranks(flat.dp_group)
     cases["dp2-tp2"] = parallel(flat, "llama-tiny", "1f1b")
+    # FSDP2 over dp on top of tp: each rank holds a quarter of every block's matrices.
+    cases["dp2-tp2-shard"] = parallel(flat, "llama-tiny", "zb-h1", fsdp=True)
     out["cases"] = cases
     with open(sys.argv[1] + f"/rank{dist.get_rank()}.json", "w") as f:
         json.dump(out, f)
@@ -127,7 +132,9 @@ WORKER = textwrap.dedent(
     """
 )
 
-CASES = ["1f1b", "zb-h1", "interleaved", "1f1b-sp", "zb-h1-sp", "gpt2-tied", "dp2-tp2"]
+CASES = [
+    "1f1b", "zb-h1", "interleaved", "1f1b-sp", "zb-h1-sp", "gpt2-tied", "dp2-tp2", "dp2-tp2-shard",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
