@@ -246,6 +246,35 @@ def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
     return seq_len
 
 
+def _profile_device(args: argparse.Namespace) -> Any:
+    """The torch device ``--balance profile`` times layers on, checked usable."""
+    import torch
+
+    from pipetrain.partition.profile import default_device
+
+    try:
+        device = torch.device(args.device) if args.device else default_device()
+    except RuntimeError:
+        raise UsageError(
+            f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            f"--device {args.device} but this machine has no CUDA device: use --device cpu"
+        )
+    if device.type == "meta":
+        # Meta tensors have shapes but no data: every "measured" time would be noise.
+        raise UsageError("--device meta runs no kernels, so it cannot time layers: use cpu or cuda")
+    try:
+        torch.zeros(1, device=device)
+    except Exception as exc:  # torch raises RuntimeError, AssertionError or ImportError here
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        raise UsageError(
+            f"--device {args.device} cannot be used on this machine ({first_line}): use cpu or cuda"
+        ) from None
+    return device
+
+
 def _costs(
     args: argparse.Namespace, config: ModelConfig, seq_len: int
 ) -> tuple[Sequence[LayerCost], str, float]:
@@ -272,7 +301,6 @@ def _costs(
     from pipetrain.models.spec import model_spec
     from pipetrain.partition.profile import (
         available_bytes,
-        default_device,
         profile_bytes,
         profile_layers,
     )
@@ -282,26 +310,7 @@ def _costs(
             f"--batch-size {args.batch_size} is not a multiple of --microbatches {args.microbatches}"
         )
     mb = args.batch_size // args.microbatches
-    try:
-        device = torch.device(args.device) if args.device else default_device()
-    except RuntimeError:
-        raise UsageError(
-            f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(
-            f"--device {args.device} but this machine has no CUDA device: use --device cpu"
-        )
-    if device.type == "meta":
-        # Meta tensors have shapes but no data: every "measured" time would be noise.
-        raise UsageError("--device meta runs no kernels, so it cannot time layers: use cpu or cuda")
-    try:
-        torch.zeros(1, device=device)
-    except Exception as exc:  # torch raises RuntimeError, AssertionError or ImportError here
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0].split(". ")[0]
-        raise UsageError(
-            f"--device {args.device} cannot be used on this machine ({first_line}): use cpu or cuda"
-        ) from None
+    device = _profile_device(args)
     # A real size can need more than the machine has: refuse it before the kernel kills us.
     need, layer = profile_bytes(estimate_costs(config, seq_len), mb)
     free = available_bytes(device)
