@@ -129,10 +129,14 @@ def add_config_flags(p: argparse.ArgumentParser, *, skip: frozenset[str] = froze
 
 
 def config_from_args(
-    args: argparse.Namespace, extra: dict[str, Any] | None = None, default_name: str = ""
+    args: argparse.Namespace,
+    extra: dict[str, Any] | None = None,
+    default_name: str = "",
+    notes: list[str] | None = None,
 ) -> TrainConfig:
     """Defaults, then --config, then --set, then the flags, then ``extra``; the run is
-    named ``default_name`` when none of them names it (``load_config``)."""
+    named ``default_name`` when none of them names it; a default adapted to them is noted
+    in ``notes`` (``load_config``)."""
     overrides: dict[str, Any] = dict(parse_override(text) for text in args.cfg_set)
     for flag, (key, _, _) in FLAGS.items():
         value = getattr(args, _dest(flag), None)
@@ -143,7 +147,7 @@ def config_from_args(
             if getattr(args, _dest(flag)):
                 overrides[key] = value
     overrides.update(extra or {})
-    return load_config(args.config, overrides, default_name=default_name)
+    return load_config(args.config, overrides, default_name=default_name, notes=notes)
 
 
 def fields_help() -> str:
@@ -189,8 +193,9 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.launch.role import role_from_env
 
     role = role_from_env()
+    notes: list[str] = []
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, notes=notes)
     except Exception as exc:
         if role is not None:
             # Under torchrun the other nodes would wait for this process until the timeout.

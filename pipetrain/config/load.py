@@ -68,12 +68,15 @@ def load_config(
     *,
     check_paths: bool = True,
     default_name: str = "",
+    notes: list[str] | None = None,
 ) -> TrainConfig:
     """Defaults, then the TOML file at ``path``, then ``overrides`` ("section.field" keys).
 
     Fills in a run name where none is given (``default_name``, else model-schedule-ppP-
     date-time-pid) and validates the result. ``check_paths`` also checks
     that the data and tokenizer paths exist (off for configs resolved elsewhere).
+    A default adapted to the other values (a warm-up longer than a short run) is noted,
+    in one line each, in ``notes``.
     """
     values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     if path is not None:
@@ -81,6 +84,7 @@ def load_config(
     for key, value in (overrides or {}).items():
         section, name = _split_key(key)
         values[section][name] = value
+    _fit_default_warmup(values, notes)
     # Every type is checked before any section checks its values as it is built, so an
     # input with both reports the wrong type.
     converted = {
@@ -103,6 +107,27 @@ def load_config(
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
     validate(config, check_paths=check_paths)
     return config
+
+
+def _fit_default_warmup(values: dict[str, dict[str, Any]], notes: list[str] | None) -> None:
+    """A default warm-up as long as the run (``--steps 5``) becomes a tenth of it, noted.
+
+    Only the default: a warm-up given in the file or by ``--set`` that leaves no step
+    after it stays an error (``checks._check_warmup``), as the user asked for it.
+    """
+    if "warmup_steps" in values["optim"]:
+        return
+    steps = values["run"].get("steps", RunConfig.steps)
+    default = OptimConfig.warmup_steps
+    # A wrong type or a bad step count is reported by its own check.
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= default:
+        return
+    values["optim"]["warmup_steps"] = steps // 10
+    if notes is not None:
+        notes.append(
+            f"note: the default warm-up of {default} steps does not fit a {steps}-step run: "
+            f"warming up for {steps // 10} (--set optim.warmup_steps=N to choose)"
+        )
 
 
 # Text fields that name files or folders: "~" in them means the home folder, as in a

@@ -296,8 +296,32 @@ def test_default_run_name_is_a_folder_name_whatever_the_schedule() -> None:
 
 
 def test_warmup_message_gives_the_override_to_use() -> None:
-    message = _message({"run.steps": 5})
+    message = _message({"run.steps": 5, "optim.warmup_steps": 10})
     assert "optim.warmup_steps 10" in message and "--set optim.warmup_steps=4" in message
+
+
+@pytest.mark.parametrize(("steps", "warmup"), [(1, 0), (5, 0), (10, 1), (11, 10), (120, 10)])
+def test_a_default_warmup_longer_than_the_run_is_shortened_with_a_note(
+    steps: int, warmup: int
+) -> None:
+    notes: list[str] = []
+    config = load_config(overrides={"run.steps": steps}, notes=notes)
+    assert config.optim.warmup_steps == warmup
+    if warmup == 10:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and "default warm-up of 10 steps" in notes[0]
+        assert f"{steps}-step run: warming up for {warmup}" in notes[0]
+
+
+def test_a_warmup_given_in_the_file_is_not_shortened(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[optim]\nwarmup_steps = 10\n[run]\nsteps = 5\n")
+    assert "optim.warmup_steps 10" in _message({}, path)
+    # Given, and fitting: kept as it is, without a note.
+    notes: list[str] = []
+    assert load_config(path, {"optim.warmup_steps": 3}, notes=notes).optim.warmup_steps == 3
+    assert notes == []
 
 
 def test_output_folders_are_checked_before_the_run(tmp_path: Path) -> None:
