@@ -10,14 +10,15 @@ Loading, ``--set`` overrides and TOML output are ``pipetrain.config.load``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pipetrain.config.errors import ConfigError
+from pipetrain.config.values import at_least as _at_least
+from pipetrain.config.values import check_values as _check_values
+from pipetrain.config.values import one_of as _one_of
 from pipetrain.models.config import PRESETS
 
 __all__ = [
@@ -391,36 +392,3 @@ def run_name_error(name: str) -> str:
     """The message for a run name that is not a plain folder name."""
     return f"run.name {name!r} is not a plain folder name: use letters, digits, '.', '_' and '-'"
 
-
-def _check_values(section: str, table: Any) -> None:
-    """NaN or infinity in any float field: a run that would diverge, hang or crash late.
-
-    Also text that is not Unicode (bytes that are not UTF-8 in an argument reach Python
-    as lone surrogates): the config saved for a launched run could not hold it. Run after
-    a section's own checks, whose messages are more specific for the fields they cover.
-    """
-    for f in dataclasses.fields(table):
-        value = getattr(table, f.name)
-        key = f"{section}.{f.name}"
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key} is {value}: give a finite number (default {f.default})")
-        if isinstance(value, str) and not _is_unicode(value):
-            raise ConfigError(f"{key} {value!r} is not valid UTF-8 text: fix its value")
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _at_least(key: str, value: int, low: int) -> None:
-    if value < low:
-        raise ConfigError(f"{key} is {value}: it must be at least {low}")
-
-
-def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key} is {value!r}: use one of {', '.join(choices)}")
