@@ -174,6 +174,7 @@ class Pipeline:
         *,
         denominator: float | None = None,
         label: str | None = None,
+        ranges: bool = False,
     ) -> StepResult:
         """One forward and backward of the whole batch; gradients end up in ``.grad``.
 
@@ -184,10 +185,15 @@ class Pipeline:
         replicas, so that replicas with fewer tokens weigh less in the mean of replicas.
         ``label``: how errors name this step (default "training step N", N counting this
         pipeline's steps from 1; a loop that resumed or accumulates knows better).
+        ``ranges``: run each action inside a profiler range named after it (``F stage 1 mb
+        3``; torch.profiler's record_function, and NVTX on CUDA for Nsight), for a step
+        that torch.profiler records (pipetrain.runtime.ranges); the numbers are the same.
 
         A step that raises after some micro-batches went backward leaves their gradients
         in ``.grad``; the next step is refused until they are zeroed (``zero_grad()``).
         """
+        for ex in self._train:
+            ex.use_ranges(ranges, nvtx=self.device.type == "cuda")
         return self._run(
             self._train, inputs, targets, training=True, denominator=denominator, label=label
         )

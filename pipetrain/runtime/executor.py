@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from pipetrain.runtime.errors import PipelineError, PipelineInputError
+from pipetrain.runtime.ranges import ranged_handlers
 from pipetrain.runtime.stage import StageRunner
 from pipetrain.runtime.timeline import ActionClock
 from pipetrain.runtime.wire_format import MessageKey
@@ -134,6 +135,8 @@ class RankExecutor:
         if grads_hook is not None:
             handlers = _after_last_grads(self.actions, handlers, grads_hook)
         self._handlers: tuple[Callable[[Action], bool], ...] = tuple(handlers)
+        self._plain = self._handlers
+        self._ranged: tuple[Callable[[Action], bool], ...] | None = None
         self._schedule = schedule
         self._wire: PeerOrders | None = None
         self.clock = ActionClock(len(self.actions))
@@ -181,6 +184,16 @@ class RankExecutor:
         self._outbox.clear()
         for runner in self._stages.values():
             runner.reset()
+
+    def use_ranges(self, on: bool, *, nvtx: bool = False) -> None:
+        """Run the next steps' actions inside named profiler ranges (``on``) or plainly.
+
+        The ranged table is built on first use and swapped in whole, so ``run`` stays
+        the same loop and a step without ranges pays nothing (pipetrain.runtime.ranges).
+        """
+        if on and self._ranged is None:
+            self._ranged = ranged_handlers(self.actions, self._plain, nvtx=nvtx)
+        self._handlers = self._ranged if on and self._ranged is not None else self._plain
 
     @property
     def done(self) -> bool:
