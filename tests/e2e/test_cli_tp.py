@@ -4,8 +4,9 @@ resume under (pp=2, tp=1), (pp=1, tp=2) and (pp=4) with the same next losses; `c
 export` writes the whole weights; bad tensor-parallel settings are one line, exit 2,
 before any process starts.
 
-Six launches in all: the one-process reference, pp2 x tp2 (saving at step 2), pp2 x tp2
-with --sequence-parallel, and the three resumes from its step 2.
+Seven launches in all: the one-process reference, pp2 x tp2 (saving at step 2), pp2 x tp2
+with --sequence-parallel, pp2 x dp2 x tp2 on 8 processes (3 steps), and the three
+resumes from its step 2.
 """
 
 from __future__ import annotations
@@ -110,6 +111,14 @@ def test_pp2_tp2_starts_4_processes_and_equals_one_process(
 def test_sequence_parallel_equals_one_process(out: Path, reference: dict[int, float]) -> None:
     _train(out, "sp", "--pp", "2", "--tp", "2", "--sequence-parallel", "--schedule", "zb-h1")
     _assert_losses(_losses(out / "sp"), reference, [1, 2, 3, 4], "pp=2 tp=2 sequence-parallel")
+
+
+def test_pp2_dp2_tp2_on_8_processes_equals_one_process(
+    out: Path, reference: dict[int, float]
+) -> None:
+    # The 3-D mesh whole: 2 replicas of a 2-stage pipeline whose layers span 2 processes.
+    _train(out, "pp2dp2tp2", "--pp", "2", "--dp", "2", "--tp", "2", "--steps", "3")
+    _assert_losses(_losses(out / "pp2dp2tp2"), reference, [1, 2, 3], "pp=2 dp=2 tp=2")
 
 
 @pytest.mark.parametrize(
