@@ -69,6 +69,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         str,
         "draw the measured timeline of the last step to this PNG, or a Chrome/Perfetto trace .json",
     ),
+    "--profile": (
+        "run.profile",
+        str,
+        "torch.profiler on these steps (5-6 or 3): traces and top operators in runs/<name>/profile",
+    ),
     "--checkpoint-dir": ("run.checkpoint_dir", str, "save checkpoints into this directory"),
     "--checkpoint-every": (
         "run.checkpoint_every",

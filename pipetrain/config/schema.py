@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipetrain.config.errors import ConfigError
+from pipetrain.config.steps import parse_steps
 from pipetrain.config.values import at_least as _at_least
 from pipetrain.config.values import check_values as _check_values
 from pipetrain.config.values import one_of as _one_of
@@ -307,6 +308,15 @@ class RunConfig:
     timeline: str = ""
     """Draw the measured timeline of the last step into this PNG, or write it as a Chrome /
     Perfetto trace (.json, times in microseconds, a track per rank); "" = neither."""
+    profile: str = ""
+    """Record these training steps with torch.profiler on every rank ("5-6", or "3"; counted
+    from 1 as the progress counts them): each pipeline action is a named range (`F stage 1
+    mb 3`, NVTX too on CUDA); per-rank traces, their merge into one Chrome/Perfetto trace
+    and each rank's top operators go to <run dir>/profile/; "" = none."""
+    profile_shapes: bool = False
+    """With run.profile: also record the operators' input shapes (record_shapes)."""
+    profile_memory: bool = False
+    """With run.profile: also record tensor allocations (profile_memory)."""
     sample_tokens: int = 200
     """Bytes (tokens) of text to generate from the trained model at the end; 0 = none."""
     sample_temperature: float = 0.8
@@ -350,7 +360,15 @@ class RunConfig:
                 f"run.timeline {self.timeline!r} must name a .png picture or a .json "
                 f"Chrome/Perfetto trace, e.g. --timeline step.png"
             )
+        parse_steps("run.profile", self.profile, self.steps)  # parsing it is its check
+        if (self.profile_shapes or self.profile_memory) and not self.profile:
+            raise ConfigError("run.profile_shapes, run.profile_memory need --profile STEPS")
         _check_values("run", self)
+
+    @property
+    def profile_steps(self) -> range:
+        """The steps run.profile names, counted from 1 (empty when it is "")."""
+        return parse_steps("run.profile", self.profile, self.steps)
 
     def _check_sample(self) -> None:
         if self.sample_tokens and not self.sample_prompt:

@@ -32,6 +32,7 @@ from pipetrain.config.schema import (
     ConfigError,
     TrainConfig,
 )
+from pipetrain.diagnose.profile import open_profiler, profiled_step
 from pipetrain.errors import InputError
 from pipetrain.heap import keep_heap
 from pipetrain.launch.rendezvous import join_process_group, report_failure
@@ -199,8 +200,17 @@ def _step_loop(session: Session) -> Trained | None:
     records: list[StepRecord] = []
     done = start
     loop_started = time.perf_counter()
+    profiler = open_profiler(
+        session.config,
+        rank=session.role.rank,
+        world_size=session.role.world_size,
+        device=session.device,
+        schedule=session.plan.schedule,
+        say=session.output.say,
+    )
     for step in range(start, run.steps):
-        records.append(_step(session, step, loop_started))
+        with profiled_step(profiler, step + 1) as ranges:  # --profile: ranges on those steps
+            records.append(_step(session, step, loop_started, ranges=ranges))
         done = step + 1
         if run.eval_every and done % run.eval_every == 0 and done < run.steps:
             session.evaluate(done)
@@ -226,9 +236,9 @@ class StepRecord:
     outcome: StepOutcome
 
 
-def _step(session: Session, step: int, loop_started: float) -> StepRecord:
+def _step(session: Session, step: int, loop_started: float, *, ranges: bool = False) -> StepRecord:
     """One optimizer step: ``grad_accum`` pipeline steps, the dp reduction, the update, and
-    its report."""
+    its report; ``ranges``: its actions run inside profiler ranges (--profile)."""
     config, pipeline, replicas = session.config, session.pipeline, session.replicas
     accum = config.optim.grad_accum
     t0 = time.perf_counter()
@@ -244,6 +254,7 @@ def _step(session: Session, step: int, loop_started: float) -> StepRecord:
             inputs,
             targets,
             compiled=config.pipeline.compile and step == 0 and micro == 0,
+            ranges=ranges,
             denominator=denominator,
             # Errors count steps as the progress does, a resumed run's included.
             label=f"training step {step + 1}"
@@ -309,12 +320,13 @@ def _first_step_guard(
     compiled: bool,
     denominator: float | None = None,
     label: str | None = None,
+    ranges: bool = False,
 ) -> Any:
     """Run a step; a failure of torch.compile (it compiles on the first call) becomes one line."""
     if not compiled:
-        return pipeline.step(inputs, targets, denominator=denominator, label=label)
+        return pipeline.step(inputs, targets, denominator=denominator, label=label, ranges=ranges)
     try:
-        return pipeline.step(inputs, targets, denominator=denominator, label=label)
+        return pipeline.step(inputs, targets, denominator=denominator, label=label, ranges=ranges)
     except InputError:
         raise
     except Exception as exc:
