@@ -78,6 +78,11 @@ def check_async(config: TrainConfig, *, asynchronous: bool, tied_embeddings: boo
             f"pipeline.vertical_sync is for pipedream: {p.schedule} already gives every stage "
             f"of a micro-batch the same version; drop --vertical-sync"
         )
+    if r.profile:
+        raise ConfigError(
+            "run.profile: the asynchronous trainer runs a stream of steps as one pass, which "
+            "--profile does not record yet: drop --profile or use a synchronous schedule"
+        )
     if p.tp > 1:
         raise ConfigError(
             f"pipeline.tp {p.tp}: the asynchronous trainer keeps weight versions of whole "
