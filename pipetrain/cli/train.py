@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import textwrap
+from collections.abc import Sequence
 from typing import Any
 
 from pipetrain.config import TrainConfig, load_config, parse_override
@@ -81,6 +82,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         "save every N steps (0: at a stop, the end)",
     ),
     "--keep": ("run.keep", int, "keep the newest N checkpoints (0: all)"),
+    "--grad-report": (
+        "run.grad_report",
+        int,
+        "report every parameter's gradient at step 1 and every N steps (runs/<name>/grad_report.jsonl)",
+    ),
     "--stream-steps": ("pipeline.stream_steps", int, "pipedream(-2bw): steps between drains"),
 }
 SWITCHES: dict[str, tuple[str, str]] = {
@@ -208,11 +214,14 @@ def run(args: argparse.Namespace) -> int:
 
             report_failure(role, exc)
         raise
-    return run_config(config)
+    return run_config(config, notes)
 
 
-def run_config(config: TrainConfig) -> int:
-    """Train with a resolved config in the right kind of process(es); the exit status."""
+def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
+    """Train with a resolved config in the right kind of process(es); the exit status.
+
+    ``notes``: lines about defaults the config adapted, printed once it is found usable.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from pipetrain.config.run_folder import announce
@@ -227,9 +236,12 @@ def run_config(config: TrainConfig) -> int:
     role = role_from_env()
     try:
         if role is not None:
+            if role.reporter:
+                sys.stdout.writelines(f"{note}\n" for note in notes)
             return _train_rank(config, role)
         # Everything checkable is checked before any process starts.
         plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
+        sys.stdout.writelines(f"{note}\n" for note in notes)
         processes = config.pipeline.processes
         if processes == 1:
             train(config, ProcessRole())

@@ -333,6 +333,14 @@ class RunConfig:
     resume: bool = False
     """Continue from the newest valid checkpoint in run.checkpoint_dir (step 0 if there is
     none)."""
+    grad_report: int = 0
+    """At the first optimizer step and every this many, every parameter's gradient norm,
+    weight norm and ratio, flagged (no gradient, zero, non-finite, outside the two bounds
+    below), printed in short and written to <run dir>/grad_report.jsonl; 0 = never."""
+    grad_vanishing: float = 1e-8
+    """run.grad_report flags a gradient norm below this as vanishing (0 = no lower bound)."""
+    grad_exploding: float = 10.0
+    """run.grad_report flags a gradient norm above this as exploding (0 = no upper bound)."""
 
     def __post_init__(self) -> None:
         _at_least("run.steps", self.steps, 1)
@@ -345,6 +353,10 @@ class RunConfig:
         _at_least("run.sample_tokens", self.sample_tokens, 0)
         _at_least("run.checkpoint_every", self.checkpoint_every, 0)
         _at_least("run.keep", self.keep, 0)
+        _at_least("run.grad_report", self.grad_report, 0)
+        for key, bound in (("vanishing", self.grad_vanishing), ("exploding", self.grad_exploding)):
+            if bound < 0:
+                raise ConfigError(f"run.grad_{key} is {bound}: use 0 (no bound) or more")
         if (self.resume or self.checkpoint_every or self.keep) and not self.checkpoint_dir:
             # run.keep too: without a checkpoint directory it would be ignored without a word.
             raise ConfigError(
@@ -409,4 +421,3 @@ class TrainConfig:
 def run_name_error(name: str) -> str:
     """The message for a run name that is not a plain folder name."""
     return f"run.name {name!r} is not a plain folder name: use letters, digits, '.', '_' and '-'"
-

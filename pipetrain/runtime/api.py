@@ -49,6 +49,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from pipetrain.diagnose.grads import GradBounds, GradRow, measure, report_rows
 from pipetrain.models import PipelineSpec, StageModule
 from pipetrain.runtime.collectives import dist_barrier, dist_step_summary
 from pipetrain.runtime.errors import PipelineError, PipelineInputError, lost_peer_error
@@ -165,6 +166,26 @@ class Pipeline:
     def zero_grad(self) -> None:
         for module in self.modules:
             module.zero_grad(set_to_none=True)
+
+    def grad_report(self, bounds: GradBounds | None = None) -> list[GradRow]:
+        """Each parameter of this process after a ``step``: gradient norm, weight norm, their
+        ratio and flags (no gradient: unused or frozen; zero; non-finite; outside ``bounds``),
+        by stage and global name (``pipetrain.diagnose.grads``). A sharded (DTensor)
+        parameter is measured on this rank's shard; ``pipetrain train --grad-report`` adds
+        up every rank's into one table."""
+        placement = self.schedule.placement
+        params = [
+            (stage, name, p)
+            for stage in self.stages
+            for name, p in dict(self._stage_modules[stage].named_parameters()).items()
+        ]
+        not_in_norm = {
+            id(p)
+            for stage, name, p in params
+            if name in self.tied_names or placement.replica(stage) > 0
+        }
+        measured = measure(params, in_norm=lambda _, p: id(p) not in not_in_norm)
+        return report_rows(measured, bounds or GradBounds(), step=self._passes[True])
 
     # ----------------------------------------------------------------- steps
     def step(

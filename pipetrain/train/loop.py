@@ -43,6 +43,7 @@ from pipetrain.runtime.device import gpu_identity, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
 from pipetrain.train.data import Corpus, load_tokenizer
+from pipetrain.train.grad_report import gradient_report
 from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble
 from pipetrain.train.optim import StepOutcome
 from pipetrain.train.pipedream.loop import train_async
@@ -234,6 +235,7 @@ class StepRecord:
     timeline: Timeline  # of the last pipeline step
     bubble: float  # measured idle share; NaN when every rank ran in this one process
     outcome: StepOutcome
+    stage_norms: dict[str, float | None]  # each stage's gradient norm, as the update saw it
 
 
 def _step(session: Session, step: int, loop_started: float, *, ranges: bool = False) -> StepRecord:
@@ -268,12 +270,13 @@ def _step(session: Session, step: int, loop_started: float, *, ranges: bool = Fa
         replicas.finish(step)
         loss, mean_tokens = replica_mean([loss, float(tokens)], session.mesh, session.device)
         tokens = round(mean_tokens * session.mesh.dp)
+    stage_norms = gradient_report(session, step)  # per-stage norms; --grad-report's rows
     outcome = session.update.apply(step, session.grads, loss, accumulated=accum)
     elapsed = time.perf_counter() - t0
     assert timeline is not None
     # In one process the ranks take turns: their idle time says nothing of a pipeline.
     bubble = measured_bubble(timeline) if session.role.distributed else math.nan
-    record = StepRecord(loss, tokens, elapsed, timeline, bubble, outcome)
+    record = StepRecord(loss, tokens, elapsed, timeline, bubble, outcome, stage_norms)
     _report(session, step, record, loop_started)
     return record
 
@@ -294,6 +297,7 @@ def _report(session: Session, step: int, record: StepRecord, loop_started: float
             "tokens_per_s": tokens_per_s,
             "step_time_s": record.elapsed,
             "bubble": record.bubble,
+            "grad_norm_stage": record.stage_norms,
         }
     )
     progress = session.output.progress

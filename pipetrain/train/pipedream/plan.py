@@ -93,6 +93,12 @@ def check_async(config: TrainConfig, *, asynchronous: bool, tied_embeddings: boo
             f"pipeline.dp {p.dp}: asynchronous schedules update each stage on its own and run "
             f"one pipeline: use --dp 1"
         )
+    if config.run.grad_report:
+        raise ConfigError(
+            "run.grad_report: an asynchronous schedule updates each stage after every "
+            "micro-batch, with no step whose gradients are final: drop --grad-report or use a "
+            "synchronous schedule"
+        )
     if o.grad_accum > 1:
         raise ConfigError(
             f"optim.grad_accum {o.grad_accum}: an asynchronous schedule updates after every "
