@@ -54,6 +54,7 @@ from pipetrain.models import PipelineSpec, StageModule
 from pipetrain.runtime.collectives import dist_barrier, dist_step_summary
 from pipetrain.runtime.errors import PipelineError, PipelineInputError, lost_peer_error
 from pipetrain.runtime.executor import RankExecutor
+from pipetrain.runtime.hang import watch_pipeline
 from pipetrain.runtime.inputs import (
     check_class_targets,
     check_token_ids,
@@ -117,6 +118,9 @@ class Pipeline:
         self._vocab = token_table_rows(spec, stage_modules)
         self._has_last = any(placement.is_last(s) for s in stage_modules)
         self._class_targets = class_targets  # the default loss: targets are class indices
+        # The hang doctor's side of this process (pipetrain.runtime.hang): None in one
+        # process; ``hang_watch.report_dir`` is where the report it collects is saved.
+        self.hang_watch = watch_pipeline(self, self._group, schedule, [*self._train, *self._eval])
 
     # ----------------------------------------------------------------- parameters
     @property
@@ -253,6 +257,7 @@ class Pipeline:
             return self._run_pass(executors, step, where, inputs, targets, training, denominator)
         except PipelineError as exc:
             self._note_partial(executors, training, where)
+            self._ask_doctor(str(exc) + self._rank_map)
             raise PipelineError(str(exc) + self._rank_map) from exc
         except RuntimeError as exc:
             self._note_partial(executors, training, where)
@@ -266,12 +271,18 @@ class Pipeline:
             )
             if failure is None:
                 raise
+            self._ask_doctor(str(failure) + self._rank_map)
             raise PipelineError(str(failure) + self._rank_map) from exc
         except BaseException:
             self._note_partial(executors, training, where)
             raise
         finally:
             self._started = False
+
+    def _ask_doctor(self, error: str) -> None:
+        """A wait failed: every rank's state, collected through the store (runtime.hang)."""
+        if self.hang_watch is not None:
+            self.hang_watch.on_failure(error)
 
     def _note_partial(self, executors: list[RankExecutor], training: bool, where: str) -> None:
         """Remember a training pass that failed after some backward added to .grad."""

@@ -208,6 +208,11 @@ class RankExecutor:
     def blocked_on(self) -> Action | None:
         return None if self.done else self.actions[self._pos]
 
+    @property
+    def where(self) -> str:
+        """The step as errors name it (``begin``'s ``where``)."""
+        return self._where
+
     def run(self) -> bool:
         """Run actions until the program ends (True) or a receive has nothing yet (False)."""
         actions, handlers, times = self.actions, self._handlers, self.clock.times
@@ -215,10 +220,11 @@ class RankExecutor:
         pos, end = self._pos, len(actions)
         try:
             while pos < end:
-                start = clock()
+                # The start before the action runs: the action in progress is then the one
+                # whose start is later than its end (the hang doctor, pipetrain.runtime.hang).
+                times[2 * pos] = clock()
                 if not handlers[pos](actions[pos]):
                     return False
-                times[2 * pos] = start
                 times[2 * pos + 1] = clock()
                 pos += 1
         finally:
