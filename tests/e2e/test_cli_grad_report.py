@@ -1,10 +1,13 @@
 """`pipetrain train --grad-report`: the report through the real launcher (2 processes), its
 per-stage norms against the global one, the same losses without it; a model with an
 unused and a frozen parameter (in this process, --single-process) named by the report;
-and the short-run warm-up: `--steps 5` trains with a note, an explicit warm-up too long
-for the run is still refused.
+the rows of tensor-parallel and FSDP2 runs equal to one process's; and the short-run
+warm-up: `--steps 5` trains with a note, an explicit warm-up too long for the run is still
+refused.
 
-Three launches in all: pp=2 with and without --grad-report, and the single-process run.
+Four launches of 2 processes (pp=2 with and without --grad-report, tp=2, dp=2 sharded) and
+three runs in this process (the unused and frozen parameters, the references of tp and
+FSDP2).
 """
 
 from __future__ import annotations
@@ -158,3 +161,35 @@ def test_grad_report_is_refused_where_it_cannot_report(capsys: pytest.CaptureFix
     flags = ["--pp", "2", "--schedule", "pipedream", "--grad-report", "1"]
     line = one_line_error(["train", *TINY, *flags], capsys)
     assert "run.grad_report: an asynchronous schedule" in line
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--dp", "2", "--shard"]], ids=["tp", "fsdp"])
+def test_sharded_parameters_report_the_whole_tensor(tmp_path: Path, flags: list[str]) -> None:
+    # DTensor shards (tensor parallel, FSDP2) added up over their ranks, a tensor that every
+    # tp rank holds whole counted once: the rows of one process, sizes and norms.
+    one = ["--steps", "1", "--set", "optim.warmup_steps=0", "--grad-report", "1"]
+    assert main(["train", *TINY, *one, "--pp", "1", "--name", "one", *_out(tmp_path)]) == 0
+    command = [*TINY, *one, "--pp", "1", *flags, "--name", "sharded", *_out(tmp_path)]
+    subprocess.run(
+        [sys.executable, "-m", "pipetrain.cli", "train", *command],
+        check=True,
+        capture_output=True,
+        timeout=280,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+    )
+    want = {r["name"]: r for r in _report(tmp_path / "one")}
+    got = _report(tmp_path / "sharded")
+    assert sorted(r["name"] for r in got) == sorted(want)
+    for row in got:
+        ref = want[row["name"]]
+        assert row["numel"] == ref["numel"], row["name"]
+        assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), row["name"]
+        assert row["weight_norm"] == pytest.approx(ref["weight_norm"], rel=1e-6), row["name"]
+    (record,) = [r for r in read_records(tmp_path / "sharded") if "loss" in r]
+    squares = sum(r["grad_norm"] ** 2 for r in got if r["in_norm"])
+    assert squares == pytest.approx(record["grad_norm"] ** 2, rel=1e-6)
+
+
+def _out(folder: Path) -> list[str]:
+    return ["--set", f"run.out_dir={json.dumps(str(folder))}"]
