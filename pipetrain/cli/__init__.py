@@ -21,7 +21,7 @@ __all__ = ["UsageError", "main"]
 
 # Subcommands, each the module of that name under pipetrain.cli. A module imports torch
 # inside its run(), never at import time: `pipetrain simulate` must not pay for torch.
-SUBCOMMANDS: tuple[str, ...] = ("simulate", "plan", "train", "tune", "ckpt", "generate")
+SUBCOMMANDS: tuple[str, ...] = ("simulate", "plan", "train", "tune", "ckpt", "generate", "doctor")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -9,10 +9,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import sys
 import uuid
 from pathlib import Path
+from types import FrameType
 
 from pipetrain.launch.process_exit import exit_record
 
@@ -61,6 +65,15 @@ def _unfinished(config_path: Path, processes: int, *, waited: bool = True) -> st
     return "; ".join(problems)
 
 
+def _to_ranks(signum: int, frame: FrameType | None) -> None:
+    """Pass a signal on to this process's children: the ranks torch's launcher started
+    (Linux lists them in /proc; elsewhere nothing is passed on)."""
+    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            for pid in children.read_text().split():
+                os.kill(int(pid), signum)
+
+
 def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
     """Run the worker in ``processes`` local processes; raise ``LaunchFailed`` if one fails.
 
@@ -87,6 +100,8 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
         monitor_interval=0.1,
     )
     shutil.rmtree(exit_record(config_path, 0).parent, ignore_errors=True)  # an earlier run's
+    # SIGUSR1 to the launcher asks every rank's hang doctor for a report.
+    forwarding = signal.signal(signal.SIGUSR1, _to_ranks)
     try:
         elastic_launch(launch, sys.executable)(
             "-m", "pipetrain.launch.worker", entry, str(config_path)
@@ -122,3 +137,5 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
         raise LaunchFailed(
             f"{first}; {len(failures)} of {processes} processes failed", code
         ) from None
+    finally:
+        signal.signal(signal.SIGUSR1, forwarding)

@@ -160,6 +160,9 @@ def _record(code: int) -> None:
 if __name__ == "__main__":
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, _stop_outside_training)
+    # SIGUSR1 asks the hang doctor for a report (the launcher forwards its own); until the
+    # pipeline's watch takes it over (pipetrain.runtime.hang), it must not end the rank.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     status = _run()
     # The rank's outcome is decided: a stop now must not record 0 over a failure.
     for stop in (signal.SIGTERM, signal.SIGINT):

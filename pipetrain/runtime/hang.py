@@ -289,12 +289,19 @@ class HangWatch:
 
     # ----------------------------------------------------------------- the thread
     def start(self) -> None:
+        """Register this rank and start its thread (again, after ``stop``)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
         self._post(self._key("alive", self.rank), self.snapshot())
         self._thread = threading.Thread(target=self._loop, name="pipetrain-doctor", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
+        """End the thread (``wait``: until it has ended); reports need it running."""
         self._stop.set()
+        if wait and self._thread is not None:
+            self._thread.join()
 
     def _loop(self) -> None:
         with contextlib.suppress(Exception):  # the store went away: the run is over

@@ -158,6 +158,8 @@ def open_session(
         timeout_s=p.timeout_s,
         hooks=PipelineHooks(grads_hook=replicas.grads_hook if replicas is not None else None),
     )
+    if pipeline.hang_watch is not None:  # the hang doctor's report: <run dir>/doctor.json
+        pipeline.hang_watch.report_dir = config.run_dir
     if mesh is not None and mesh.tp > 1:  # first: the options and FSDP2 wrap the tp shards
         shard_pipeline(pipeline, mesh.tp_mesh, sequence_parallel=p.sequence_parallel)
     for module in pipeline.modules:
