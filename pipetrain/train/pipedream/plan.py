@@ -60,7 +60,7 @@ def check_async(config: TrainConfig, *, asynchronous: bool, tied_embeddings: boo
 
     ``tied_embeddings``: the model's LM head reuses its token embedding.
     """
-    p, o, r = config.pipeline, config.optim, config.run
+    p, r = config.pipeline, config.run
     if not asynchronous:
         if p.vertical_sync:
             raise ConfigError(
@@ -78,44 +78,7 @@ def check_async(config: TrainConfig, *, asynchronous: bool, tied_embeddings: boo
             f"pipeline.vertical_sync is for pipedream: {p.schedule} already gives every stage "
             f"of a micro-batch the same version; drop --vertical-sync"
         )
-    if r.profile:
-        raise ConfigError(
-            "run.profile: the asynchronous trainer runs a stream of steps as one pass, which "
-            "--profile does not record yet: drop --profile or use a synchronous schedule"
-        )
-    if p.tp > 1:
-        raise ConfigError(
-            f"pipeline.tp {p.tp}: the asynchronous trainer keeps weight versions of whole "
-            f"layers, not of tensor-parallel shards: use --tp 1 or a synchronous schedule"
-        )
-    if p.dp > 1:
-        raise ConfigError(
-            f"pipeline.dp {p.dp}: asynchronous schedules update each stage on its own and run "
-            f"one pipeline: use --dp 1"
-        )
-    if config.run.grad_report:
-        raise ConfigError(
-            "run.grad_report: an asynchronous schedule updates each stage after every "
-            "micro-batch, with no step whose gradients are final: drop --grad-report or use a "
-            "synchronous schedule"
-        )
-    if o.grad_accum > 1:
-        raise ConfigError(
-            f"optim.grad_accum {o.grad_accum}: an asynchronous schedule updates after every "
-            f"micro-batch (pipedream) or window (pipedream-2bw): use --grad-accum 1 and more "
-            f"--microbatches"
-        )
-    for name, value, flag in (
-        ("pipeline.recompute", p.recompute, "--recompute"),
-        ("pipeline.compile", p.compile, "--compile"),
-        ("pipeline.precision bf16", p.precision == "bf16", "--precision bf16"),
-    ):
-        # Each would run a forward, or cache a cast of the weights, outside the version
-        # the micro-batch is bound to.
-        if value:
-            raise ConfigError(
-                f"{name} is not supported with asynchronous schedules (weight stashing): drop {flag}"
-            )
+    _check_unsupported(config)
     if p.chunks > 1:
         raise ConfigError(f"pipeline.chunks {p.chunks}: {p.schedule} has one stage per rank")
     if tied_embeddings and p.pp > 1:
@@ -142,3 +105,46 @@ def check_async(config: TrainConfig, *, asynchronous: bool, tied_embeddings: boo
         async_schedule(p.schedule, p.pp, p.microbatches, stream)
     except InputError as exc:
         raise ConfigError(f"pipeline: {exc} (a stream is {stream} steps)") from None
+
+
+def _check_unsupported(config: TrainConfig) -> None:
+    """Options an asynchronous run cannot use, each refused in one line."""
+    p, o, r = config.pipeline, config.optim, config.run
+    if r.profile:
+        raise ConfigError(
+            "run.profile: the asynchronous trainer runs a stream of steps as one pass, which "
+            "--profile does not record yet: drop --profile or use a synchronous schedule"
+        )
+    if p.tp > 1:
+        raise ConfigError(
+            f"pipeline.tp {p.tp}: the asynchronous trainer keeps weight versions of whole "
+            f"layers, not of tensor-parallel shards: use --tp 1 or a synchronous schedule"
+        )
+    if p.dp > 1:
+        raise ConfigError(
+            f"pipeline.dp {p.dp}: asynchronous schedules update each stage on its own and run "
+            f"one pipeline: use --dp 1"
+        )
+    if r.grad_report:
+        raise ConfigError(
+            "run.grad_report: an asynchronous schedule updates each stage after every "
+            "micro-batch, with no step whose gradients are final: drop --grad-report or use a "
+            "synchronous schedule"
+        )
+    if o.grad_accum > 1:
+        raise ConfigError(
+            f"optim.grad_accum {o.grad_accum}: an asynchronous schedule updates after every "
+            f"micro-batch (pipedream) or window (pipedream-2bw): use --grad-accum 1 and more "
+            f"--microbatches"
+        )
+    for name, value, flag in (
+        ("pipeline.recompute", p.recompute, "--recompute"),
+        ("pipeline.compile", p.compile, "--compile"),
+        ("pipeline.precision bf16", p.precision == "bf16", "--precision bf16"),
+    ):
+        # Each would run a forward, or cache a cast of the weights, outside the version
+        # the micro-batch is bound to.
+        if value:
+            raise ConfigError(
+                f"{name} is not supported with asynchronous schedules (weight stashing): drop {flag}"
+            )
