@@ -305,6 +305,9 @@ class RunConfig:
     only then."""
     tensorboard: bool = False
     """Write TensorBoard logs to <run dir>/tensorboard (needs the tensorboard package)."""
+    progress_bar: bool = True
+    """On a terminal, show the progress as a live bar (tqdm: step, loss, tokens/s, ETA) with
+    the other lines above it; false: plain lines there too, as in a log file or a pipe."""
     timeline: str = ""
     """Draw the measured timeline of the last step into this PNG, or write it as a Chrome /
     Perfetto trace (.json, times in microseconds, a track per rank); "" = neither."""

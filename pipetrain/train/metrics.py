@@ -1,8 +1,10 @@
 """What a run reports: a progress line, a metrics JSONL file, TensorBoard, a summary.
 
 Only one rank reports (the loss is known on every rank); the others stay quiet unless
-something goes wrong. On a terminal the progress is one line redrawn in place; otherwise
-(a log file, a CI job) it is plain lines, so a log reads top to bottom.
+something goes wrong. On a terminal the progress is a tqdm bar redrawn at every step, with
+the other lines printed above it (``run.progress_bar = false`` asks for plain lines there
+too); otherwise (a log file, a pipe, a CI job) it is plain lines, so a log reads top to
+bottom.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import contextlib
 import gc
 import json
 import math
+import os
 import resource
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,18 +224,27 @@ class TensorBoard:
 
 
 class Progress:
-    """Step, loss, tokens/s and ETA: redrawn in place on a terminal, plain lines elsewhere."""
+    """Step, loss, tokens/s and ETA: a live bar on a terminal, plain lines elsewhere.
 
-    def __init__(self, total_steps: int, stream: IO[str] | None = None, *, width: int = 24) -> None:
+    On a terminal (``stream.isatty()``, and ``bar`` true: ``run.progress_bar``) the bar is
+    tqdm's, redrawn at every step; ``message`` lines (evaluations, notes, the summary) go
+    above it through ``tqdm.write``, and the bar is closed at the last step, or by
+    ``close`` (a failed or stopped run), so that nothing after it shares its line.
+    Elsewhere (a file, a pipe, CI) it is plain ``step i/N  loss ...  tok/s  ETA`` lines.
+    """
+
+    def __init__(
+        self, total_steps: int, stream: IO[str] | None = None, *, bar: bool = True
+    ) -> None:
         self._total = total_steps
         self._stream = sys.stdout if stream is None else stream
-        self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
-        self._width = width
+        self._tty = bar and bool(getattr(self._stream, "isatty", lambda: False)())
         # Plain lines: about 100 for a long run, every step for a short one.
         self._every = max(1, total_steps // 100)
-        self._open_line = False
         # The first step this process trains (a resumed run starts later than 0).
         self._first: int | None = None
+        # Opened at the first step, so that the lines before it are plain.
+        self._bar: Any = None
 
     def update(
         self, step: int, *, loss: float, tokens_per_s: float, elapsed_s: float, note: str = ""
@@ -241,33 +254,83 @@ class Progress:
             self._first = step
         done = step + 1
         eta = elapsed_s / (done - self._first) * (self._total - done)
-        text = f"step {done}/{self._total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {format_duration(eta)}"
+        numbers = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  ETA {format_duration(eta)}"
+        text = f"step {done}/{self._total}  {numbers}"
         if note:
             text += f"  {note}"
-        if self._tty:
-            filled = round(self._width * done / self._total)
-            bar = "#" * filled + "." * (self._width - filled)
-            self._stream.write(f"\r[{bar}] {text}\033[K")
-            self._open_line = done < self._total
-            if not self._open_line:
-                self._stream.write("\n")
-        elif note or done % self._every == 0 or done == self._total:
+        if not self._tty:
+            if note or done % self._every == 0 or done == self._total:
+                self._stream.write(text + "\n")
+                self._stream.flush()
+            return
+        if note:
+            # A note stays in the log, above the bar, as the plain line says it.
+            self.message(text)
+        if self._bar is None:
+            # Opened at its first step, drawn with it (a resumed run's bar starts part full).
+            from tqdm import tqdm
+
+            if not hasattr(tqdm, "_lock"):
+                # One process writes: a thread lock, not tqdm's default multiprocessing one
+                # (a semaphore, and a resource-tracker process where the start method is not
+                # fork).
+                tqdm.set_lock(threading.RLock())
+            self._bar = tqdm(
+                total=self._total,
+                initial=done,
+                desc=numbers,
+                file=self._stream,
+                # Every step redrawn: steps are seconds apart, not microseconds.
+                mininterval=0,
+                miniters=1,
+                # The terminal's size, followed as it changes; on a terminal that tells none
+                # (a pty of size 0, as `script` gives) tqdm would draw nothing: 80 x 24.
+                **({"dynamic_ncols": True} if _sized(self._stream) else _DEFAULT_SIZE),
+                leave=True,
+                unit="step",
+                bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc}",
+            )
+        else:
+            self._bar.set_description_str(numbers, refresh=False)
+            self._bar.update(done - self._bar.n)
+        if done >= self._total:
+            self.close()
+
+    def message(self, text: str) -> None:
+        """A line of its own (eval results, warnings, the summary), above the bar."""
+        if self._bar is not None:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=self._stream)
+        else:
             self._stream.write(text + "\n")
         self._stream.flush()
 
-    def message(self, text: str) -> None:
-        """A line of its own (eval results, warnings), without breaking the bar."""
-        if self._open_line:
-            self._stream.write("\n")
-            self._open_line = False
-        self._stream.write(text + "\n")
-        self._stream.flush()
+    def close(self) -> None:
+        """End the bar's line (again, or without a bar: nothing)."""
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
+            self._stream.flush()
+
+
+_DEFAULT_SIZE = {"ncols": 80, "nrows": 24}
+
+
+def _sized(stream: IO[str]) -> bool:
+    """Whether the terminal ``stream`` writes to tells its size."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (OSError, ValueError):  # no file descriptor (io.UnsupportedOperation), closed
+        return False
+    return size.columns > 0 and size.lines > 0
 
 
 class RunOutput:
     """Where a run's output goes: on the reporting rank a progress bar (plain lines when not
-    on a terminal), the metrics file and TensorBoard when asked; on every other rank nothing,
-    so that their logs stay quiet unless something is wrong."""
+    on a terminal, or when ``progress_bar`` is false), the metrics file and TensorBoard when
+    asked; on every other rank nothing, so that their logs stay quiet unless something is
+    wrong."""
 
     def __init__(
         self,
@@ -278,8 +341,9 @@ class RunOutput:
         metrics_path: Path,
         tensorboard_dir: Path | None,
         resume: bool = False,
+        progress_bar: bool = True,
     ) -> None:
-        self.progress = Progress(total_steps, stream) if active else None
+        self.progress = Progress(total_steps, stream, bar=progress_bar) if active else None
         self._metrics = MetricsFile(metrics_path, append=resume) if active else None
         self._board = (
             TensorBoard(tensorboard_dir) if active and tensorboard_dir is not None else None
@@ -310,8 +374,11 @@ class RunOutput:
             self.progress.message(text)
 
     def close(self) -> None:
-        """Flush and close the files (again: nothing). A failed run closes them too: its ranks
-        end with ``os._exit`` (``pipetrain.launch.process_exit``), where no finalizer would."""
+        """End the progress bar's line, flush and close the files (again: nothing). A failed
+        or stopped run closes them too: its ranks end with ``os._exit``
+        (``pipetrain.launch.process_exit``), where no finalizer would."""
+        if self.progress is not None:
+            self.progress.close()
         metrics, board = self._metrics, self._board
         self._metrics = self._board = None
         if metrics is not None:

@@ -65,6 +65,7 @@ def open_output(config: TrainConfig, role: ProcessRole, out: IO[str]) -> RunOutp
         tensorboard_dir=config.run_dir / "tensorboard" if config.run.tensorboard else None,
         # A resumed run keeps the records of its earlier part (truncating lost them).
         resume=config.run.resume,
+        progress_bar=config.run.progress_bar,
     )
 
 

@@ -71,17 +71,129 @@ def test_plain_lines_are_thinned_for_long_runs() -> None:
     assert len(out.getvalue().splitlines()) == 100
 
 
-def test_bar_on_a_terminal_is_redrawn_in_place() -> None:
+def _steps(progress: Progress, count: int, *, first: int = 0) -> None:
+    for step in range(first, first + count):
+        progress.update(step, loss=2.0 - step, tokens_per_s=1000.0, elapsed_s=step + 1.0)
+
+
+def test_a_terminal_gets_a_live_bar_with_the_lines_above_it() -> None:
     out = _Terminal()
-    progress = Progress(2, out, width=4)
-    progress.update(0, loss=3.0, tokens_per_s=10.0, elapsed_s=5.0)
-    progress.message("eval")
-    progress.update(1, loss=2.0, tokens_per_s=10.0, elapsed_s=10.0)
+    progress = Progress(3, out)
+    progress.message("config: ...")
+    progress.update(0, loss=3.0, tokens_per_s=1000.0, elapsed_s=5.0)
+    progress.message("eval loss 1.0")
+    progress.update(1, loss=2.0, tokens_per_s=1000.0, elapsed_s=10.0)
+    progress.update(2, loss=1.0, tokens_per_s=1000.0, elapsed_s=15.0)
+    progress.message("trained 3 steps")
     text = out.getvalue()
-    assert text.startswith("\r[##..] step 1/2  loss 3.0000")
-    assert "ETA 0:05" in text
-    assert "\neval\n\r[####] step 2/2" in text
-    assert text.endswith("\n")
+    # tqdm's bar, redrawn in place at every step, with the step, loss, tokens/s and ETA.
+    assert text.startswith("config: ...\n\rstep 1/3 |")
+    for done, loss, eta in ((1, "3.0000", "0:10"), (2, "2.0000", "0:05"), (3, "1.0000", "0:00")):
+        assert f"\rstep {done}/3 |" in text
+        assert f"| loss {loss}  1,000 tok/s  ETA {eta}" in text
+    # No plain progress line: the bar is the progress.
+    assert "step 1/3  loss" not in text
+    # A line printed while the bar shows clears it, takes a line of its own, and the bar is
+    # drawn again under it.
+    assert "\reval loss 1.0\n\rstep 1/3 |" in text
+    # The bar closed at the last step: the summary after it is on a line of its own.
+    assert text.endswith("ETA 0:00\ntrained 3 steps\n")
+
+
+def test_a_note_stays_above_the_bar() -> None:
+    out = _Terminal()
+    progress = Progress(4, out)
+    progress.update(0, loss=3.0, tokens_per_s=10.0, elapsed_s=1.0)
+    progress.update(1, loss=9.0, tokens_per_s=10.0, elapsed_s=2.0, note="skipped: nan")
+    lines = out.getvalue().split("\n")
+    assert any(
+        line.endswith("\rstep 2/4  loss 9.0000  10 tok/s  ETA 0:02  skipped: nan")
+        for line in lines
+    )
+    assert "\rstep 2/4 |" in out.getvalue()
+
+
+def test_closing_ends_the_bar_of_a_run_that_stopped_early() -> None:
+    # A failed run or one stopped by a signal: the error or the summary that follows must
+    # not share the bar's line.
+    out = _Terminal()
+    progress = Progress(10, out)
+    _steps(progress, 2)
+    assert not out.getvalue().endswith("\n")
+    progress.close()
+    assert out.getvalue().endswith("\n")
+    assert "\rstep 2/10 |" in out.getvalue()
+    progress.close()  # again: nothing
+    progress.message("stopped by signal SIGTERM")
+    assert out.getvalue().endswith("ETA 0:08\nstopped by signal SIGTERM\n")
+
+
+def test_the_output_closes_its_bar(tmp_path: Path) -> None:
+    out = _Terminal()
+    output = RunOutput(
+        active=True,
+        total_steps=5,
+        stream=out,
+        metrics_path=tmp_path / "m.jsonl",
+        tensorboard_dir=None,
+    )
+    assert output.progress is not None
+    _steps(output.progress, 1)
+    output.close()
+    assert out.getvalue().startswith("\rstep 1/5 |")
+    assert out.getvalue().endswith("\n")
+
+
+def test_a_resumed_runs_bar_starts_where_it_resumed() -> None:
+    out = _Terminal()
+    progress = Progress(10, out)
+    # Resumed after 5 steps: step 5 (the 6th) took 2 s, so 4 left take 8 s.
+    progress.update(5, loss=1.0, tokens_per_s=1.0, elapsed_s=2.0)
+    assert out.getvalue().startswith("\rstep 6/10 |")
+    assert "ETA 0:08" in out.getvalue()
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_plain_lines_are_the_same_off_a_terminal_and_with_the_bar_turned_off(
+    terminal: bool,
+) -> None:
+    # Off a terminal (a file, a pipe, CI) nothing changes; run.progress_bar = false asks for
+    # the same lines on a terminal.
+    out = _Terminal() if terminal else io.StringIO()
+    progress = Progress(3, out, bar=not terminal)
+    progress.message("config: ...")
+    _steps(progress, 2)
+    progress.message("eval loss 1.0")
+    _steps(progress, 1, first=2)
+    progress.close()
+    assert out.getvalue() == (
+        "config: ...\n"
+        "step 1/3  loss 2.0000  1,000 tok/s  ETA 0:02\n"
+        "step 2/3  loss 1.0000  1,000 tok/s  ETA 0:01\n"
+        "eval loss 1.0\n"
+        "step 3/3  loss 0.0000  1,000 tok/s  ETA 0:00\n"
+    )
+
+
+def test_run_progress_bar_false_reaches_the_output(tmp_path: Path) -> None:
+    from pipetrain.config import load_config
+    from pipetrain.launch.role import ProcessRole
+    from pipetrain.train.shared import open_output
+
+    for value, bar in ((True, True), (False, False)):
+        config = load_config(
+            overrides={
+                "run.name": "bar",
+                "run.out_dir": str(tmp_path),
+                "run.progress_bar": value,
+            }
+        )
+        out = _Terminal()
+        output = open_output(config, ProcessRole(), out)
+        assert output.progress is not None
+        _steps(output.progress, 1)
+        output.close()
+        assert ("|" in out.getvalue()) is bar, out.getvalue()
 
 
 def test_format_duration() -> None:
