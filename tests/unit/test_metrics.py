@@ -424,3 +424,42 @@ def test_a_measured_timeline_can_be_written_as_a_chrome_trace(tmp_path: Path) ->
         (0, "0F0", 0.0, pytest.approx(2000.0)),
         (1, "1F0", 2000.0, pytest.approx(3000.0)),
     ]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_a_run_on_a_terminal_shows_the_bar_and_prints_the_rest_above_or_after_it(
+    tmp_path: Path, schedule: str
+) -> None:
+    from pipetrain.config import load_config
+    from pipetrain.launch.role import ProcessRole
+    from pipetrain.train.loop import train
+
+    config = load_config(
+        overrides={
+            "run.name": f"bar-{schedule}",
+            "run.out_dir": str(tmp_path),
+            "run.steps": 3,
+            "run.sample_tokens": 0,
+            "model.name": "llama-tiny",
+            "pipeline.pp": 2,
+            "pipeline.single_process": True,
+            "pipeline.schedule": schedule,
+            "pipeline.microbatches": 2,
+            "data.batch_size": 4,
+            "data.seq_len": 16,
+            "data.max_bytes": 100_000,
+            "optim.warmup_steps": 1,
+        }
+    )
+    out = _Terminal()
+    train(config, ProcessRole(), out=out)
+    text = out.getvalue()
+    for done in (1, 2, 3):
+        assert f"\rstep {done}/3 |" in text
+    assert "step 1/3  loss" not in text  # no plain progress line
+    # The bar closed at the last step: the final evaluation and the summary follow it on
+    # lines of their own.
+    after = text[text.rindex("\rstep 3/3 |") :]
+    assert "\neval loss after 3 steps: " in after
+    assert "\ntrained 3 steps, " in after
+    assert text.endswith("\n")
