@@ -107,8 +107,7 @@ def test_a_note_stays_above_the_bar() -> None:
     progress.update(1, loss=9.0, tokens_per_s=10.0, elapsed_s=2.0, note="skipped: nan")
     lines = out.getvalue().split("\n")
     assert any(
-        line.endswith("\rstep 2/4  loss 9.0000  10 tok/s  ETA 0:02  skipped: nan")
-        for line in lines
+        line.endswith("\rstep 2/4  loss 9.0000  10 tok/s  ETA 0:02  skipped: nan") for line in lines
     )
     assert "\rstep 2/4 |" in out.getvalue()
 
