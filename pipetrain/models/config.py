@@ -41,6 +41,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10_000.0  # llama only
     name: str = "custom"
+    # Llama 3's rotary scaling (Hugging Face rope_type "llama3"): long wavelengths divided by
+    # the factor, short ones kept, the band between blended. 1.0 (the default): none.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    qkv_bias: bool = False  # llama only: biases on the q, k, v projections (Qwen2)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -86,6 +93,42 @@ class ModelConfig:
             raise ModelConfigError(
                 f"model rope_theta must be finite and > 0, got {self.rope_theta!r}"
             )
+        self._check_llama_options()
+
+    def _check_llama_options(self) -> None:
+        if not 1.0 <= self.rope_scaling_factor < math.inf:
+            raise ModelConfigError(
+                f"model rope_scaling_factor must be finite and >= 1 (1: no scaling), got "
+                f"{self.rope_scaling_factor!r}"
+            )
+        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor < math.inf:
+            raise ModelConfigError(
+                f"model rope_low_freq_factor={self.rope_low_freq_factor!r} and "
+                f"rope_high_freq_factor={self.rope_high_freq_factor!r} must satisfy "
+                "0 < low < high (Llama 3: 1 and 4)"
+            )
+        if not isinstance(self.rope_original_max_len, int) or self.rope_original_max_len < 1:
+            raise ModelConfigError(
+                f"model rope_original_max_len must be a positive integer, got "
+                f"{self.rope_original_max_len!r}"
+            )
+        if self.family != "llama" and (self.qkv_bias or self.rope_scaling is not None):
+            raise ModelConfigError(
+                f"model qkv_bias and rope_scaling_factor are llama options; gpt2 has biases "
+                f"everywhere and learned positions: drop them for family {self.family!r}"
+            )
+
+    @property
+    def rope_scaling(self) -> tuple[float, float, float, int] | None:
+        """(factor, low_freq_factor, high_freq_factor, original length), None unscaled."""
+        if self.rope_scaling_factor == 1.0:
+            return None
+        return (
+            self.rope_scaling_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_len,
+        )
 
     @property
     def head_dim(self) -> int:

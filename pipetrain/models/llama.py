@@ -7,13 +7,15 @@ and initialised layer by layer.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.models.config import ModelConfig
 from pipetrain.models.embedding import Embedding
-from pipetrain.models.init import BASE_STD, normal_, ones_, residual_std
+from pipetrain.models.init import BASE_STD, normal_, ones_, residual_std, zeros_
 
 __all__ = ["LlamaBlock", "LlamaEmbedding", "LlamaHead", "RMSNorm", "apply_rotary", "rotary_tables"]
 
@@ -32,15 +34,22 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    scaling: tuple[float, float, float, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each (T, head_dim/2), in float32.
+
+    ``scaling``: Llama 3's (factor, low_freq_factor, high_freq_factor, original length)
+    (``ModelConfig.rope_scaling``); None leaves the frequencies as they are.
 
     Not a module buffer: a buffer would be garbage after a meta build. Every block of every
     micro-batch asks for the same tables, so they are computed once per (length, width,
     theta, device) and shared: recomputing them cost about 1% of a step on CPU.
     """
-    key = (seq_len, head_dim, theta, str(device))
+    key = (seq_len, head_dim, theta, scaling, str(device))
     tables = _ROTARY_CACHE.get(key)
     if tables is None:
         # Normal tensors even when first asked for under inference_mode: a cached inference
@@ -48,7 +57,10 @@ def rotary_tables(
         with torch.inference_mode(False):
             positions = torch.arange(seq_len, device=device, dtype=torch.float32)
             exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-            angles = torch.outer(positions, 1.0 / theta**exponents)
+            inv_freq = 1.0 / theta**exponents
+            if scaling is not None:
+                inv_freq = _llama3_frequencies(inv_freq, *scaling)
+            angles = torch.outer(positions, inv_freq)
             tables = (angles.cos(), angles.sin())
         if len(_ROTARY_CACHE) >= _ROTARY_CACHE_SIZE:
             _ROTARY_CACHE.pop(next(iter(_ROTARY_CACHE)))  # the oldest: lengths seen long ago
@@ -58,7 +70,21 @@ def rotary_tables(
 
 # A few sequence lengths at most in a run (training, evaluation, generation's growing prefix).
 _ROTARY_CACHE_SIZE = 64
-_ROTARY_CACHE: dict[tuple[int, int, float, str], tuple[torch.Tensor, torch.Tensor]] = {}
+_ROTARY_CACHE: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _llama3_frequencies(
+    inv_freq: torch.Tensor, factor: float, low: float, high: float, original: int
+) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (as Hugging Face's rope_type "llama3"): wavelengths
+    longer than original/low divided by ``factor``, shorter than original/high kept, and
+    the band between blended linearly in original/wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,9 +115,11 @@ class LlamaAttention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
-        self.wq = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.wk = nn.Linear(config.d_model, config.kv_dim, bias=False)
-        self.wv = nn.Linear(config.d_model, config.kv_dim, bias=False)
+        self.rope_scaling = config.rope_scaling
+        bias = config.qkv_bias  # Qwen2's q, k, v biases; the output projection has none
+        self.wq = nn.Linear(config.d_model, config.d_model, bias=bias)
+        self.wk = nn.Linear(config.d_model, config.kv_dim, bias=bias)
+        self.wv = nn.Linear(config.d_model, config.kv_dim, bias=bias)
         self.wo = nn.Linear(config.d_model, config.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +129,7 @@ class LlamaAttention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rotary_tables(t, self.head_dim, self.rope_theta, x.device)
+        cos, sin = rotary_tables(t, self.head_dim, self.rope_theta, x.device, self.rope_scaling)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Each key/value head serves n_heads / n_kv_heads query heads; SDPA pairs them itself
         # instead of materialising repeated keys and values (same numbers, 10-30% less time
@@ -138,6 +166,8 @@ class LlamaBlock(nn.Module):
         ones_(self.attn_norm.weight)
         for linear in (self.attn.wq, self.attn.wk, self.attn.wv):
             normal_(linear.weight, BASE_STD, generator)
+            if linear.bias is not None:
+                zeros_(linear.bias)
         normal_(self.attn.wo.weight, residual_std(self.n_layers), generator)
         ones_(self.mlp_norm.weight)
         normal_(self.mlp.w1.weight, BASE_STD, generator)
