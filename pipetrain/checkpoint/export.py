@@ -2,19 +2,17 @@
 
 ``native`` keeps the global names (``layers.3.attn.wq.weight``; a tied weight once, under
 its canonical name), which ``load_weights`` puts back into any split of the model.
-``hf`` renames a Llama-style model to Hugging Face Llama names and converts the query and
-key projections from this model's interleaved rotary pairs to Hugging Face's halves.
+``hf`` writes a Hugging Face model directory (config.json, model.safetensors, the run's
+tokenizer.json) that transformers loads: ``pipetrain.models.hf`` holds the name maps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -24,12 +22,12 @@ from pipetrain.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from pipetrain.checkpoint.load import dcp_read, tensor_metadata
 from pipetrain.checkpoint.manifest import Manifest, verify_checkpoint
 from pipetrain.checkpoint.safetensors_io import read_safetensors, write_safetensors
+from pipetrain.errors import InputError
 
 __all__ = [
     "EXPORT_FORMATS",
     "ExportResult",
     "export_checkpoint",
-    "hf_llama_weights",
     "load_weights",
     "read_weights",
 ]
@@ -61,83 +59,38 @@ def read_weights(path: Path | str) -> tuple[dict[str, torch.Tensor], Manifest]:
     return weights, verification.manifest
 
 
-# Global Llama parameter name pattern -> Hugging Face name (block index kept).
-_HF_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
-}
-_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
+def _export_hf(weights: dict[str, torch.Tensor], manifest: Manifest, out: Path) -> int:
+    """A Hugging Face model directory at ``out`` (``pipetrain.models.hf.save_hf``), with the
+    run's tokenizer.json when it used one; returns the bytes of model.safetensors."""
+    from pipetrain.models.config import ModelConfig
+    from pipetrain.models.hf import save_hf
 
-
-def _pairs_to_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reorder each head's output rows from (x0, x1), (x2, x3), ... rotary pairs to
-    Hugging Face's [x0, x2, ...; x1, x3, ...] halves: the same rotation, other row order."""
-    rows, cols = weight.shape
-    head_dim = rows // heads
-    return weight.reshape(heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def hf_llama_weights(
-    weights: Mapping[str, torch.Tensor], model: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
-    if model.get("family") != "llama":
+    if out.exists() and not out.is_dir():
         raise CheckpointError(
-            f"--format hf maps Llama-style models only and this checkpoint's family is "
-            f"{model.get('family')!r}: use --format native"
+            f"cannot write the export to {out}: it is a file and --format hf writes a "
+            "directory; pass --out a directory path"
         )
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        if name == "embed.tok.weight":
-            out["model.embed_tokens.weight"] = tensor
-            if model.get("tie_embeddings"):
-                out["lm_head.weight"] = tensor
-        elif name == "head.norm.weight":
-            out["model.norm.weight"] = tensor
-        elif name == "head.out.weight":
-            out["lm_head.weight"] = tensor
-        elif (match := _BLOCK.match(name)) and match.group(2) in _HF_BLOCK:
-            index, local = match.groups()
-            if local == "attn.wq.weight":
-                tensor = _pairs_to_halves(tensor, int(model["n_heads"]))
-            elif local == "attn.wk.weight":
-                tensor = _pairs_to_halves(tensor, int(model["n_kv_heads"]))
-            out[f"model.layers.{index}.{_HF_BLOCK[local]}"] = tensor
-        else:
-            raise CheckpointError(
-                f"parameter {name!r} has no Hugging Face Llama name: use --format native"
-            )
-    return out
-
-
-def _hf_config(model: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": model["vocab_size"],
-        "hidden_size": model["d_model"],
-        "intermediate_size": model["ffn_hidden"],
-        "num_hidden_layers": model["n_layers"],
-        "num_attention_heads": model["n_heads"],
-        "num_key_value_heads": model["n_kv_heads"],
-        "max_position_embeddings": model["max_seq_len"],
-        "rms_norm_eps": model.get("norm_eps", 1e-5),
-        "rope_theta": model.get("rope_theta", 10000.0),
-        "tie_word_embeddings": bool(model.get("tie_embeddings")),
-        "hidden_act": "silu",
-        "torch_dtype": "float32",
-    }
+    try:
+        config = ModelConfig(**dict(manifest.model))
+    except (TypeError, InputError) as exc:
+        raise CheckpointError(f"the checkpoint's model fields are not a model ({exc})") from None
+    tokenizer = str(dict(manifest.config).get("data", {}).get("tokenizer", "") or "")
+    if tokenizer and not Path(tokenizer).exists():
+        raise CheckpointError(
+            f"the run's tokenizer {tokenizer} is gone: put it back, or export --format native"
+        )
+    try:
+        save_hf(out, weights, config, tokenizer=tokenizer or None)
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot write the export to {out} ({exc}); pass --out a directory path that is writable"
+        ) from None
+    return (out / "model.safetensors").stat().st_size
 
 
 def export_checkpoint(path: Path | str, out: Path | str, *, format: str = "native") -> ExportResult:
-    """Write the checkpoint's weights to ``out``; the manifest's model config (and, for
-    ``hf``, a Hugging Face ``config.json`` body) goes into the file's metadata."""
+    """Write the checkpoint's weights to ``out``: ``native``, one safetensors file with the
+    manifest's model config in its metadata; ``hf``, a Hugging Face model directory."""
     if format not in EXPORT_FORMATS:
         raise CheckpointError(f"export format {format!r} is unknown: use one of {EXPORT_FORMATS}")
     weights, manifest = read_weights(path)
@@ -146,10 +99,9 @@ def export_checkpoint(path: Path | str, out: Path | str, *, format: str = "nativ
         "step": str(manifest.step),
         "model": json.dumps(dict(manifest.model), sort_keys=True),
     }
-    if format == "hf":
-        weights = hf_llama_weights(weights, manifest.model)
-        metadata = {"format": "pt", "hf_config": json.dumps(_hf_config(manifest.model))}
     out = Path(out)
+    if format == "hf":
+        return ExportResult(out, format, len(weights), _export_hf(weights, manifest, out))
     if not out.name or out.is_dir():
         raise CheckpointError(
             f"cannot write the export to {out}: it is a directory; pass --out a file path "

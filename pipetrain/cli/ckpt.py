@@ -2,7 +2,8 @@
 
     pipetrain ckpt verify DIR            # checksums and completeness; exit 0 valid, 1 not
     pipetrain ckpt inspect DIR [--json]  # step, config, layout, tensors and sizes
-    pipetrain ckpt export DIR --out FILE.safetensors [--format native|hf]
+    pipetrain ckpt export DIR --out FILE.safetensors [--format native]
+    pipetrain ckpt export DIR --out HF_DIR --format hf   # a directory transformers loads
 
 DIR is one checkpoint (``.../step_000100``) or a checkpoint directory holding several:
 verify then checks every one, inspect and export take the newest valid one.
@@ -39,14 +40,22 @@ def add_parser(subparsers: Any) -> None:
     inspect = actions.add_parser("inspect", help="step, config, layout, tensors and sizes")
     inspect.add_argument("dir", metavar="DIR", help="a checkpoint, or a directory of them")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    export = actions.add_parser("export", help="consolidated weights as one safetensors file")
+    export = actions.add_parser(
+        "export", help="consolidated weights: one safetensors file, or a Hugging Face directory"
+    )
     export.add_argument("dir", metavar="DIR", help="a checkpoint, or a directory of them")
-    export.add_argument("--out", required=True, metavar="FILE", help="the .safetensors to write")
+    export.add_argument(
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="the .safetensors file to write (--format hf: the directory to write)",
+    )
     export.add_argument(
         "--format",
         default="native",
         choices=("native", "hf"),
-        help="native: pipetrain's global names (default); hf: Hugging Face Llama names",
+        help="native: pipetrain's global names (default); hf: a Hugging Face model directory "
+        "(config.json, model.safetensors, tokenizer.json) for Llama, Qwen2 or GPT-2",
     )
     p.set_defaults(run=run)
 

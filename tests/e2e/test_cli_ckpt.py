@@ -109,13 +109,14 @@ def test_export_native_and_hf(
         "export",
         str(checkpoints),
         "--out",
-        str(tmp_path / "hf.safetensors"),
+        str(tmp_path / "hf"),
         "--format",
         "hf",
     )
     assert code == 0, err
-    hf, _ = read_safetensors(tmp_path / "hf.safetensors")
+    hf, _ = read_safetensors(tmp_path / "hf" / "model.safetensors")  # a Hugging Face directory
     assert "model.layers.3.mlp.down_proj.weight" in hf and "lm_head.weight" in hf
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 4
 
 
 def test_generate_same_text_for_any_number_of_stages(

@@ -1,5 +1,5 @@
 """Export: the safetensors writer/reader, native export loadable into the single-process
-model with the same loss, the Hugging Face Llama mapping (same attention scores), and
+model with the same loss, the Hugging Face export (transformers loads it, same logits), and
 exports to paths that cannot be written (one line, an earlier export kept whole)."""
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipetrain.checkpoint import CheckpointError, export, save_checkpoint
-from pipetrain.checkpoint.export import export_checkpoint, load_weights, read_weights
+from pipetrain.checkpoint.export import export_checkpoint, load_weights
 from pipetrain.checkpoint.safetensors_io import read_safetensors, write_safetensors
 from pipetrain.models import build_full_model, build_stage, get_model_config, model_spec
-from pipetrain.models.llama import apply_rotary, rotary_tables
 
 MODEL = {"family": "toy", "d_model": 4}
 
@@ -114,78 +113,24 @@ def test_native_export_loads_into_the_full_model_with_the_same_loss(
         assert "head.out.weight" not in weights and "embed.tok.weight" in weights
 
 
-def _hf_scores(q_w: torch.Tensor, k_w: torch.Tensor, x: torch.Tensor, cfg) -> torch.Tensor:
-    """Attention scores as Hugging Face Llama computes them: rotate_half on halves."""
-    t, hd = x.shape[0], cfg.head_dim
-    q = (x @ q_w.T).view(t, cfg.n_heads, hd).transpose(0, 1)
-    k = (x @ k_w.T).view(t, cfg.n_kv_heads, hd).transpose(0, 1)
-    cos, sin = rotary_tables(t, hd, cfg.rope_theta, x.device)
-    cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-
-    def rotate_half(v: torch.Tensor) -> torch.Tensor:
-        return torch.cat((-v[..., hd // 2 :], v[..., : hd // 2]), -1)
-
-    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    k = k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=0)
-    return q @ k.transpose(-1, -2)
-
-
-def test_hf_export_names_and_rotary_layout_match_hugging_face_llama(tmp_path: Path) -> None:
-    config, _, stages, _ = _trained_stages("llama-tiny", 1, tie_embeddings=True)
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_hf_export_is_a_directory_transformers_loads_with_the_same_logits(
+    tmp_path: Path, preset: str
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config, _, stages, tokens = _trained_stages(preset, 2, tie_embeddings=True)
     saved = save_checkpoint(tmp_path / "ck", 2, modules=stages, model=_model_fields(config))
-    export_checkpoint(saved.path, tmp_path / "hf.safetensors", format="hf")
-    hf, metadata = read_safetensors(tmp_path / "hf.safetensors")
-    native, _ = read_weights(saved.path)
-    n = config.n_layers
-    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
-        f"model.layers.{i}.{name}"
-        for i in range(n)
-        for name in (
-            "input_layernorm.weight",
-            "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight",
-            "mlp.up_proj.weight",
-            "mlp.down_proj.weight",
-        )
-    }
-    assert set(hf) == expected
-    assert torch.equal(hf["lm_head.weight"], native["embed.tok.weight"])
-    assert torch.equal(hf["model.layers.1.mlp.gate_proj.weight"], native["layers.1.mlp.w1.weight"])
-    hf_config = json.loads(metadata["hf_config"])
-    assert hf_config["num_key_value_heads"] == config.n_kv_heads
-    assert hf_config["tie_word_embeddings"] is True
-
-    # Our interleaved rotary on our weights == HF's rotate_half on the exported ones.
-    x = torch.randn(7, config.d_model)
-    attn = stages[0].get_submodule("layers.0.attn")
-    t, hd = 7, config.head_dim
-    q = attn.wq(x).view(t, config.n_heads, hd).transpose(0, 1)
-    k = attn.wk(x).view(t, config.n_kv_heads, hd).transpose(0, 1)
-    cos, sin = rotary_tables(t, hd, config.rope_theta, x.device)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    ours = q @ k.repeat_interleave(config.n_heads // config.n_kv_heads, dim=0).transpose(-1, -2)
-    theirs = _hf_scores(
-        hf["model.layers.0.self_attn.q_proj.weight"],
-        hf["model.layers.0.self_attn.k_proj.weight"],
-        x,
-        config,
+    result = export_checkpoint(saved.path, tmp_path / "hf", format="hf")
+    assert result.path.is_dir() and (result.path / "config.json").exists()
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
+        result.path, output_loading_info=True
     )
-    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
-    # And the permutation is not the identity (the check above would be vacuous).
-    assert not torch.equal(
-        hf["model.layers.0.self_attn.q_proj.weight"], native["layers.0.attn.wq.weight"]
-    )
-
-
-def test_hf_export_refuses_a_gpt2_checkpoint(tmp_path: Path) -> None:
-    config, _, stages, _ = _trained_stages("gpt2-tiny", 1)
-    saved = save_checkpoint(tmp_path / "ck", 1, modules=stages, model=_model_fields(config))
-    with pytest.raises(CheckpointError, match="family is 'gpt2': use --format native"):
-        export_checkpoint(saved.path, tmp_path / "hf.safetensors", format="hf")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        ours = stages[1](stages[0](tokens))
+        torch.testing.assert_close(theirs.eval()(tokens).logits, ours, rtol=1e-5, atol=1e-5)
+    with pytest.raises(CheckpointError, match="it is a file and --format hf writes a directory"):
+        export_checkpoint(saved.path, result.path / "config.json", format="hf")
 
 
 def test_load_weights_names_a_missing_tensor(tmp_path: Path) -> None:
