@@ -1,14 +1,16 @@
 """Build one pipeline stage (or the whole model) with split-independent weights.
 
-Each layer is built on the meta device (no memory), materialised on the CPU, initialised
-from a generator seeded by (seed, global layer index), then moved to the run's device and
-dtype. Drawing on the CPU keeps the weights identical across devices; materialising one
+Each layer is built with its parameters on the meta device (no memory) and its buffers
+for real on the CPU (a RoPE table computed in ``__init__`` keeps its values), materialised
+on the CPU, initialised from a generator seeded by (seed, global layer index), then moved
+to the run's device and dtype. Drawing on the CPU keeps the weights identical across devices; materialising one
 layer at a time keeps the extra host memory of a GPU run to one layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,15 +20,35 @@ from pipetrain.errors import InputError
 from pipetrain.models.init import layer_generator, layer_seed
 from pipetrain.models.spec import LayerSpec, PipelineSpec, SpecError, TiedWeight
 
-__all__ = ["StageError", "StageModule", "build_full_model", "build_stage"]
+__all__ = ["StageError", "StageModule", "build_full_model", "build_stage", "qualified"]
 
 
 class StageError(InputError):
     """Layer indices that do not form a stage of the given model."""
 
 
+def qualified(prefix: str, local: str) -> str:
+    """The global name of ``local`` in the layer named ``prefix`` ("" = top level)."""
+    return f"{prefix}.{local}" if prefix else local
+
+
 def _attach(root: nn.Module, dotted: str, module: nn.Module) -> None:
-    """Register ``module`` at ``root.<dotted>``, creating empty containers on the way."""
+    """Register ``module`` at ``root.<dotted>``, creating empty containers on the way; a
+    layer named "" registers its submodules at the top."""
+    if not dotted:
+        if module._parameters or module._buffers:
+            own = next(iter([*module._parameters, *module._buffers]))
+            raise SpecError(
+                f"a top-level layer ({type(module).__name__}) holds {own!r} itself: put it in "
+                f"a submodule (its name is then the submodule's), or give the layer a prefix"
+            )
+        for name, top in module.named_children():
+            if hasattr(root, name):
+                raise SpecError(
+                    f"two layers put {name!r} at the top level: give one of them a prefix"
+                )
+            root.add_module(name, top)
+        return
     *parents, leaf = dotted.split(".")
     parent = root
     for part in parents:
@@ -48,14 +70,62 @@ def _parameter(module: nn.Module, dotted: str, layer_name: str) -> nn.Parameter:
         ) from None
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device; buffers stay real.
+
+    (accelerate's ``init_empty_weights(include_buffers=False)``.) A parameter's CPU tensor
+    exists only between its creation and its registration, untouched (``torch.empty``).
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if type(param) is nn.Parameter and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _set_buffer(module: nn.Module, dotted: str, value: torch.Tensor) -> None:
+    parent, _, leaf = dotted.rpartition(".")
+    module.get_submodule(parent)._buffers[leaf] = value
+
+
+def _materialise_with_init(module: nn.Module, layer: LayerSpec, generator: torch.Generator) -> None:
+    """``to_empty`` on the CPU, the buffers built in ``__init__`` put back, then
+    ``init_weights``; a buffer that was born on the meta device (computed from a
+    parameter) must be filled by ``init_weights``: one still NaN is refused."""
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    module.to_empty(device="cpu")
+    unset = []
+    for name, value in buffers.items():
+        if value.device.type != "meta":
+            _set_buffer(module, name, value)
+        elif value.is_floating_point():
+            module.get_buffer(name).fill_(float("nan"))
+            unset.append(name)
+    module.init_weights(generator)  # type: ignore[operator]
+    for name in unset:
+        if module.get_buffer(name).isnan().any():
+            raise SpecError(
+                f"layer {layer.name!r}: buffer {name!r} is computed from a parameter while the "
+                f"layer is built on the meta device, and init_weights does not fill it: "
+                f"compute it in init_weights (or from plain tensors in __init__)"
+            )
+
+
 def _materialise_layer(layer: LayerSpec, *, seed: int, index: int) -> nn.Module:
     """Build one layer on the CPU with weights that depend only on (seed, index)."""
-    with torch.device("meta"):
+    # The caller's global RNG is left as it was, whatever __init__ draws.
+    with torch.random.fork_rng(devices=[]), _parameters_on_meta():
         module = layer.build()
-    init = getattr(module, "init_weights", None)
-    if callable(init):
-        module = module.to_empty(device="cpu")
-        init(layer_generator(seed, index))
+    if callable(getattr(module, "init_weights", None)):
+        _materialise_with_init(module, layer, layer_generator(seed, index))
         return module
     # A user layer without init_weights: build it for real under a seeded global RNG, so its
     # own default initialisation is reproducible and independent of the other layers.
@@ -68,11 +138,18 @@ class StageModule(nn.Module):
     """Some consecutive layers of a pipeline, registered under their global names.
 
     ``forward`` runs them in order. The first stage takes token ids (B, T) int64, later
-    stages hidden states (B, T, C); the last stage returns logits (B, T, V).
+    stages hidden states (B, T, C); the last stage returns logits (B, T, V). Each layer
+    also gets, as keyword arguments, the side inputs it asks for: the stage's
+    ``constants`` (built once, when the stage is) and the per-batch ``extras`` passed to
+    ``forward`` as keyword arguments.
     """
 
     def __init__(
-        self, spec: PipelineSpec, layer_indices: Sequence[int], layers: Sequence[nn.Module]
+        self,
+        spec: PipelineSpec,
+        layer_indices: Sequence[int],
+        layers: Sequence[nn.Module],
+        constants: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -82,6 +159,11 @@ class StageModule(nn.Module):
             _attach(self, name, module)
         # A tuple is not registered by nn.Module: the layers stay registered once, by name.
         self._run: tuple[nn.Module, ...] = tuple(layers)
+        self._wants = tuple(spec.layers[i].inputs for i in self.layer_indices)
+        # Not buffers: they are no state of the model, and checkpoints never hold them.
+        self.constants: dict[str, torch.Tensor] = dict(constants or {})
+        # The per-batch side inputs that this stage's layers ask for.
+        self.extra_names = spec.side_inputs(self.layer_indices) - self.constants.keys()
 
     @property
     def is_first(self) -> bool:
@@ -91,12 +173,19 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return len(self.spec) - 1 in self.layer_indices
 
-    def forward(self, *inputs: torch.Tensor) -> Any:
+    def forward(self, *inputs: torch.Tensor, **extras: torch.Tensor) -> Any:
         # A layer may return several tensors (a tuple): the next layer gets them as arguments.
         x: Any = inputs if len(inputs) != 1 else inputs[0]
-        for layer in self._run:
-            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        for layer, wants in zip(self._run, self._wants, strict=True):
+            side = {n: self._side(n, extras) for n in wants}
+            x = layer(*x, **side) if isinstance(x, tuple) else layer(x, **side)
         return x
+
+    def _side(self, name: str, extras: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        found = self.constants.get(name, extras.get(name))
+        if found is None:
+            raise StageError(f"a layer of this stage takes {name!r}: pass it in extras")
+        return found
 
     def tied_parameters(self) -> dict[str, nn.Parameter]:
         """Canonical key -> this stage's copy of each tied weight it holds.
@@ -108,7 +197,7 @@ class StageModule(nn.Module):
             for index, param in ((tie.owner, tie.owner_param), (tie.copy_layer, tie.copy_param)):
                 if index in self.layer_indices:
                     name = self.spec.layers[index].name
-                    found[tie.key] = _parameter(self, f"{name}.{param}", name)
+                    found[tie.key] = _parameter(self, qualified(name, param), name)
                     break
         return found
 
@@ -140,6 +229,7 @@ def build_stage(
 ) -> StageModule:
     """Build the layers ``layer_indices`` of ``spec`` on ``device``, weights seeded per layer."""
     indices = _check_indices(spec, layer_indices)
+    constants = _constants(spec, indices, torch.device(device))
     layers = [
         _materialise_layer(spec.layers[i], seed=seed, index=i).to(device=device, dtype=dtype)
         for i in indices
@@ -162,7 +252,24 @@ def build_stage(
             _check_tied_shapes(spec, tie, source, copy)
             with torch.no_grad():
                 copy.copy_(source)
-    return StageModule(spec, indices, layers)
+    return StageModule(spec, indices, layers, constants)
+
+
+def _constants(
+    spec: PipelineSpec, indices: Sequence[int], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The constants that the layers ``indices`` ask for, each built once on ``device``."""
+    wanted = spec.side_inputs(indices)
+    built = {}
+    for name, factory in spec.constants:
+        if name in wanted:
+            value = factory(device)
+            if not isinstance(value, torch.Tensor):
+                raise SpecError(
+                    f"constant {name!r} built a {type(value).__name__}: return a tensor"
+                )
+            built[name] = value
+    return built
 
 
 def _check_tied_shapes(
