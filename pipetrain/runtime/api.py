@@ -44,7 +44,7 @@ This module holds the pipeline and its step. ``build_pipeline``
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ from pipetrain.models import PipelineSpec, StageModule
 from pipetrain.runtime.collectives import dist_barrier, dist_step_summary
 from pipetrain.runtime.errors import PipelineError, PipelineInputError, lost_peer_error
 from pipetrain.runtime.executor import RankExecutor
+from pipetrain.runtime.extras import split_extras
 from pipetrain.runtime.hang import watch_pipeline
 from pipetrain.runtime.inputs import (
     check_class_targets,
@@ -64,6 +65,7 @@ from pipetrain.runtime.inputs import (
     token_table_rows,
 )
 from pipetrain.runtime.result import StepResult
+from pipetrain.runtime.state import load_stage_state, stage_state
 from pipetrain.runtime.timeline import merge_timelines, rank_events
 from pipetrain.runtime.wiring import Wiring
 from pipetrain.schedules import Kind, Schedule
@@ -85,9 +87,11 @@ class Pipeline:
         device: torch.device,
         timeout_s: float,
         class_targets: bool = False,
+        names: tuple[str, ...] = (),
     ) -> None:
         """``stage_modules``: this process's stages, connected by ``wiring``
-        (``pipetrain.runtime.wiring.wire``); ``build_pipeline`` builds both."""
+        (``pipetrain.runtime.wiring.wire``); ``build_pipeline`` builds both. ``names``:
+        the whole model's state names (``pipetrain.models.layer_check.check_layers``)."""
         self.schedule = schedule
         self.spec = spec
         self.split = split
@@ -118,6 +122,8 @@ class Pipeline:
         self._vocab = token_table_rows(spec, stage_modules)
         self._has_last = any(placement.is_last(s) for s in stage_modules)
         self._class_targets = class_targets  # the default loss: targets are class indices
+        self._names = names
+        self._extra_names = frozenset().union(*(m.extra_names for m in stage_modules.values()))
         # The hang doctor's side of this process (pipetrain.runtime.hang): None in one
         # process; ``hang_watch.report_dir`` is where the report it collects is saved.
         self.hang_watch = watch_pipeline(self, self._group, schedule, [*self._train, *self._eval])
@@ -167,6 +173,16 @@ class Pipeline:
                 p for p in module.parameters() if p.requires_grad and id(p) not in tied_ids
             ]
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's parameters and persistent buffers by global name (every rank's in
+        the debug mode); sharded ones gathered whole (``pipetrain.runtime.state``)."""
+        return stage_state(self.modules)
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Take this process's layers' tensors from ``state``, a full state dict by global
+        name; ``strict``: a missing or unexpected name is a one-line error."""
+        load_stage_state(self.modules, state, self._names, self.tied_names, strict=strict)
+
     def zero_grad(self) -> None:
         for module in self.modules:
             module.zero_grad(set_to_none=True)
@@ -200,6 +216,7 @@ class Pipeline:
         denominator: float | None = None,
         label: str | None = None,
         ranges: bool = False,
+        extras: Mapping[str, torch.Tensor] | None = None,
     ) -> StepResult:
         """One forward and backward of the whole batch; gradients end up in ``.grad``.
 
@@ -213,15 +230,15 @@ class Pipeline:
         ``ranges``: run each action inside a profiler range named after it (``F stage 1 mb
         3``; torch.profiler's record_function, and NVTX on CUDA for Nsight), for a step
         that torch.profiler records (pipetrain.runtime.ranges); the numbers are the same.
+        ``extras``: the spec's per-batch side inputs by name, batch first (position ids,
+        attention masks), cut into micro-batches like ``inputs``.
 
         A step that raises after some micro-batches went backward leaves their gradients
         in ``.grad``; the next step is refused until they are zeroed (``zero_grad()``).
         """
         for ex in self._train:
             ex.use_ranges(ranges, nvtx=self.device.type == "cuda")
-        return self._run(
-            self._train, inputs, targets, training=True, denominator=denominator, label=label
-        )
+        return self._run(self._train, inputs, targets, True, denominator, label, extras)
 
     def eval_loss(
         self,
@@ -230,12 +247,11 @@ class Pipeline:
         *,
         denominator: float | None = None,
         label: str | None = None,
+        extras: Mapping[str, torch.Tensor] | None = None,
     ) -> float:
-        """The loss of a batch, forward only, without touching gradients (``denominator``
-        and ``label`` as in ``step``)."""
-        return self._run(
-            self._eval, inputs, targets, training=False, denominator=denominator, label=label
-        ).loss
+        """The loss of a batch, forward only, without touching gradients (``denominator``,
+        ``label`` and ``extras`` as in ``step``)."""
+        return self._run(self._eval, inputs, targets, False, denominator, label, extras).loss
 
     def _run(
         self,
@@ -245,6 +261,7 @@ class Pipeline:
         training: bool,
         denominator: float | None = None,
         label: str | None = None,
+        extras: Mapping[str, torch.Tensor] | None = None,
     ) -> StepResult:
         if training and self._partial is not None:
             self._refuse_partial_grads()
@@ -254,7 +271,9 @@ class Pipeline:
         where = label or self._label(training)
         self._started = False
         try:
-            return self._run_pass(executors, step, where, inputs, targets, training, denominator)
+            return self._run_pass(
+                executors, step, where, inputs, targets, training, denominator, extras
+            )
         except PipelineError as exc:
             self._note_partial(executors, training, where)
             self._ask_doctor(str(exc) + self._rank_map)
@@ -317,9 +336,12 @@ class Pipeline:
         targets: torch.Tensor | None,
         training: bool,
         denominator: float | None,
+        extras: Mapping[str, torch.Tensor] | None,
     ) -> StepResult:
         """One pass: ``step`` numbers its messages on the wire, ``where`` names it in errors."""
         device = self.device
+        rows = _rows(inputs, targets)
+        side = split_extras(extras, self.spec, self._extra_names, rows, self.schedule, device)
         input_mbs = split_batch("inputs", inputs, self._has_first, self.schedule, device)
         if self._vocab is not None and inputs is not None:
             check_token_ids(inputs, self._vocab)
@@ -331,7 +353,7 @@ class Pipeline:
         if training:
             self._reducer.begin()
         for ex in executors:
-            ex.begin(step, input_mbs, target_mbs, divide_by, training, where)
+            ex.begin(step, input_mbs, target_mbs, divide_by, training, where, side)
         self._started = True
         if self._group is None:
             self._transport.begin_step(step, [], where)  # in memory, messages match by name
@@ -397,6 +419,14 @@ class Pipeline:
         ]
         timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
+
+
+def _rows(*batches: object) -> int | None:
+    """The batch size of the first of ``batches`` that is a batch (None: none is)."""
+    for t in batches:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return None
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.models import PipelineSpec, StageModule, build_stage
+from pipetrain.models.layer_check import check_layers
 from pipetrain.runtime.api import Pipeline
 from pipetrain.runtime.errors import PipelineInputError
 from pipetrain.runtime.executor import PipelineHooks
@@ -22,11 +23,11 @@ from pipetrain.runtime.inputs import (
     as_spec,
     as_split,
     check_counts,
-    checked_loss,
     even_split,
     resolve_device,
 )
-from pipetrain.runtime.stage import LossFn, token_cross_entropy
+from pipetrain.runtime.loss import reduced_loss
+from pipetrain.runtime.stage import LossFn
 from pipetrain.runtime.transport import backend_for
 from pipetrain.runtime.wiring import wire
 from pipetrain.schedules import Schedule
@@ -51,6 +52,7 @@ def build_pipeline(
     seed: int = 0,
     split: Sequence[Sequence[int]] | None = None,
     loss_fn: LossFn | None = None,
+    loss_reduction: str | None = None,
     timeout_s: float = 300.0,
     dtype: torch.dtype = torch.float32,
     hooks: PipelineHooks | None = None,
@@ -63,7 +65,9 @@ def build_pipeline(
     ``PreparedSchedule``, run as it is. ``group``: the pipeline's process group (its size
     is the number of pipeline ranks); None runs all ``ranks`` in this process (debug
     mode). ``split``: layer indices of each model stage (default: ``even_split``).
-    ``loss_fn(logits, targets)`` returns the loss summed over tokens. ``hooks``: the
+    ``loss_fn(logits, targets)`` returns the loss of a micro-batch, summed over its
+    targets, or their mean with ``loss_reduction="mean"`` (``pipetrain.runtime.loss``:
+    the default "sum"; a mean given as a sum is refused at the first step). ``hooks``: the
     caller's code run inside a step (``PipelineHooks``: the STEP actions of asynchronous
     schedules, a weight version before each compute, data parallelism's all-reduce once
     a stage's gradients are final). Every wait gives up after ``timeout_s`` seconds.
@@ -75,6 +79,8 @@ def build_pipeline(
     """
     spec = as_spec(model)
     _check_options(microbatches, ranks, chunks, seed, timeout_s, dtype)
+    loss = reduced_loss(loss_fn, loss_reduction)
+    names = check_layers(spec)  # every rank: the same one-line error for any layer
     dev = resolve_device(device)
     num_ranks, local_ranks = _pipeline_ranks(schedule, group, ranks, dev)
     built = _prepare(schedule, num_ranks, microbatches, chunks, early_grads).lowered
@@ -95,7 +101,7 @@ def build_pipeline(
         ranks=local_ranks,
         group=group,
         device=dev,
-        loss_fn=checked_loss(loss_fn or token_cross_entropy),
+        loss_fn=loss,
         timeout_s=timeout_s,
         hooks=hooks or PipelineHooks(),
     )
@@ -108,6 +114,7 @@ def build_pipeline(
         device=dev,
         timeout_s=timeout_s,
         class_targets=loss_fn is None,
+        names=names,
     )
 
 

@@ -15,7 +15,7 @@ another rank (the single-process debug mode).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -146,6 +146,7 @@ class RankExecutor:
         self._where = "step 0"
         self._inputs: Sequence[torch.Tensor] = ()
         self._targets: Sequence[torch.Tensor] = ()
+        self._extras: Mapping[str, Sequence[torch.Tensor]] = {}
         self._denominator = 1.0
         self._training = True
 
@@ -169,13 +170,16 @@ class RankExecutor:
         denominator: float,
         training: bool,
         where: str = "",
+        extras: Mapping[str, Sequence[torch.Tensor]] | None = None,
     ) -> None:
         """Prepare a step: micro-batched inputs (first stages) and targets (last stages).
 
         ``where``: the step as errors name it (the caller's count; default ``step N``).
+        ``extras``: micro-batched side inputs by name, for the stages that take them.
         """
         self._where = where or f"step {step}"
         self._inputs = inputs
+        self._extras = extras or {}
         self._targets = targets
         self._denominator = denominator
         self._training = training
@@ -244,7 +248,8 @@ class RankExecutor:
         else:
             inputs = self._take(action, MessageKey(stage, False, mb))
         target = self._targets[mb] if runner.is_last else None
-        outputs = runner.forward(mb, inputs, target, self._denominator, self._training)
+        extras = {name: self._extras[name][mb] for name in runner.extra_names}
+        outputs = runner.forward(mb, inputs, target, self._denominator, self._training, extras)
         if not runner.is_last:
             self._hand_over(stage, stage + 1, False, mb, outputs)
         return True

@@ -299,6 +299,8 @@ class StageRunner:
         self.is_last = is_last
         self.loss_fn = loss_fn
         self.queue = install_split_backward(module) if split_backward else None
+        # The per-batch side inputs the stage's layers take (StageModule.extra_names).
+        self.extra_names: frozenset[str] = getattr(module, "extra_names", frozenset())
         self._split_only = split_only
         self.saved: dict[int, _Saved] = {}
         # Sum over this stage's micro-batches of loss / batch tokens (0-d, detached).
@@ -311,19 +313,23 @@ class StageRunner:
         target: torch.Tensor | None,
         denominator: float,
         training: bool,
+        extras: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """Run the stage; returns its outputs (nothing on a last stage, which keeps the loss)."""
+        """Run the stage; returns its outputs (nothing on a last stage, which keeps the loss).
+
+        ``extras``: this micro-batch's side inputs, which the layers take by name."""
         self._record(microbatch, training)
+        extras = extras or {}
         if not training:
             with torch.no_grad():
-                outputs = _as_tuple(self.module(*inputs))
+                outputs = _as_tuple(self.module(*inputs, **extras))
                 if self.is_last:
                     self._add_loss(self._loss(outputs, target, denominator))
                     return ()
                 return self._boundary(outputs)
         # Inputs from another stage become leaves, so that their gradient is the one to send.
         leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-        outputs = _as_tuple(self.module(*leaves))
+        outputs = _as_tuple(self.module(*leaves, **extras))
         if self.is_last:
             loss = self._loss(outputs, target, denominator)
             self._add_loss(loss.detach())
