@@ -27,6 +27,11 @@ __all__ = ["FLAGS", "add_config_flags", "add_parser", "config_from_args", "field
 # Flag -> (config key, type, help). A flag that is not given leaves the file's value.
 FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model.name", str, "model preset (llama-default, llama-tiny, gpt2-tiny, ...)"),
+    "--init-from": (
+        "model.init_from",
+        str,
+        "a local Hugging Face model directory to start from (Llama, Mistral, Qwen2, GPT-2)",
+    ),
     "--pp": ("pipeline.pp", int, "pipeline ranks (processes); 1 = one stage in this process"),
     "--dp": ("pipeline.dp", int, "data-parallel replicas of the pipeline (pp x dp processes)"),
     "--tp": (

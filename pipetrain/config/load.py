@@ -62,6 +62,15 @@ _SECTIONS: dict[str, type] = {
 # ----------------------------------------------------------------------------- loading
 
 
+def _init_tokenizer(config: TrainConfig) -> TrainConfig:
+    """A model imported with model.init_from reads text with its own tokenizer.json,
+    unless data.tokenizer names another."""
+    found = Path(config.model.init_from) / "tokenizer.json"
+    if not config.model.init_from or config.data.tokenizer or not found.exists():
+        return config
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=str(found)))
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -95,10 +104,12 @@ def load_config(
         **{section: cls(**converted[section]) for section, cls in _SECTIONS.items()}
     )
     config = _expand_home(config)
+    config = _init_tokenizer(config)
     if not config.run.name and default_name:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
     if not config.run.name:
-        parts = (config.model.name, config.pipeline.schedule, f"pp{config.pipeline.pp}")
+        model = Path(config.model.init_from).name if config.model.init_from else config.model.name
+        parts = (model, config.pipeline.schedule, f"pp{config.pipeline.pp}")
         # A bad model or schedule name is reported by its own check, not as a bad run name.
         # Two runs started in the same second (a sweep started in parallel) got one folder,
         # each replacing the other's config.toml and mixing their metrics in one file.

@@ -48,6 +48,12 @@ class ModelSection:
 
     name: str = "llama-default"
     """Preset of pipetrain.models (`llama-default`, `llama-tiny`, `gpt2-tiny`, ...)."""
+    init_from: str = ""
+    """A local Hugging Face model directory (config.json, model.safetensors or its shards
+    with model.safetensors.index.json, tokenizer.json) of LlamaForCausalLM,
+    MistralForCausalLM, Qwen2ForCausalLM or GPT2LMHeadModel: the model comes from its
+    config.json instead of model.name, every rank loads its own layers' weights from it,
+    and data.tokenizer defaults to its tokenizer.json (pipetrain.models.hf). "" = none."""
 
     def __post_init__(self) -> None:
         if self.name not in PRESETS:

@@ -112,10 +112,13 @@ def block_split(n_blocks: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
 def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> RunPlan:
     """Resolve and check model, schedule and split; ``ConfigError`` names what to change.
     ``reporter``: this process writes the run's outputs (rank 0, or a launcher)."""
-    try:
-        model = get_model_config(config.model.name, vocab_size=vocab_size)
-    except InputError as exc:
-        raise ConfigError(f"model.name: {exc}") from None
+    if config.model.init_from:
+        model = _imported_model(config.model.init_from, vocab_size)
+    else:
+        try:
+            model = get_model_config(config.model.name, vocab_size=vocab_size)
+        except InputError as exc:
+            raise ConfigError(f"model.name: {exc}") from None
     if config.data.seq_len > model.max_seq_len:
         raise ConfigError(
             f"data.seq_len {config.data.seq_len} is longer than the {model.max_seq_len} positions of "
@@ -149,6 +152,24 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
             )
     return RunPlan(model, prepared, _stage_layers(config, model, schedule))
+
+
+def _imported_model(directory: str, vocab_size: int) -> ModelConfig:
+    """model.init_from's config.json as a model, its files checked against it (headers
+    only: no weights read), and the tokenizer's ids inside its embedding."""
+    from pipetrain.models.hf import check_weights, read_hf_config, weight_sources
+
+    try:
+        model = read_hf_config(directory).config
+        check_weights(directory, weight_sources(model))
+    except InputError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from None
+    if vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"model.init_from: the tokenizer has {vocab_size} tokens but {directory}'s "
+            f"embedding {model.vocab_size}: use the model's own tokenizer.json (--tokenizer)"
+        )
+    return model
 
 
 def _check_tensor_parallel(config: TrainConfig, model: ModelConfig) -> None:

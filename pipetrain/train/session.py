@@ -22,6 +22,7 @@ from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
 from pipetrain.config import TrainConfig, config_to_dict
 from pipetrain.launch.role import ProcessRole
 from pipetrain.models import model_spec
+from pipetrain.models.hf import load_hf_weights
 from pipetrain.parallel import (
     Gradients,
     GradientSync,
@@ -160,6 +161,8 @@ def open_session(
     )
     if pipeline.hang_watch is not None:  # the hang doctor's report: <run dir>/doctor.json
         pipeline.hang_watch.report_dir = config.run_dir
+    if config.model.init_from:  # this rank's layers only; before tp shards them
+        load_hf_weights(pipeline, config.model.init_from, check=False)
     if mesh is not None and mesh.tp > 1:  # first: the options and FSDP2 wrap the tp shards
         shard_pipeline(pipeline, mesh.tp_mesh, sequence_parallel=p.sequence_parallel)
     for module in pipeline.modules:

@@ -110,6 +110,11 @@ def check_async(config: TrainConfig, *, asynchronous: bool, tied_embeddings: boo
 def _check_unsupported(config: TrainConfig) -> None:
     """Options an asynchronous run cannot use, each refused in one line."""
     p, o, r = config.pipeline, config.optim, config.run
+    if config.model.init_from:
+        raise ConfigError(
+            "model.init_from: the asynchronous trainer does not load imported weights yet: "
+            "use a synchronous schedule (1f1b, zb-h1, ...) or drop --init-from"
+        )
     if r.profile:
         raise ConfigError(
             "run.profile: the asynchronous trainer runs a stream of steps as one pass, which "
