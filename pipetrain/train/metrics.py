@@ -1,10 +1,8 @@
 """What a run reports: a progress line, a metrics JSONL file, TensorBoard, a summary.
 
 Only one rank reports (the loss is known on every rank); the others stay quiet unless
-something goes wrong. On a terminal the progress is a tqdm bar redrawn at every step, with
-the other lines printed above it (``run.progress_bar = false`` asks for plain lines there
-too); otherwise (a log file, a pipe, a CI job) it is plain lines, so a log reads top to
-bottom.
+something goes wrong. On a terminal the progress is a live bar with the other lines above
+it; otherwise (a log file, a CI job) it is plain lines, so a log reads top to bottom.
 """
 
 from __future__ import annotations
@@ -224,14 +222,9 @@ class TensorBoard:
 
 
 class Progress:
-    """Step, loss, tokens/s and ETA: a live bar on a terminal, plain lines elsewhere.
-
-    On a terminal (``stream.isatty()``, and ``bar`` true: ``run.progress_bar``) the bar is
-    tqdm's, redrawn at every step; ``message`` lines (evaluations, notes, the summary) go
-    above it through ``tqdm.write``, and the bar is closed at the last step, or by
-    ``close`` (a failed or stopped run), so that nothing after it shares its line.
-    Elsewhere (a file, a pipe, CI) it is plain ``step i/N  loss ...  tok/s  ETA`` lines.
-    """
+    """Step, loss, tokens/s and ETA: on a terminal (and ``bar``: ``run.progress_bar``) a
+    tqdm bar redrawn every step, ``message`` lines above it, closed at the last step or by
+    ``close`` (a failed or stopped run); elsewhere (a file, a pipe, CI) plain lines."""
 
     def __init__(
         self, total_steps: int, stream: IO[str] | None = None, *, bar: bool = True
@@ -243,8 +236,7 @@ class Progress:
         self._every = max(1, total_steps // 100)
         # The first step this process trains (a resumed run starts later than 0).
         self._first: int | None = None
-        # Opened at the first step, so that the lines before it are plain.
-        self._bar: Any = None
+        self._bar: Any = None  # opened at the first step: the lines before it are plain
 
     def update(
         self, step: int, *, loss: float, tokens_per_s: float, elapsed_s: float, note: str = ""
@@ -270,10 +262,7 @@ class Progress:
             # Opened at its first step, drawn with it (a resumed run's bar starts part full).
             from tqdm import tqdm
 
-            if not hasattr(tqdm, "_lock"):
-                # One process writes: a thread lock, not tqdm's default multiprocessing one
-                # (a semaphore, and a resource-tracker process where the start method is not
-                # fork).
+            if not hasattr(tqdm, "_lock"):  # one writer: no multiprocessing lock (semaphore)
                 tqdm.set_lock(threading.RLock())
             self._bar = tqdm(
                 total=self._total,
@@ -286,8 +275,6 @@ class Progress:
                 # The terminal's size, followed as it changes; on a terminal that tells none
                 # (a pty of size 0, as `script` gives) tqdm would draw nothing: 80 x 24.
                 **({"dynamic_ncols": True} if _sized(self._stream) else _DEFAULT_SIZE),
-                leave=True,
-                unit="step",
                 bar_format="step {n_fmt}/{total_fmt} |{bar}| {desc}",
             )
         else:
@@ -299,9 +286,7 @@ class Progress:
     def message(self, text: str) -> None:
         """A line of its own (eval results, warnings, the summary), above the bar."""
         if self._bar is not None:
-            from tqdm import tqdm
-
-            tqdm.write(text, file=self._stream)
+            self._bar.write(text, file=self._stream)
         else:
             self._stream.write(text + "\n")
         self._stream.flush()
@@ -318,19 +303,17 @@ _DEFAULT_SIZE = {"ncols": 80, "nrows": 24}
 
 
 def _sized(stream: IO[str]) -> bool:
-    """Whether the terminal ``stream`` writes to tells its size."""
+    """Whether the terminal ``stream`` writes to tells its size (a StringIO has no fd)."""
     try:
-        size = os.get_terminal_size(stream.fileno())
-    except (OSError, ValueError):  # no file descriptor (io.UnsupportedOperation), closed
+        return min(os.get_terminal_size(stream.fileno())) > 0
+    except (OSError, ValueError):
         return False
-    return size.columns > 0 and size.lines > 0
 
 
 class RunOutput:
     """Where a run's output goes: on the reporting rank a progress bar (plain lines when not
-    on a terminal, or when ``progress_bar`` is false), the metrics file and TensorBoard when
-    asked; on every other rank nothing, so that their logs stay quiet unless something is
-    wrong."""
+    on a terminal, or not ``progress_bar``), the metrics file and TensorBoard when asked; on
+    every other rank nothing, so that their logs stay quiet unless something is wrong."""
 
     def __init__(
         self,
