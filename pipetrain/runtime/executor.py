@@ -137,6 +137,7 @@ class RankExecutor:
         self._handlers: tuple[Callable[[Action], bool], ...] = tuple(handlers)
         self._plain = self._handlers
         self._ranged: tuple[Callable[[Action], bool], ...] | None = None
+        self._ranges_on = False
         self._schedule = schedule
         self._wire: PeerOrders | None = None
         self.clock = ActionClock(len(self.actions))
@@ -195,9 +196,12 @@ class RankExecutor:
         The ranged table is built on first use and swapped in whole, so ``run`` stays
         the same loop and a step without ranges pays nothing (pipetrain.runtime.ranges).
         """
+        if on == self._ranges_on:  # most steps: nothing to swap
+            return
         if on and self._ranged is None:
             self._ranged = ranged_handlers(self.actions, self._plain, nvtx=nvtx)
         self._handlers = self._ranged if on and self._ranged is not None else self._plain
+        self._ranges_on = on
 
     @property
     def done(self) -> bool:

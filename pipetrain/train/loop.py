@@ -316,6 +316,20 @@ def _report(session: Session, step: int, record: StepRecord, loop_started: float
         )
 
 
+def _run_step(
+    pipeline: Pipeline,
+    inputs: Any,
+    targets: Any,
+    denominator: float | None,
+    label: str | None,
+    ranges: bool,
+) -> Any:
+    # Only profiled steps pass ``ranges``: a step without them calls what any pipeline has.
+    if ranges:
+        return pipeline.step(inputs, targets, denominator=denominator, label=label, ranges=True)
+    return pipeline.step(inputs, targets, denominator=denominator, label=label)
+
+
 def _first_step_guard(
     pipeline: Pipeline,
     inputs: Any,
@@ -328,9 +342,9 @@ def _first_step_guard(
 ) -> Any:
     """Run a step; a failure of torch.compile (it compiles on the first call) becomes one line."""
     if not compiled:
-        return pipeline.step(inputs, targets, denominator=denominator, label=label, ranges=ranges)
+        return _run_step(pipeline, inputs, targets, denominator, label, ranges)
     try:
-        return pipeline.step(inputs, targets, denominator=denominator, label=label, ranges=ranges)
+        return _run_step(pipeline, inputs, targets, denominator, label, ranges)
     except InputError:
         raise
     except Exception as exc:
