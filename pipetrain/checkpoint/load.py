@@ -3,6 +3,7 @@ valid one of a directory, falling back past damaged ones."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -80,14 +81,30 @@ def _verify(path: Path, comm: Comm, *, checksums: bool, threads: int = 1) -> Ver
 
 
 def check_model(manifest: Manifest, model: Mapping[str, Any], path: Path) -> None:
-    """Refuse a checkpoint of another model, naming the first field that differs."""
+    """Refuse a checkpoint of another model, naming the first field that differs.
+
+    A field the checkpoint does not name was added to the model's settings after it was
+    saved: it holds that field's default (a checkpoint from before Llama 3 rope scaling
+    and q/k/v biases existed is a model without them)."""
+    defaults = _model_defaults()
     for name in sorted(set(manifest.model) | set(model)):
-        saved, now = manifest.model.get(name), jsonable(model.get(name))
+        saved = manifest.model.get(name, defaults.get(name))
+        now = jsonable(model.get(name))
         if saved != now:
             raise CheckpointIncompatibleError(
                 f"{path} holds a model with {name}={saved!r} but this run has {name}={now!r}; "
                 "use the checkpoint's model settings or another checkpoint directory"
             )
+
+
+def _model_defaults() -> dict[str, Any]:
+    from pipetrain.models.config import ModelConfig
+
+    return {
+        f.name: jsonable(f.default)
+        for f in dataclasses.fields(ModelConfig)
+        if f.default is not dataclasses.MISSING
+    }
 
 
 def tensor_metadata(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:

@@ -270,6 +270,17 @@ def test_other_model_shape_is_refused_naming_the_field(tmp_path: Path) -> None:
         load_checkpoint(path, modules=_pipeline(SPLITS["one"]), model={**MODEL, "d_model": 16})
 
 
+def test_a_model_field_added_after_the_save_counts_as_its_default(tmp_path: Path) -> None:
+    # Saved before q/k/v biases existed: the checkpoint does not name the field, so it is
+    # a model without them, which a run with the default loads and a run with biases not.
+    path = _saved(tmp_path)
+    load_checkpoint(path, modules=_pipeline(SPLITS["one"]), model={**MODEL, "qkv_bias": False})
+    with pytest.raises(
+        CheckpointIncompatibleError, match="qkv_bias=False but this run has qkv_bias=True"
+    ):
+        load_checkpoint(path, modules=_pipeline(SPLITS["one"]), model={**MODEL, "qkv_bias": True})
+
+
 def test_edited_manifest_is_caught_by_the_marker(tmp_path: Path) -> None:
     path = _saved(tmp_path)
     data = json.loads((path / MANIFEST_NAME).read_text())
