@@ -30,7 +30,7 @@ def check_layers(spec: PipelineSpec) -> tuple[str, ...]:
             module = layer.build()
         _check_signature(spec, i, module)
         heads = {name for name, _ in module.named_children()} if not layer.name else {layer.name}
-        for head in {h.split(".")[0] for h in heads}:
+        for head in sorted({h.split(".")[0] for h in heads}):  # the same line every run
             other = top.setdefault(head, i)
             if other != i and (not layer.name or not spec.layers[other].name):
                 raise SpecError(

@@ -98,6 +98,11 @@ class RankExecutor:
         self.actions: tuple[Action, ...] = schedule.actions[rank]
         self._placement = schedule.placement
         self._stages = stages
+        # The per-batch side inputs each stage takes (none for most: a runner without
+        # the attribute, such as a test's stand-in, takes none and is called as before).
+        self._extra_names: dict[int, frozenset[str]] = {
+            s: getattr(r, "extra_names", frozenset()) for s, r in stages.items()
+        }
         self._transport = transport
         self._reducer = reducer
         self._step_hook = step_hook
@@ -252,8 +257,12 @@ class RankExecutor:
         else:
             inputs = self._take(action, MessageKey(stage, False, mb))
         target = self._targets[mb] if runner.is_last else None
-        extras = {name: self._extras[name][mb] for name in runner.extra_names}
-        outputs = runner.forward(mb, inputs, target, self._denominator, self._training, extras)
+        names = self._extra_names[stage]
+        if names:
+            extras = {name: self._extras[name][mb] for name in names}
+            outputs = runner.forward(mb, inputs, target, self._denominator, self._training, extras)
+        else:
+            outputs = runner.forward(mb, inputs, target, self._denominator, self._training)
         if not runner.is_last:
             self._hand_over(stage, stage + 1, False, mb, outputs)
         return True
