@@ -40,9 +40,10 @@ def _autocast(
     device_type: str, dtype: torch.dtype
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrapper(inner: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any) -> Any:
+        # Keyword arguments too: a layer's side inputs (constants, extras) come by name.
+        def forward(*args: Any, **kwargs: Any) -> Any:
             with torch.autocast(device_type=device_type, dtype=dtype):
-                return inner(*args)
+                return inner(*args, **kwargs)
 
         return forward
 
@@ -50,11 +51,12 @@ def _autocast(
 
 
 def _recompute(inner: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(*args: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return inner(*args)
-        # Non-reentrant checkpointing restores the autocast and RNG state of the forward.
-        return checkpoint(inner, *args, use_reentrant=False)
+            return inner(*args, **kwargs)
+        # Non-reentrant checkpointing restores the autocast and RNG state of the forward
+        # (and passes keyword arguments on).
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     return forward
 

@@ -93,3 +93,23 @@ def test_a_failing_compile_is_one_line_that_says_what_to_do() -> None:
     assert message.endswith("drop --compile")
     with pytest.raises(RuntimeError):
         _first_step_guard(_FailingPipeline(), None, None, compiled=False)  # type: ignore[arg-type]
+
+
+def test_recompute_and_autocast_pass_a_layer_its_side_inputs_by_name() -> None:
+    # A user layer takes a side input (a constant or a per-batch extra) as a keyword: the
+    # wrappers dropped keywords, so the layer failed, or ran without it, under the options.
+    from pipetrain.train.stage_options import _autocast, _recompute
+
+    weight = torch.randn(4, 4, requires_grad=True)
+
+    def layer(x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return (x @ weight) * scale
+
+    x, scale = torch.randn(2, 4), torch.full((2, 4), 3.0)
+    want = layer(x, scale=scale)
+    (grad_want,) = torch.autograd.grad(want.sum(), weight)
+    for wrapped in (_recompute(layer), _autocast("cpu", torch.float32)(layer)):
+        got = wrapped(x, scale=scale)
+        (grad,) = torch.autograd.grad(got.sum(), weight)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(grad, grad_want)
