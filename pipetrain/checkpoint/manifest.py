@@ -55,6 +55,7 @@ class Layout:
     world_size: int = 1
     # stage -> global layer indices, in stage order
     stages: tuple[tuple[int, ...], ...] = ()
+    tp: int = 1  # tensor-parallel ranks per stage (1 in checkpoints from before tp)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,6 +64,7 @@ class Layout:
             "schedule": self.schedule,
             "world_size": self.world_size,
             "stages": [list(s) for s in self.stages],
+            "tp": self.tp,
         }
 
     @classmethod
@@ -73,6 +75,7 @@ class Layout:
             schedule=str(data.get("schedule", "")),
             world_size=int(data.get("world_size", 1)),
             stages=tuple(tuple(int(i) for i in s) for s in data.get("stages", ())),
+            tp=int(data.get("tp", 1)),
         )
 
 

@@ -225,7 +225,8 @@ class RunCheckpoints:
         saved = result.manifest.layout
         self._say(
             f"resumed from {result.path} at step {result.step} in {result.seconds:.2f} s "
-            f"(saved with pp={saved.pp} chunks={saved.chunks} schedule={saved.schedule})"
+            f"(saved with pp={saved.pp}{f' tp={saved.tp}' if saved.tp > 1 else ''} "
+            f"chunks={saved.chunks} schedule={saved.schedule})"
         )
         changed = changed_settings(result.manifest.config, self._config)
         if changed:

@@ -308,6 +308,7 @@ def _checkpoints(
             p.schedule,
             dist.get_world_size(everyone) if everyone is not None else 1,
             plan.split,
+            tp=p.tp,
         ),
         config=config_to_dict(config),
         total_steps=r.steps,

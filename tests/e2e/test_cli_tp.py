@@ -105,7 +105,7 @@ def test_pp2_tp2_starts_4_processes_and_equals_one_process(
     summary = next(r for r in read_records(out / "pp2tp2") if r.get("summary"))
     assert len(summary["peak_memory"]) == 4  # one entry per process
     layout = read_manifest(out / "ckpt_pp2tp2" / "step_000002").layout
-    assert (layout.pp, layout.world_size) == (2, 4)
+    assert (layout.pp, layout.tp, layout.world_size) == (2, 2, 4)
 
 
 def test_sequence_parallel_equals_one_process(out: Path, reference: dict[int, float]) -> None:
@@ -137,6 +137,7 @@ def test_a_tp_checkpoint_resumes_under_another_layout(
     shutil.copytree(out / "ckpt_pp2tp2" / "step_000002", ckpt / "step_000002")
     result = _train(out, name, *layout, "--checkpoint-dir", str(ckpt), "--resume")
     assert "at step 2" in result.stdout, result.stdout[-2000:]
+    assert "saved with pp=2 tp=2" in result.stdout, result.stdout[-2000:]
     _assert_losses(_losses(out / name), reference, [3, 4], f"{name} resumed from pp=2 tp=2")
 
 
