@@ -10,14 +10,13 @@ one-process run to 1e-5 relative.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from run_records import read_records
+from run_records import losses as _losses
+from run_records import read_records, train_run
 
 from pipetrain.checkpoint import list_checkpoints, read_manifest
 from pipetrain.cli import main
@@ -32,19 +31,8 @@ TINY = [
 ]  # fmt: skip
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
-
-
 def _train(out: Path, name: str, *flags: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable, "-m", "pipetrain.cli", "train", *TINY, *flags, "--name", name,
-        "--set", f"run.out_dir={json.dumps(str(out))}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=280, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+    return train_run(out, name, *TINY, *flags)
 
 
 def _checkpoint_copy(source: Path, step: int, target: Path) -> Path:

@@ -11,13 +11,11 @@ sharded, DDP and pp=4 layouts through the same save and load functions.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from run_records import read_records
+from run_records import read_records, train_run
 
 from pipetrain.checkpoint import list_checkpoints
 from pipetrain.cli import main
@@ -37,14 +35,7 @@ def _values(run_dir: Path, field: str) -> dict[int, float]:
 
 
 def _train(out: Path, name: str, *flags: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable, "-m", "pipetrain.cli", "train", *TINY, *flags, "--name", name,
-        "--set", f"run.out_dir={json.dumps(str(out))}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=280, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+    return train_run(out, name, *TINY, *flags)
 
 
 @pytest.fixture(scope="module")

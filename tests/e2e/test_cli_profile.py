@@ -10,14 +10,13 @@ the two runs are equal.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from run_records import read_records
+from run_records import losses as _losses
+from run_records import train_run
 
 from pipetrain.runtime.ranges import parse_range_name
 from pipetrain.schedules import Action, Kind
@@ -35,18 +34,7 @@ TINY = [
 
 
 def _train(out: Path, name: str, *flags: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable, "-m", "pipetrain.cli", "train", *TINY, *flags, "--name", name,
-        "--set", f"run.out_dir={json.dumps(str(out))}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=280, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
+    return train_run(out, name, *TINY, *flags)
 
 
 @pytest.fixture(scope="module")
