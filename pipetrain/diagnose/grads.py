@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from pipetrain.tensors import local_tensor as _local
+
 __all__ = [
     "GradBounds",
     "GradRow",
@@ -123,15 +125,6 @@ def measure(
             )
         )
     return measured
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a DTensor's local shard. (Asked by attribute: importing
-    torch.distributed.tensor takes seconds, which a runtime without DTensors never pays.)"""
-    if hasattr(tensor, "to_local"):
-        local: torch.Tensor = tensor.to_local()
-        return local
-    return tensor
 
 
 def merge(parts: Iterable[Measured]) -> list[Measured]:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pipetrain.config.schema import ConfigError
 from pipetrain.parallel.mesh import Mesh
@@ -33,18 +32,13 @@ from pipetrain.runtime import Pipeline, PipelineError
 from pipetrain.runtime.waits import finish
 from pipetrain.runtime.wire_format import describe_failure
 from pipetrain.schedules import Action, Kind
+from pipetrain.tensors import local_tensor as _local
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "ReplicaGradients"]
 
 # Like DDP's default bucket: large enough to amortise a collective's latency, small enough
 # that the first bucket of a stage starts early.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # A layer sharded by tensor parallelism has DTensor weights and gradients: the
-    # replicas of one tp rank hold the same slice, and reduce that slice.
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _grads_of(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from pipetrain.parallel.mesh import Mesh
+from pipetrain.tensors import local_tensor
 
 __all__ = ["DataParallelStats", "gather_stats", "state_bytes"]
 
@@ -70,7 +70,7 @@ def state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer
     local shard only: what sharding saves)."""
 
     def nbytes(t: torch.Tensor) -> int:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local_tensor(t)
         return local.numel() * local.element_size()
 
     total = 0

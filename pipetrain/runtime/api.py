@@ -69,6 +69,7 @@ from pipetrain.runtime.state import load_stage_state, stage_state
 from pipetrain.runtime.timeline import merge_timelines, rank_events
 from pipetrain.runtime.wiring import Wiring
 from pipetrain.schedules import Kind, Schedule
+from pipetrain.tensors import local_tensor
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -433,5 +434,4 @@ def _nonzero(grad: torch.Tensor | None) -> bool:
     if grad is None:
         return False
     # A sharded (FSDP2) gradient is a DTensor: its local shard answers without a collective.
-    local = grad.to_local() if hasattr(grad, "to_local") else grad
-    return bool(local.any())
+    return bool(local_tensor(grad).any())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import re
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from torch import nn
 from pipetrain.runtime.errors import PipelineError
 from pipetrain.runtime.transport import describe_failure
 from pipetrain.runtime.waits import finish
+from pipetrain.tensors import local_tensor as _local
 
 __all__ = [
     "DistReducer",
@@ -57,17 +57,6 @@ class TiedGroup:
     key: str
     stages: tuple[int, ...]
     ranks: tuple[int, ...]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # A parameter sharded by FSDP2 (--shard) has a DTensor gradient: the sums run on this
-    # rank's shard, which is the same slice on every rank holding a copy (same dp layout).
-    # No DTensor exists unless its module was imported, and importing it costs about 1 s.
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
-        local: torch.Tensor = tensor.to_local()
-        return local
-    return tensor
 
 
 def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:

@@ -35,7 +35,7 @@ from pipetrain.diagnose.grads import (
     row_json,
 )
 from pipetrain.parallel import Gradients, norm_share
-from pipetrain.train.optim import local_tensor
+from pipetrain.tensors import local_tensor
 from pipetrain.train.session import Session
 
 __all__ = ["REPORT_FILE", "gradient_report", "is_report_step"]

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from pipetrain.config.schema import OptimConfig
 from pipetrain.errors import RunFailed
 from pipetrain.parallel.sync import Gradients
+from pipetrain.tensors import local_tensor
 
 __all__ = [
     "GradCheck",
@@ -31,7 +31,6 @@ __all__ = [
     "build_optimizer",
     "check_gradients",
     "local_grads",
-    "local_tensor",
     "lr_at",
     "param_groups",
 ]
@@ -93,13 +92,6 @@ class GradCheck:
 
     norm: float
     finite: bool
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the shard of a DTensor (sharded parameters, FSDP2's or
-    tensor parallelism's, have DTensor gradients: each rank works on its own shard, and
-    the sums over the world group add the shards up)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def local_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -35,6 +35,7 @@ from pipetrain.parallel import (
     shard_pipeline,
 )
 from pipetrain.runtime import Pipeline, PipelineHooks, build_pipeline
+from pipetrain.tensors import local_tensor
 from pipetrain.train.data import (
     Batch,
     Corpus,
@@ -42,7 +43,7 @@ from pipetrain.train.data import (
     train_batch,
 )
 from pipetrain.train.metrics import RunOutput
-from pipetrain.train.optim import GuardedUpdate, build_optimizer, local_tensor
+from pipetrain.train.optim import GuardedUpdate, build_optimizer
 from pipetrain.train.plan import RunPlan
 from pipetrain.train.shared import open_data, open_output
 from pipetrain.train.stage_options import apply_stage_options
