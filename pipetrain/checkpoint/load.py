@@ -32,6 +32,7 @@ from pipetrain.checkpoint.manifest import (
     check_files,
     verify_checkpoint,
 )
+from pipetrain.errors import on_every_rank
 
 __all__ = [
     "LoadResult",
@@ -158,15 +159,21 @@ def load_checkpoint(
     path = Path(path)
     verification = _verify(path, comm, checksums=checksums, threads=threads)
     manifest = verification.manifest
+    # The verification is rank 0's, broadcast: every rank refuses alike (rank 0 says it).
     if manifest is not None and manifest.format_version != FORMAT_VERSION:
-        raise CheckpointIncompatibleError(
-            f"{path} has format_version {manifest.format_version} but this pipetrain reads "
-            f"version {FORMAT_VERSION}; load it with the pipetrain that wrote it"
+        raise on_every_rank(
+            CheckpointIncompatibleError(
+                f"{path} has format_version {manifest.format_version} but this pipetrain reads "
+                f"version {FORMAT_VERSION}; load it with the pipetrain that wrote it"
+            )
         )
     if not verification.ok or manifest is None:
-        raise CheckpointCorruptError(verification.problems[0])
+        raise on_every_rank(CheckpointCorruptError(verification.problems[0]))
     if model is not None:
-        check_model(manifest, model, path)
+        try:
+            check_model(manifest, model, path)
+        except CheckpointIncompatibleError as exc:
+            raise on_every_rank(exc) from None
 
     available = tensor_metadata(path)
     index = state.index_parameters(as_modules(modules))
@@ -241,9 +248,11 @@ def resume_checkpoint(
         # Every rank verified the same files, so every rank raises. Starting from step 0
         # instead would quietly throw away the run the caller asked to continue.
         more = f" (and {len(skipped) - 1} more damaged)" if len(skipped) > 1 else ""
-        raise CheckpointCorruptError(
-            f"no valid checkpoint in {root}: {skipped[0]}{more}; restore the damaged files, or "
-            "move the checkpoints away (or pass another checkpoint directory) to start over"
+        raise on_every_rank(
+            CheckpointCorruptError(
+                f"no valid checkpoint in {root}: {skipped[0]}{more}; restore the damaged files, "
+                "or move the checkpoints away (or pass another checkpoint directory) to start over"
+            )
         )
     if choice is None:
         return None

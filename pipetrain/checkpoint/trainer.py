@@ -30,6 +30,7 @@ from pipetrain.checkpoint.errors import CheckpointError
 from pipetrain.checkpoint.load import LoadResult, resume_checkpoint
 from pipetrain.checkpoint.manifest import Layout
 from pipetrain.checkpoint.save import save_checkpoint
+from pipetrain.errors import on_every_rank
 
 __all__ = [
     "CheckpointPolicy",
@@ -37,6 +38,7 @@ __all__ = [
     "StopSignal",
     "changed_settings",
     "earlier_checkpoints_error",
+    "past_the_end_error",
 ]
 
 
@@ -134,6 +136,14 @@ def earlier_checkpoints_error(
     )
 
 
+def past_the_end_error(path: Path, step: int, total_steps: int) -> CheckpointError:
+    """The refusal of a resume from ``path`` (at ``step``) by a run of ``total_steps``."""
+    return CheckpointError(
+        f"{path} is at step {step}, past this run's {total_steps} steps: "
+        f"pass --steps {step + 1} or more to continue it, or another --checkpoint-dir"
+    )
+
+
 def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """``section.field old -> new`` for every trajectory setting of ``now`` that differs from
     the saved run config (sections the saved config lacks are not compared)."""
@@ -217,10 +227,7 @@ class RunCheckpoints:
         if result.step > self._total:
             # Nothing to train, and the summary would report the checkpoint's weights as
             # those "after" fewer steps than they had.
-            raise CheckpointError(
-                f"{result.path} is at step {result.step}, past this run's {self._total} steps: "
-                f"pass --steps {result.step + 1} or more to continue it, or another --checkpoint-dir"
-            )
+            raise on_every_rank(past_the_end_error(result.path, result.step, self._total))
         self._last_saved = result.step
         saved = result.manifest.layout
         self._say(
@@ -248,7 +255,7 @@ class RunCheckpoints:
         found = comm.broadcast(list_checkpoints(self.policy.directory) if comm.rank == 0 else None)
         refusal = earlier_checkpoints_error(self.policy.directory, found)
         if refusal is not None:
-            raise refusal
+            raise on_every_rank(refusal)  # rank 0's listing, broadcast
 
     def after_step(self, step: int) -> bool:
         """After ``step`` optimizer steps: save when due, and on a stop signal (then True)."""

@@ -212,6 +212,10 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     try:
         config = config_from_args(args, notes=notes)
+        if _chunks_given(args):
+            from pipetrain.train.preflight import check_chunks_given
+
+            check_chunks_given(config)
     except Exception as exc:
         if role is not None:
             # Under torchrun the other nodes would wait for this process until the timeout.
@@ -220,6 +224,25 @@ def run(args: argparse.Namespace) -> int:
             report_failure(role, exc)
         raise
     return run_config(config, notes)
+
+
+def _chunks_given(args: argparse.Namespace) -> bool:
+    """Whether the user set pipeline.chunks (a flag, --set or the --config file): its
+    default, 1, stands for "the schedule's own number", a 1 given is a request."""
+    if getattr(args, _dest("--chunks"), None) is not None:
+        return True
+    if any(text.partition("=")[0].strip() == "pipeline.chunks" for text in args.cfg_set):
+        return True
+    if args.config is None:
+        return False
+    import tomllib
+
+    try:
+        with open(args.config, "rb") as file:
+            table = tomllib.load(file).get("pipeline", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return False  # load_config read it a moment ago; nothing to add here
+    return isinstance(table, dict) and "chunks" in table
 
 
 def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
@@ -237,6 +260,7 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
     from pipetrain.train.data import load_tokenizer
     from pipetrain.train.loop import train
     from pipetrain.train.plan import plan_run
+    from pipetrain.train.preflight import preflight
 
     role = role_from_env()
     try:
@@ -244,8 +268,9 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
             if role.reporter:
                 sys.stdout.writelines(f"{note}\n" for note in notes)
             return _train_rank(config, role)
-        # Everything checkable is checked before any process starts.
-        plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
+        # Everything checkable is checked before any process starts, files included.
+        plan = plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
+        preflight(config, plan)
         sys.stdout.writelines(f"{note}\n" for note in notes)
         processes = config.pipeline.processes
         if processes == 1:
@@ -268,12 +293,18 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
 
 
 def _train_rank(config: TrainConfig, role: Any) -> int:
-    """One rank under torchrun; a collective broken by a lost or silent peer is one line."""
+    """One rank under torchrun; a collective broken by a lost or silent peer is one line,
+    and bad input that every rank found alike is said by the first rank of each node."""
+    from pipetrain.errors import InputError, raised_on_every_rank
     from pipetrain.runtime.errors import lost_peer_error
     from pipetrain.train.loop import train
 
     try:
         train(config, role)
+    except InputError as exc:
+        if role.local_rank != 0 and raised_on_every_rank(exc):
+            return 2  # the first rank of this node prints it
+        raise
     except Exception as exc:
         failure = lost_peer_error(exc, rank=role.rank, timeout_s=config.pipeline.timeout_s)
         if failure is None or failure is exc:

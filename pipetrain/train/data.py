@@ -71,7 +71,9 @@ class ByteTokenizer:
         return 256
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        # Python reads bytes that are not UTF-8 in a command line as lone surrogates
+        # (surrogateescape): they go back to those bytes, each a token like any other.
+        return list(text.encode("utf-8", errors="surrogateescape"))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.config import ConfigError, TrainConfig, config_to_dict, settings_disagree
+from pipetrain.errors import on_every_rank
 from pipetrain.launch.role import ProcessRole
 from pipetrain.runtime import Pipeline
 from pipetrain.train.data import Corpus, DataError, load_corpus
@@ -33,13 +34,25 @@ def open_data(
 ) -> tuple[bool, bool, Corpus | None]:
     """Whether this process holds a first stage (feeds inputs) and a last one (targets),
     and the corpus, loaded only where one of them is; refuses, on every rank of ``group``
-    alike, ranks that read different text."""
+    alike, data that some rank cannot read and ranks that read different text.
+
+    The launcher checks the data before it starts any rank (``pipetrain.train.preflight``);
+    under torchrun no launcher of ours does, so the ranks decide together here, and the
+    error is marked as every rank's: rank 0 prints it once."""
     placement = pipeline.schedule.placement
     first = any(placement.is_first(s) for s in pipeline.stages)
     last = any(placement.is_last(s) for s in pipeline.stages)
-    corpus: Corpus | None = load_corpus(config.data) if first or last else None
+    corpus: Corpus | None = None
+    problem: DataError | None = None
+    if first or last:
+        try:
+            corpus = load_corpus(config.data)
+        except DataError as exc:
+            if group is None:
+                raise
+            problem = exc
     if group is not None:
-        check_same_data(corpus, group)
+        check_same_data(corpus, group, problem)
     return first, last, corpus
 
 
@@ -101,14 +114,23 @@ def data_disagree(by_rank: list[tuple[str, int, int] | None]) -> str | None:
     return None
 
 
-def check_same_data(corpus: Corpus | None, group: Any) -> None:
-    """Refuse, on every rank of ``group`` alike, a run whose ranks read different text."""
+def check_same_data(corpus: Corpus | None, group: Any, problem: DataError | None = None) -> None:
+    """Refuse, on every rank of ``group`` alike, a run whose ranks read different text or
+    where some rank could not read its data (``problem``: this rank's error)."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    mine = None if corpus is None else corpus_fingerprint(corpus)
-    dist.all_gather_object(everyone, mine, group=group)
-    problem = data_disagree(everyone)
+    mine: Any = None if corpus is None else corpus_fingerprint(corpus)
     if problem is not None:
-        raise DataError(problem)
+        mine = str(problem)
+    dist.all_gather_object(everyone, mine, group=group)
+    failed = [(rank, text) for rank, text in enumerate(everyone) if isinstance(text, str)]
+    if failed:
+        rank, text = failed[0]
+        # Rank 0 prints every rank's decision: name the rank whose data it was.
+        where = "" if all(t == text for _, t in failed) and rank == 0 else f"rank {rank}: "
+        raise on_every_rank(DataError(f"{where}{text}"))
+    disagreement = data_disagree(everyone)
+    if disagreement is not None:
+        raise on_every_rank(DataError(disagreement))
 
 
 def per_rank(role: ProcessRole, value: int) -> tuple[int, ...]:
