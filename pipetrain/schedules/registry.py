@@ -37,6 +37,7 @@ from pipetrain.schedules.pipedream import (
     pipedream_2bw,
 )
 from pipetrain.schedules.schedule import Schedule, ScheduleError
+from pipetrain.schedules.v_shape import check_v_half, check_v_min, v_half, v_min
 
 __all__ = ["SCHEDULE_NAMES", "ScheduleSpec", "build_schedule", "fitting", "get_spec"]
 
@@ -211,6 +212,24 @@ def _specs() -> tuple[ScheduleSpec, ...]:
             "v",
             _by_building(dualpipe_v),
             dualpipe_v,
+            chunks=2,
+            splits_backward=True,
+        ),
+        _spec(
+            "v-half",
+            "controllable memory on a V: half of 1F1B's activations",
+            "v",
+            check_v_half,
+            lambda p, m, v: v_half(p, m),
+            chunks=2,
+            splits_backward=True,
+        ),
+        _spec(
+            "v-min",
+            "controllable memory on a V: a third of 1F1B's activations, more bubble",
+            "v",
+            check_v_min,
+            lambda p, m, v: v_min(p, m),
             chunks=2,
             splits_backward=True,
         ),

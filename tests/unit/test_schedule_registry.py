@@ -31,6 +31,8 @@ def test_names() -> None:
         "zb-h2",
         "zb-v",
         "dualpipe-v",
+        "v-half",
+        "v-min",
         "chimera",
         "pipedream",
         "pipedream-2bw",
