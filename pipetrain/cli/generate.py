@@ -105,9 +105,13 @@ def run(args: argparse.Namespace) -> int:
         data = dict(model.manifest.config.get("data", {}))
         tokenizer = load_tokenizer(str(data.get("tokenizer", "")))
         context = int(data["seq_len"]) if "seq_len" in data else None
+        prompt = _prompt_tokens(args.prompt, tokenizer)
+        window = min(context or model.config.max_seq_len, model.config.max_seq_len)
+        if len(prompt) + args.max_new_tokens > window and _rank() == 0:
+            sys.stderr.write(_past_the_context(len(prompt), args.max_new_tokens, window))
         result = generate_tokens(
             model,
-            tokenizer.encode(args.prompt),
+            prompt,
             new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             seed=args.seed,
@@ -117,6 +121,52 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if group is not None:
             dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:  # every rank has the text; one prints it
-        sys.stdout.write(args.prompt + tokenizer.decode(result.tokens) + "\n")
+    if _rank() == 0:  # every rank has the text; one prints it
+        _write(args.prompt + tokenizer.decode(result.tokens) + "\n")
     return 0
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _prompt_tokens(prompt: str, tokenizer: Any) -> list[int]:
+    """The prompt's token ids. Bytes of the command line that are not UTF-8 reach Python
+    as lone surrogates (surrogateescape): byte tokens take them as the bytes they were
+    (``ByteTokenizer``); a tokenizer.json reads only text, so they are refused."""
+    from pipetrain.train.data import ByteTokenizer
+
+    if not isinstance(tokenizer, ByteTokenizer) and not _is_utf8(prompt):
+        raise UsageError(
+            "--prompt holds bytes that are not UTF-8, and the checkpoint's tokenizer.json "
+            "reads only text: give the prompt as UTF-8 text"
+        )
+    return list(tokenizer.encode(prompt))
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _past_the_context(prompt: int, new: int, window: int) -> str:
+    """The one line that says what a generation longer than the model's context does."""
+    return (
+        f"pipetrain generate: note: {prompt} prompt and {new:,} new tokens are more than the "
+        f"model's context of {window}: each token past it sees only the {window} before it "
+        f"(a sliding window), one forward pass per new token, and the text is printed at the "
+        f"end; lower --max-new-tokens for less\n"
+    )
+
+
+def _write(text: str) -> None:
+    """``text`` on stdout; a prompt's bytes that were not UTF-8 go out as they came in."""
+    if _is_utf8(text):
+        sys.stdout.write(text)
+        return
+    sys.stdout.flush()
+    sys.stdout.buffer.write(text.encode("utf-8", errors="surrogateescape"))
+    sys.stdout.buffer.flush()
