@@ -54,6 +54,8 @@ SCHEDULES: dict[str, dict[int, int]] = {
     "zb-h2": {2: 4, 4: 8},
     "zb-v": {2: 4, 4: 4},
     "dualpipe-v": {2: 4, 4: 8},
+    "v-half": {2: 4, 4: 4},
+    "v-min": {2: 4, 4: 4},
     "chimera": {2: 4, 4: 4},
 }
 

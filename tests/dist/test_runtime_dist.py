@@ -26,6 +26,8 @@ SCHEDULES = (
     "zb-h2",
     "zb-v",
     "dualpipe-v",
+    "v-half",
+    "v-min",
     "chimera",
 )
 

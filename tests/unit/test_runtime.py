@@ -37,6 +37,8 @@ SCHEDULES = [
     ("zb-h2", 2, 4),
     ("zb-v", 2, 4),
     ("dualpipe-v", 2, 4),
+    ("v-half", 2, 4),
+    ("v-min", 2, 4),
     ("chimera", 2, 4),
     ("naive", 4, 4),
     ("gpipe", 4, 4),
@@ -47,6 +49,8 @@ SCHEDULES = [
     ("zb-h2", 4, 8),
     ("zb-v", 4, 4),
     ("dualpipe-v", 4, 8),
+    ("v-half", 4, 4),
+    ("v-min", 4, 4),
     ("chimera", 4, 4),
 ]
 
