@@ -39,6 +39,16 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         int,
         "tensor-parallel ranks per stage: each layer split over tp processes (pp x dp x tp)",
     ),
+    "--ep": (
+        "pipeline.ep",
+        int,
+        "expert-parallel ranks (MoE models): experts split over ep of the --dp replicas",
+    ),
+    "--capacity-factor": (
+        "model.capacity_factor",
+        float,
+        "MoE: drop token assignments beyond this x an expert's fair share (0: dropless)",
+    ),
     "--chunks": ("pipeline.chunks", int, "stages per rank (interleaved and looped schedules)"),
     "--schedule": (
         "pipeline.schedule",

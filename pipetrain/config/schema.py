@@ -55,6 +55,11 @@ class ModelSection:
     config.json instead of model.name, every rank loads its own layers' weights from it,
     and data.tokenizer defaults to its tokenizer.json (pipetrain.models.hf). "" = none."""
 
+    capacity_factor: float = 0.0
+    """MoE models: each expert takes at most capacity_factor x its fair share of a
+    micro-batch's token assignments and the overflow is dropped (counted in the metrics);
+    0 keeps the preset's routing (dropless for the built-in ones)."""
+
     def __post_init__(self) -> None:
         if self.name not in PRESETS:
             raise ConfigError(
@@ -80,6 +85,10 @@ class PipelineConfig:
     """Tensor-parallel ranks per stage: each block's projections, the embedding and the head
     are split over tp neighbouring processes (pipetrain.parallel.tp, on torch's DTensor):
     pp x dp x tp processes. heads, KV heads, the MLP width and the vocabulary must divide."""
+    ep: int = 1
+    """Expert-parallel ranks (MoE models): the experts of every MoE layer are split over ep
+    of the dp replicas, tokens reach them by all-to-all (pipetrain.parallel.ep). ep must
+    divide dp and the number of experts; dense parameters stay replicated over dp."""
     sequence_parallel: bool = False
     """With tp > 1: the norms and the residual stream run on 1/tp of the sequence (an
     all-gather and a reduce-scatter replace each all-reduce), which divides their
@@ -129,6 +138,7 @@ class PipelineConfig:
         _at_least("pipeline.pp", self.pp, 1)
         _at_least("pipeline.dp", self.dp, 1)
         _at_least("pipeline.tp", self.tp, 1)
+        _at_least("pipeline.ep", self.ep, 1)
         _at_least("pipeline.chunks", self.chunks, 1)
         _at_least("pipeline.microbatches", self.microbatches, 1)
         _at_least("pipeline.threads", self.threads, 0)

@@ -48,6 +48,18 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     qkv_bias: bool = False  # llama only: biases on the q, k, v projections (Qwen2)
+    # Mixture of experts (llama only; pipetrain.models.moe). 0 experts: every block dense.
+    n_experts: int = 0
+    top_k: int = 2  # experts per token
+    expert_ffn: int = 0  # hidden width of each expert's SwiGLU; 0: ffn_hidden
+    n_shared_experts: int = 0  # experts every token goes through (DeepSeek), expert_ffn wide each
+    moe_every: int = 1  # every moe_every-th block (after dense_first) is a MoE block
+    dense_first: int = 0  # the first blocks stay dense (DeepSeek-V3: 3)
+    router: str = "softmax"  # router scores: "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
+    router_norm_topk: bool = True  # the chosen experts' weights renormalised to sum to 1
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Switch/GShard); 0: off
+    bias_update_rate: float = 0.0  # DeepSeek-V3's aux-loss-free bias step per update; 0: off
+    capacity_factor: float = 0.0  # > 0: an expert takes at most this x its fair share; 0: dropless
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -94,6 +106,62 @@ class ModelConfig:
                 f"model rope_theta must be finite and > 0, got {self.rope_theta!r}"
             )
         self._check_llama_options()
+        self._check_moe_options()
+
+    def _check_moe_options(self) -> None:
+        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ModelConfigError(
+                f"model n_experts must be >= 0 (0: dense), got {self.n_experts!r}"
+            )
+        if not self.n_experts:
+            return
+        if self.family != "llama":
+            raise ModelConfigError(
+                f"model n_experts={self.n_experts}: mixture-of-experts blocks are llama blocks; "
+                f"set n_experts=0 for family {self.family!r}"
+            )
+        for field in ("top_k", "moe_every"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ModelConfigError(f"model {field} must be a positive integer, got {value!r}")
+        if self.top_k > self.n_experts:
+            raise ModelConfigError(
+                f"model top_k={self.top_k} is more than n_experts={self.n_experts}: a token "
+                f"cannot go to more experts than there are; lower top_k"
+            )
+        for field in ("expert_ffn", "n_shared_experts", "dense_first"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 0:
+                raise ModelConfigError(f"model {field} must be an integer >= 0, got {value!r}")
+        if self.router not in ("softmax", "sigmoid"):
+            raise ModelConfigError(
+                f"model router {self.router!r} is unknown: use 'softmax' or 'sigmoid'"
+            )
+        for field in ("aux_loss_coef", "bias_update_rate", "capacity_factor"):
+            value = getattr(self, field)
+            if not 0 <= value < math.inf:
+                raise ModelConfigError(f"model {field} must be finite and >= 0, got {value!r}")
+        if not self.moe_blocks:
+            raise ModelConfigError(
+                f"model n_experts={self.n_experts} but no block is a MoE block (n_layers="
+                f"{self.n_layers}, dense_first={self.dense_first}, moe_every={self.moe_every}): "
+                f"lower dense_first or moe_every"
+            )
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden width of one expert (``expert_ffn``, or ``ffn_hidden`` when 0)."""
+        return self.expert_ffn or self.ffn_hidden
+
+    def is_moe_block(self, block: int) -> bool:
+        """Whether block ``block`` (0-based) has experts instead of a dense MLP."""
+        if not self.n_experts or block < self.dense_first:
+            return False
+        return (block - self.dense_first) % self.moe_every == self.moe_every - 1
+
+    @property
+    def moe_blocks(self) -> tuple[int, ...]:
+        return tuple(b for b in range(self.n_layers) if self.is_moe_block(b))
 
     def _check_llama_options(self) -> None:
         if not 1.0 <= self.rope_scaling_factor < math.inf:
@@ -162,6 +230,81 @@ PRESETS: dict[str, ModelConfig] = {
         ),
         ModelConfig(
             "llama", 128256, 4096, 32, 32, 8, 14336, 8192, False, 1e-5, 500_000.0, "llama3-8b"
+        ),
+        # Mixtures of experts: 4 experts, top-2, for tests; and the default's MoE sibling with
+        # the same active width per token (2 of 8 experts of 192 = the dense 384).
+        ModelConfig(
+            "llama",
+            256,
+            32,
+            4,
+            4,
+            2,
+            64,
+            64,
+            False,
+            name="moe-tiny",
+            n_experts=4,
+            top_k=2,
+            expert_ffn=32,
+        ),
+        ModelConfig(
+            "llama",
+            256,
+            128,
+            12,
+            4,
+            2,
+            384,
+            128,
+            False,
+            name="moe-default",
+            n_experts=8,
+            top_k=2,
+            expert_ffn=192,
+        ),
+        # Mixtral 8x7B (46.7 B parameters, 12.9 B active) and a DeepSeek-V3-sized model
+        # (671 B, 256 routed experts of which 8 per token, one shared, 3 dense blocks first,
+        # sigmoid router with the loss-free bias; attention counted as GQA, not MLA): for
+        # the planner and the meta device only.
+        ModelConfig(
+            "llama",
+            32000,
+            4096,
+            32,
+            32,
+            8,
+            14336,
+            8192,
+            False,
+            1e-5,
+            1_000_000.0,
+            "mixtral-8x7b",
+            n_experts=8,
+            top_k=2,
+            aux_loss_coef=0.02,
+        ),
+        ModelConfig(
+            "llama",
+            129280,
+            7168,
+            61,
+            128,
+            128,
+            18432,
+            8192,
+            False,
+            1e-6,
+            10_000.0,
+            "deepseek-v3",
+            n_experts=256,
+            top_k=8,
+            expert_ffn=2048,
+            n_shared_experts=1,
+            dense_first=3,
+            router="sigmoid",
+            aux_loss_coef=0.0001,
+            bias_update_rate=0.001,
         ),
         # Llama 3.1 70B: for the planner and the meta device only (about 70.6 B parameters,
         # 282 GB in fp32: never materialised on this machine).

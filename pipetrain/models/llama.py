@@ -154,13 +154,19 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Attention and a feed-forward: the dense SwiGLU ``mlp``, or a mixture of experts
+    ``moe`` when one is given (``pipetrain.models.moe``)."""
+
+    def __init__(self, config: ModelConfig, moe: nn.Module | None = None) -> None:
         super().__init__()
         self.n_layers = config.n_layers
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = LlamaAttention(config)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = SwiGLU(config)
+        if moe is None:
+            self.mlp = SwiGLU(config)
+        else:
+            self.moe = moe
 
     def init_weights(self, generator: torch.Generator) -> None:
         ones_(self.attn_norm.weight)
@@ -170,13 +176,17 @@ class LlamaBlock(nn.Module):
                 zeros_(linear.bias)
         normal_(self.attn.wo.weight, residual_std(self.n_layers), generator)
         ones_(self.mlp_norm.weight)
+        if hasattr(self, "moe"):
+            self.moe.init_weights(generator)  # type: ignore[operator]
+            return
         normal_(self.mlp.w1.weight, BASE_STD, generator)
         normal_(self.mlp.w3.weight, BASE_STD, generator)
         normal_(self.mlp.w2.weight, residual_std(self.n_layers), generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))  # (B, T, C)
-        out: torch.Tensor = x + self.mlp(self.mlp_norm(x))
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        out: torch.Tensor = x + ffn(self.mlp_norm(x))
         return out
 
 

@@ -25,6 +25,7 @@ from pipetrain.errors import InputError
 from pipetrain.models.config import ModelConfig
 from pipetrain.models.gpt2 import GPT2Block, GPT2Embedding, GPT2Head
 from pipetrain.models.llama import LlamaBlock, LlamaEmbedding, LlamaHead
+from pipetrain.models.moe import MoEFeedForward
 
 __all__ = [
     "LAYER_KINDS",
@@ -214,16 +215,30 @@ class PipelineSpec:
         return holders
 
 
-def model_spec(config: ModelConfig) -> PipelineSpec:
-    """The built-in model of ``config`` as pipeline layers: embed, layers.0..N-1, head."""
+def model_spec(config: ModelConfig, *, expert_shard: tuple[int, int] | None = None) -> PipelineSpec:
+    """The built-in model of ``config`` as pipeline layers: embed, layers.0..N-1, head.
+
+    ``expert_shard`` (rank, size): expert parallelism, this rank's MoE layers hold experts
+    ``[rank * E/size, (rank + 1) * E/size)`` only (``pipetrain.parallel.ep`` routes tokens
+    to the others); None: every expert.
+    """
     embed_cls, block_cls, head_cls = {
         "llama": (LlamaEmbedding, LlamaBlock, LlamaHead),
         "gpt2": (GPT2Embedding, GPT2Block, GPT2Head),
     }[config.family]
+    held = None
+    if expert_shard is not None:
+        rank, size = expert_shard
+        per = config.n_experts // size
+        held = tuple(range(rank * per, (rank + 1) * per))
+
+    def block(i: int) -> Callable[[], nn.Module]:
+        if config.is_moe_block(i):
+            return lambda: LlamaBlock(config, moe=MoEFeedForward(config, held))
+        return lambda: block_cls(config)
+
     layers = [LayerSpec("embed", "embedding", lambda: embed_cls(config))]
-    layers += [
-        LayerSpec(f"layers.{i}", "block", lambda: block_cls(config)) for i in range(config.n_layers)
-    ]
+    layers += [LayerSpec(f"layers.{i}", "block", block(i)) for i in range(config.n_layers)]
     layers.append(LayerSpec("head", "head", lambda: head_cls(config)))
     tied: tuple[TiedWeight, ...] = ()
     if config.tie_embeddings:

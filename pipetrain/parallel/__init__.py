@@ -7,12 +7,21 @@
   ``sharded`` (FSDP2 per stage, reduce-scatter); ``Gradients`` and ``norm_share`` say
   which gradients enter the global norm.
 - ``stats``: what the reduction cost (``DataParallelStats``).
+- ``ep``: expert parallelism (``expert_groups``, ``shard_experts``: each MoE layer's
+  experts over an ep group inside dp, tokens exchanged by all-to-all).
 - ``tp``: tensor parallelism inside a stage (``shard_pipeline``: torch's DTensor plans
   per layer, over the mesh's "tp" dimension).
 
 It takes a built pipeline and a mesh; it knows no trainer.
 """
 
+from pipetrain.parallel.ep import (
+    ExpertGradients,
+    ExpertGroups,
+    expert_groups,
+    expert_parameters,
+    shard_experts,
+)
 from pipetrain.parallel.mesh import (
     Mesh,
     build_mesh,
@@ -28,6 +37,8 @@ from pipetrain.parallel.tp import TensorParallelError, check_divisible, shard_pi
 
 __all__ = [
     "DataParallelStats",
+    "ExpertGradients",
+    "ExpertGroups",
     "GradientSync",
     "Gradients",
     "Mesh",
@@ -37,12 +48,15 @@ __all__ = [
     "build_mesh",
     "check_divisible",
     "check_shardable",
+    "expert_groups",
+    "expert_parameters",
     "gather_stats",
     "gradient_sync",
     "norm_share",
     "replica_denominator",
     "replica_mean",
     "shard_batch",
+    "shard_experts",
     "shard_pipeline",
     "state_bytes",
 ]

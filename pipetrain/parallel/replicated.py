@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.config.schema import ConfigError
+from pipetrain.parallel.ep import ExpertGradients, expert_parameters
 from pipetrain.parallel.mesh import Mesh
 from pipetrain.parallel.stats import DataParallelStats, gather_stats
 from pipetrain.runtime import Pipeline, PipelineError
@@ -92,7 +93,10 @@ class ReplicaGradients:
         *,
         timeout_s: float,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        experts: ExpertGradients | None = None,
     ) -> None:
+        """``experts``: expert parallelism; the routed experts' gradients are reduced over
+        their own replicas by it, after the dense buckets, instead of over dp."""
         if bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes is {bucket_bytes}: use a positive size")
         self._mesh = mesh
@@ -110,13 +114,17 @@ class ReplicaGradients:
         self._sync = False
         self._waits: list[float] = []
         self.bytes_per_step = 0
+        self._experts = experts
+        self._expert_params: list[nn.Parameter] = []
 
     # ----------------------------------------------------------------- set-up
     def attach(self, pipeline: Pipeline) -> None:
         """Learn the stages, their parameters and when each stage's gradients are final."""
         placement = pipeline.schedule.placement
         tied = {id(p) for m in pipeline.modules for p in m.tied_parameters().values()}
-        seen: set[int] = set()
+        if self._experts is not None:
+            self._expert_params = expert_parameters(pipeline.modules)
+        seen: set[int] = {id(p) for p in self._expert_params}
         late: list[nn.Parameter] = []
         for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
             mine: list[nn.Parameter] = []
@@ -198,6 +206,8 @@ class ReplicaGradients:
                 n = grad.numel()
                 grad.copy_(launched.flat[offset : offset + n].view_as(grad))
                 offset += n
+        if self._experts is not None:
+            self._experts.reduce(self._expert_params)
         self._waits.append(time.perf_counter() - t0)
         self._in_flight.clear()
         self._launched.clear()

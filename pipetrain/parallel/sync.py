@@ -28,6 +28,7 @@ from pipetrain.parallel.mesh import Mesh
 from pipetrain.parallel.stats import DataParallelStats
 
 if TYPE_CHECKING:
+    from pipetrain.parallel.ep import ExpertGradients
     from pipetrain.runtime import Pipeline
 
 __all__ = ["GradientSync", "Gradients", "gradient_sync", "norm_share"]
@@ -59,9 +60,12 @@ class GradientSync(Protocol):
     def stats(self, skip_first: int = 1, *, state_bytes: int = 0) -> DataParallelStats: ...
 
 
-def gradient_sync(mesh: Mesh | None, *, shard: bool, timeout_s: float) -> GradientSync | None:
+def gradient_sync(
+    mesh: Mesh | None, *, shard: bool, timeout_s: float, experts: ExpertGradients | None = None
+) -> GradientSync | None:
     """Replicated (or, with ``shard``, sharded) stages over ``mesh``'s dp groups; None when
-    there is no replica to keep in step."""
+    there is no replica to keep in step. ``experts``: expert parallelism (replicated only),
+    the routed experts reduced over their own replicas."""
     if mesh is None or mesh.dp == 1:
         return None
     # Imported here: FSDP2 only for runs that shard.
@@ -71,7 +75,7 @@ def gradient_sync(mesh: Mesh | None, *, shard: bool, timeout_s: float) -> Gradie
         return ShardedGradients(mesh, timeout_s=timeout_s)
     from pipetrain.parallel.replicated import ReplicaGradients
 
-    return ReplicaGradients(mesh, timeout_s=timeout_s)
+    return ReplicaGradients(mesh, timeout_s=timeout_s, experts=experts)
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,13 @@ class Gradients:
         return cls(tuple(p for p in params if id(p) not in skip), tuple(params))
 
 
-def norm_share(grads: Gradients, mesh: Mesh, *, sharded: bool = False) -> Gradients:
+def norm_share(
+    grads: Gradients,
+    mesh: Mesh,
+    *,
+    sharded: bool = False,
+    experts: tuple[Sequence[torch.Tensor], bool] | None = None,
+) -> Gradients:
     """The share of the global norm this rank adds, when the sum runs over the world group.
 
     After the dp all-reduce every replica holds the same gradients: only replica 0 counts
@@ -103,7 +113,17 @@ def norm_share(grads: Gradients, mesh: Mesh, *, sharded: bool = False) -> Gradie
     slices on each tp rank and all count; what every tp rank holds whole (norms, the
     row-wise projections' biases) counts on tp rank 0 only. Every rank still checks every
     gradient of its own for non-finite values, so all ranks decide a skip together.
+
+    ``experts`` (parameters, counted here): under expert parallelism each ep rank holds
+    other experts, each replicated over dp / ep ranks: the first of those replicas counts.
     """
+    if experts is not None:
+        routed = {id(p) for p in experts[0]}
+        dense = Gradients(tuple(p for p in grads.counted if id(p) not in routed), grads.all)
+        mine = norm_share(dense, mesh, sharded=sharded).counted
+        if experts[1]:
+            mine += tuple(p for p in grads.counted if id(p) in routed)
+        return Gradients(counted=mine, all=grads.all)
     if mesh.dp_rank != 0 and not sharded:
         return Gradients(counted=(), all=grads.all)
     if mesh.tp > 1 and mesh.tp_rank != 0:

@@ -95,6 +95,18 @@ def _block_plan(
     return plan
 
 
+def _moe_block_plan(sp: bool) -> Plan:
+    """A MoE block: attention sharded as in a dense block; the router and the experts stay
+    whole on every tp rank (each routes the same tokens; ``--ep`` splits the experts)."""
+    if sp:
+        raise TensorParallelError(
+            "pipeline.sequence_parallel is not supported with mixture-of-experts blocks "
+            "(routing needs the whole sequence): drop --sequence-parallel"
+        )
+    plan = _block_plan("attn", (), "", ("attn_norm", "mlp_norm"), sp)
+    return {k: v for k, v in plan.items() if not k.startswith("mlp.")}
+
+
 def _embedding_plan(names: tuple[str, ...], sp: bool) -> Plan:
     # Token ids are the same on every tp rank; the lookup's partial sums are added
     # (all-reduce), or with sequence parallelism scattered over the sequence.
@@ -150,7 +162,8 @@ def shard_stage(module: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = Fa
     parameters, which would leave the two copies of one weight apart.
     """
     for name, layer in _stage_layers(module):
-        plan = _PLANS.get(type(layer))
+        moe = isinstance(layer, LlamaBlock) and hasattr(layer, "moe")
+        plan = _moe_block_plan if moe else _PLANS.get(type(layer))
         if plan is None:
             raise TensorParallelError(
                 f"layer {name} ({type(layer).__name__}) has no tensor-parallel plan: "

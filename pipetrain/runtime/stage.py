@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipetrain.models.loss_scale import dividing_loss_by
 from pipetrain.runtime.errors import StageMismatchError
 
 __all__ = [
@@ -321,7 +322,7 @@ class StageRunner:
         self._record(microbatch, training)
         extras = extras or {}
         if not training:
-            with torch.no_grad():
+            with torch.no_grad(), dividing_loss_by(denominator):
                 outputs = _as_tuple(self.module(*inputs, **extras))
                 if self.is_last:
                     self._add_loss(self._loss(outputs, target, denominator))
@@ -329,7 +330,9 @@ class StageRunner:
                 return self._boundary(outputs)
         # Inputs from another stage become leaves, so that their gradient is the one to send.
         leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
-        outputs = _as_tuple(self.module(*leaves, **extras))
+        # Layers with a loss of their own (experts' balancing) weigh it on the main loss's scale.
+        with dividing_loss_by(denominator):
+            outputs = _as_tuple(self.module(*leaves, **extras))
         if self.is_last:
             loss = self._loss(outputs, target, denominator)
             self._add_loss(loss.detach())

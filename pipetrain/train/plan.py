@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
             model = get_model_config(config.model.name, vocab_size=vocab_size)
         except InputError as exc:
             raise ConfigError(f"model.name: {exc}") from None
+    model = _moe_settings(config, model)
     if config.data.seq_len > model.max_seq_len:
         raise ConfigError(
             f"data.seq_len {config.data.seq_len} is longer than the {model.max_seq_len} positions of "
@@ -334,3 +336,48 @@ def threads_per_process(setting: int, local_processes: int) -> int:
     if setting > 0:
         return setting
     return max(1, (os.cpu_count() or 1) // max(1, local_processes))
+
+
+def _moe_settings(config: TrainConfig, model: ModelConfig) -> ModelConfig:
+    """The model with the run's MoE options (capacity) and checked against --ep."""
+    p = config.pipeline
+    if not 0 <= config.model.capacity_factor < math.inf:
+        raise ConfigError(
+            f"model.capacity_factor is {config.model.capacity_factor!r}: use 0 (dropless) or "
+            f"a positive factor such as 1.25"
+        )
+    if config.model.capacity_factor > 0:
+        if not model.n_experts:
+            raise ConfigError(
+                f"model.capacity_factor drops tokens routed to experts, but model "
+                f"{model.name!r} is dense: pick a MoE model or drop --capacity-factor"
+            )
+        model = dataclasses.replace(model, capacity_factor=config.model.capacity_factor)
+    _check_expert_parallel(model, p.ep, p.dp, p.shard)
+    return model
+
+
+def _check_expert_parallel(model: ModelConfig, ep: int, dp: int, shard: bool) -> None:
+    """One line for each way ``ep`` cannot shard ``model``'s experts over ``dp`` replicas."""
+    if ep == 1:
+        return
+    if dp % ep:
+        raise ConfigError(
+            f"--ep {ep} does not divide --dp {dp}: expert-parallel groups lie inside the "
+            f"data-parallel replicas; use --dp {ep} (or a multiple) or a smaller --ep"
+        )
+    if shard:
+        raise ConfigError(
+            "--ep with --shard is not supported yet (experts and FSDP2 shards over one dp "
+            "group): drop --shard or --ep"
+        )
+    if not model.n_experts:
+        raise ConfigError(
+            f"--ep {ep} shards experts, but model {model.name!r} is dense: pick a MoE model "
+            f"(moe-tiny, moe-default) or drop --ep"
+        )
+    if model.n_experts % ep:
+        raise ConfigError(
+            f"model {model.name!r} has {model.n_experts} experts per MoE layer, which do not "
+            f"split over --ep {ep} ranks: pick an ep that divides {model.n_experts}"
+        )

@@ -34,17 +34,30 @@ def _local_state(modules: Iterable[nn.Module]) -> dict[str, torch.Tensor]:
     return state
 
 
-def gather_state_dict(modules: Sequence[nn.Module], group: Any) -> dict[str, torch.Tensor] | None:
+def gather_state_dict(
+    modules: Sequence[nn.Module], group: Any, *, experts_group: Any = None
+) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict on rank 0 of ``group`` (None elsewhere).
 
     ``group`` None: every stage is in this process. Meant for models small enough for one
     process (the sample at the end of a run); large ones go through checkpoints. With
     stages sharded over data-parallel replicas (FSDP2) every replica must call it, since
-    the full tensors are gathered over the dp group first.
+    the full tensors are gathered over the dp group first. ``experts_group``: expert
+    parallelism, the ep group whose ranks hold the other experts (each of them calls it;
+    its first rank goes on with the others' experts).
     """
     local = _local_state(modules)
+    if experts_group is not None:
+        merged = _merge_on_first(local, experts_group)
+        if merged is None:
+            return None
+        local = merged
     if group is None:
         return local
+    return _merge_on_first(local, group)
+
+
+def _merge_on_first(local: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor] | None:
     gathered: list[dict[str, torch.Tensor] | None] | None = (
         [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
     )

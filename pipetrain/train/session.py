@@ -24,14 +24,19 @@ from pipetrain.launch.role import ProcessRole
 from pipetrain.models import model_spec
 from pipetrain.models.hf import load_hf_weights
 from pipetrain.parallel import (
+    ExpertGradients,
+    ExpertGroups,
     Gradients,
     GradientSync,
     Mesh,
+    expert_groups,
+    expert_parameters,
     gradient_sync,
     norm_share,
     replica_denominator,
     replica_mean,
     shard_batch,
+    shard_experts,
     shard_pipeline,
 )
 from pipetrain.runtime import Pipeline, PipelineHooks, build_pipeline
@@ -42,6 +47,7 @@ from pipetrain.train.data import (
     eval_batches,
     train_batch,
 )
+from pipetrain.train.experts import ExpertTracker
 from pipetrain.train.metrics import RunOutput
 from pipetrain.train.optim import GuardedUpdate, build_optimizer
 from pipetrain.train.plan import RunPlan
@@ -77,6 +83,8 @@ class Session:
     grads: Gradients
     output: RunOutput
     checkpoints: RunCheckpoints
+    # The MoE layers' step records and balancing (None for a dense model).
+    experts: ExpertTracker | None = None
 
     @property
     def sharded(self) -> bool:
@@ -145,11 +153,21 @@ def open_session(
     # Data parallelism: gradients averaged over the replicas (replicated or, with --shard,
     # sharded stages), shards of every batch, and the norm, the NaN decision and
     # checkpoints over every process (the world group).
-    replicas = gradient_sync(mesh, shard=p.shard, timeout_s=p.timeout_s)
+    # Expert parallelism: each rank of an ep group builds its share of the experts only.
+    experts = expert_groups(mesh, p.ep) if mesh is not None and p.ep > 1 else None
+    replicas = gradient_sync(
+        mesh,
+        shard=p.shard,
+        timeout_s=p.timeout_s,
+        experts=ExpertGradients(experts, p.dp) if experts is not None else None,
+    )
     everyone = mesh.world_group if mesh is not None else group
 
     pipeline = build_pipeline(
-        model_spec(plan.model),
+        model_spec(
+            plan.model,
+            expert_shard=(experts.ep_rank, experts.ep) if experts is not None else None,
+        ),
         schedule=plan.prepared,
         microbatches=p.microbatches,
         group=group,
@@ -164,6 +182,8 @@ def open_session(
         pipeline.hang_watch.report_dir = config.run_dir
     if config.model.init_from:  # this rank's layers only; before tp shards them
         load_hf_weights(pipeline, config.model.init_from, check=False)
+    if experts is not None:
+        shard_experts(pipeline.modules, experts)
     if mesh is not None and mesh.tp > 1:  # first: the options and FSDP2 wrap the tp shards
         shard_pipeline(pipeline, mesh.tp_mesh, sequence_parallel=p.sequence_parallel)
     for module in pipeline.modules:
@@ -180,7 +200,7 @@ def open_session(
     evals = _eval_batches(config, corpus, mesh)
     optimizer = build_optimizer(pipeline.named_parameters(), config.optim)
     update = GuardedUpdate(optimizer, config.optim, total_steps=r.steps, group=everyone)
-    grads = _gradients(pipeline, mesh, replicas)
+    grads = _gradients(pipeline, mesh, replicas, experts)
     output = open_output(config, role, out)
     if role.reporter and corpus is not None:
         _describe(config, plan, pipeline, corpus, device, output.say)
@@ -203,6 +223,17 @@ def open_session(
         grads=grads,
         output=output,
         checkpoints=checkpoints,
+        experts=(
+            ExpertTracker(
+                plan.model,
+                pipeline.modules,
+                mesh,
+                device,
+                group=experts.group if experts is not None else None,
+            )
+            if plan.model.n_experts
+            else None
+        ),
     )
 
 
@@ -238,12 +269,24 @@ def _eval_batches(
     ]
 
 
-def _gradients(pipeline: Pipeline, mesh: Mesh | None, replicas: GradientSync | None) -> Gradients:
+def _gradients(
+    pipeline: Pipeline,
+    mesh: Mesh | None,
+    replicas: GradientSync | None,
+    experts: ExpertGroups | None,
+) -> Gradients:
     """The gradients the norm and the NaN decision see: with dp, each process's share."""
     if mesh is None:
         return local_gradients(pipeline)
     return norm_share(
-        local_gradients(pipeline), mesh, sharded=replicas is not None and replicas.sharded
+        local_gradients(pipeline),
+        mesh,
+        sharded=replicas is not None and replicas.sharded,
+        experts=(
+            (expert_parameters(pipeline.modules), experts.replica_index == 0)
+            if experts is not None
+            else None
+        ),
     )
 
 
