@@ -30,6 +30,7 @@ from pipetrain.checkpoint.errors import CheckpointError
 from pipetrain.checkpoint.load import LoadResult, resume_checkpoint
 from pipetrain.checkpoint.manifest import Layout
 from pipetrain.checkpoint.save import save_checkpoint
+from pipetrain.launch.guard import StopGrace
 from pipetrain.errors import on_every_rank
 
 __all__ = [
@@ -48,6 +49,7 @@ class CheckpointPolicy:
     every: int = 0  # save every this many optimizer steps (0: only at a stop and at the end)
     keep: int = 0  # complete checkpoints to keep (0: all)
     resume: bool = False  # continue from the newest valid checkpoint in ``directory``
+    stop_grace_s: float = 20.0  # how long a step may finish after SIGTERM (launch.guard)
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -66,9 +68,11 @@ _REPEAT_AFTER_S = 1.0
 
 
 class StopSignal:
-    """SIGTERM/SIGINT set a flag instead of killing the process, while installed."""
+    """SIGTERM/SIGINT set a flag instead of killing the process, while installed; after
+    SIGTERM a step that has not ended within ``grace_s`` ends the process
+    (``pipetrain.launch.guard.StopGrace``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = 20.0) -> None:
         self._flag = False  # this rank or, once agreed, any rank was signalled
         # When this rank itself was first signalled (None: not yet). A stop learned from
         # another rank in the agreement is not a Ctrl-C here: this rank's own first one,
@@ -76,10 +80,12 @@ class StopSignal:
         # one by one), must not count as the second and abort the save in progress.
         self._first_at: float | None = None
         self._previous: dict[int, Any] = {}
+        self._grace = StopGrace(grace_s)
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be installed from the main thread
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
+        self._grace.start()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
@@ -106,9 +112,12 @@ class StopSignal:
         # the launcher's SIGKILL. Kept, it counts at the next step; the answer is the
         # reduced value, the same on every rank, so that all stop at one step.
         self._flag = self._flag or agreed
+        if agreed:
+            self._grace.release()  # the step ended: the save and the exit follow
         return agreed
 
     def close(self) -> None:
+        self._grace.close()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -191,7 +200,7 @@ class RunCheckpoints:
         self._say = say
         self._state = state
         self._last_saved = -1
-        self.stop = StopSignal()
+        self.stop = StopSignal(policy.stop_grace_s)
         self.stopped = False
         # A loop that dies of an exception never calls close(): the handlers go back when
         # this object is collected, so the process's Ctrl-C works again either way.

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.errors import InputError
+from pipetrain.launch.guard import watch_launcher
 from pipetrain.launch.process_exit import exit_rank, launched_rank
 
 __all__ = ["UsageError", "main"]
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if launched_rank():
+        # A rank of torchrun's (or any elastic agent's) stops when its agent dies.
+        watch_launcher()
     code = _main(argv)
     if launched_rank():
         # A rank of a torchrun launch (train, generate) may leave gloo threads behind:

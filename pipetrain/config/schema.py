@@ -352,6 +352,9 @@ class RunConfig:
     resume: bool = False
     """Continue from the newest valid checkpoint in run.checkpoint_dir (step 0 if there is
     none)."""
+    stop_grace_s: float = 20.0
+    """Seconds a step may still take after SIGTERM (then save, exit 0); past them it is given
+    up unsaved, status 143. Launchers SIGKILL 30 s after SIGTERM: stay below (launch.guard)."""
     grad_report: int = 0
     """At the first optimizer step and every this many, every parameter's gradient norm,
     weight norm and ratio, flagged (no gradient, zero, non-finite, outside the two bounds
@@ -372,6 +375,8 @@ class RunConfig:
         _at_least("run.sample_tokens", self.sample_tokens, 0)
         _at_least("run.checkpoint_every", self.checkpoint_every, 0)
         _at_least("run.keep", self.keep, 0)
+        if not 0 < self.stop_grace_s <= _MAX_TIMEOUT_S:
+            raise ConfigError(f"run.stop_grace_s is {self.stop_grace_s}: use seconds > 0, e.g. 20")
         _at_least("run.grad_report", self.grad_report, 0)
         for key, bound in (("vanishing", self.grad_vanishing), ("exploding", self.grad_exploding)):
             if bound < 0:

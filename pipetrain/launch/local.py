@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from types import FrameType
 
-from pipetrain.launch.process_exit import exit_record
+from pipetrain.launch.process_exit import EXIT_RECORDS_ENV, exit_record
 
 __all__ = ["LaunchFailed", "launch_local"]
 
@@ -99,7 +99,11 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
         max_restarts=0,
         monitor_interval=0.1,
     )
-    shutil.rmtree(exit_record(config_path, 0).parent, ignore_errors=True)  # an earlier run's
+    records = exit_record(config_path, 0).parent
+    shutil.rmtree(records, ignore_errors=True)  # an earlier run's
+    # The ranks inherit the launcher's environment: where to leave their exit records.
+    before = os.environ.get(EXIT_RECORDS_ENV)
+    os.environ[EXIT_RECORDS_ENV] = str(records)
     # SIGUSR1 to the launcher asks every rank's hang doctor for a report.
     forwarding = signal.signal(signal.SIGUSR1, _to_ranks)
     try:
@@ -139,3 +143,7 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
         ) from None
     finally:
         signal.signal(signal.SIGUSR1, forwarding)
+        if before is None:
+            os.environ.pop(EXIT_RECORDS_ENV, None)
+        else:
+            os.environ[EXIT_RECORDS_ENV] = before

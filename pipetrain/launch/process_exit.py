@@ -13,10 +13,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["LAUNCH_ENV", "exit_rank", "exit_record", "launched_rank"]
+__all__ = [
+    "EXIT_RECORDS_ENV",
+    "LAUNCH_ENV",
+    "exit_rank",
+    "exit_record",
+    "launched_rank",
+    "record_exit",
+]
 
 # Set by torchrun and the elastic agent in every process it starts.
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# Set by the local launcher for its ranks: the folder of their exit records.
+EXIT_RECORDS_ENV = "PIPETRAIN_EXIT_RECORDS"
 
 
 def launched_rank(environ: Mapping[str, str] | None = None) -> bool:
@@ -33,6 +42,19 @@ def exit_record(config_path: Path, rank: int) -> Path:
     files tell a stop that every rank finished from one that some rank did not.
     """
     return config_path.parent / ".exit" / f"rank{rank}"
+
+
+def record_exit(code: int) -> None:
+    """Leave this rank's exit status where its local launcher looks (``exit_record``);
+    nothing outside the local launcher's ranks."""
+    folder = os.environ.get(EXIT_RECORDS_ENV)
+    if not folder or not launched_rank():
+        return
+    # Unwritable: the launcher then counts this rank as killed, which errs on the safe side.
+    with contextlib.suppress(OSError):
+        path = Path(folder) / f"rank{os.environ['RANK']}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{code}\n")
 
 
 def exit_rank(code: int) -> NoReturn:

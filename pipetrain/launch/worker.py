@@ -21,7 +21,6 @@ module imports torch only inside ``main``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import importlib
 import os
@@ -29,12 +28,12 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 from types import FrameType
 
 from pipetrain.config import PipelineConfig, load_config
 from pipetrain.errors import InputError, RunFailed
-from pipetrain.launch.process_exit import exit_rank, exit_record, launched_rank
+from pipetrain.launch.guard import watch_launcher
+from pipetrain.launch.process_exit import exit_rank, launched_rank, record_exit
 
 __all__ = ["main"]
 
@@ -61,31 +60,12 @@ def _stop_outside_training(signum: int, frame: FrameType | None) -> None:
             stream.flush()
     with contextlib.suppress(OSError):
         os.write(sys.stderr.fileno(), line.encode())
-    _record(0)
+    record_exit(0)
     os._exit(0)
 
 
-def _stop_with_launcher() -> None:
-    """Linux: have the kernel send this rank SIGTERM when its launcher dies.
-
-    torch's launcher starts each rank in a session of its own and stops the ranks itself
-    when it is signalled; killed (SIGKILL, the OOM killer), it cannot, and its ranks would
-    train on as orphans. SIGTERM is the stop signal the trainer obeys: finish the step,
-    save, exit. (The kernel watches the thread that started the process: the launcher's
-    main thread, which runs its agent.)
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) != 0:
-        return  # not worth failing the run over: the launcher's own stop still works
-    if os.getppid() == 1:  # the launcher died before the request was in place
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    _stop_with_launcher()
+    watch_launcher()  # ends this rank when its launcher dies, even mid-step
     # A native crash (SIGSEGV, SIGABRT from a C++ std::terminate in torch or gloo) would
     # otherwise leave one bare line on stderr; this dumps every thread's Python stack with
     # it, so the log says where the rank was.
@@ -146,17 +126,6 @@ def _run() -> int:
         return 1
 
 
-def _record(code: int) -> None:
-    """Leave the exit status where the local launcher looks after a stop signal."""
-    if not launched_rank() or len(sys.argv) < 3:
-        return
-    path = exit_record(Path(sys.argv[2]), _rank())
-    # Unwritable: the launcher then counts this rank as killed, which errs on the safe side.
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{code}\n")
-
-
 if __name__ == "__main__":
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, _stop_outside_training)
@@ -167,5 +136,5 @@ if __name__ == "__main__":
     # The rank's outcome is decided: a stop now must not record 0 over a failure.
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, signal.SIG_IGN)
-    _record(status)
+    record_exit(status)
     exit_rank(status)

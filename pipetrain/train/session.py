@@ -341,7 +341,7 @@ def _checkpoints(
     model_fields = dataclasses.asdict(plan.model)
     model_fields.pop("name")  # a label: the same weights load whatever the preset was called
     return RunCheckpoints(
-        CheckpointPolicy(r.checkpoint_dir, r.checkpoint_every, r.keep, r.resume),
+        CheckpointPolicy(r.checkpoint_dir, r.checkpoint_every, r.keep, r.resume, r.stop_grace_s),
         modules=pipeline.modules,
         optimizer=optimizer,
         model=model_fields,

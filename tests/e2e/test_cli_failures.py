@@ -206,7 +206,7 @@ def test_a_second_ctrl_c_stops_a_rank_with_one_line(
 
     _as_rank_1(monkeypatch)
     monkeypatch.setattr(loop, "train", interrupted)  # main imports it when it runs
-    monkeypatch.setattr(worker, "_stop_with_launcher", lambda: None)  # not on pytest
+    monkeypatch.setattr(worker, "watch_launcher", lambda: False)  # not on pytest
     # pytest's own faulthandler stays as it is (the worker's would want a real stderr).
     monkeypatch.setattr(worker.faulthandler, "enable", lambda: None)
     config = tmp_path / "config.toml"

@@ -221,7 +221,7 @@ def _checkpoints(
     model_fields = dataclasses.asdict(plan.model)
     model_fields.pop("name")
     return RunCheckpoints(
-        CheckpointPolicy(r.checkpoint_dir, r.checkpoint_every, r.keep, r.resume),
+        CheckpointPolicy(r.checkpoint_dir, r.checkpoint_every, r.keep, r.resume, r.stop_grace_s),
         modules=trainer.pipeline.modules,
         optimizer=trainer.optimizer,
         model=model_fields,
