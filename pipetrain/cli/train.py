@@ -226,6 +226,13 @@ def run(args: argparse.Namespace) -> int:
             from pipetrain.train.preflight import check_chunks_given
 
             check_chunks_given(config)
+        if role is not None:
+            # An elastic restart with fewer processes continues the run re-planned.
+            from pipetrain.train.elastic import fit_world
+
+            refit = fit_world(config, role.world_size)
+            config = refit.config
+            notes += [refit.note] if refit.note else []
     except Exception as exc:
         if role is not None:
             # Under torchrun the other nodes would wait for this process until the timeout.
@@ -262,7 +269,8 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from pipetrain.config.run_folder import announce
+    from pipetrain.config.lock import RunLock
+    from pipetrain.config.run_folder import announce, lock_run
     from pipetrain.errors import RunFailed
     from pipetrain.launch.local import LaunchFailed, launch_local
     from pipetrain.launch.role import ProcessRole, role_from_env
@@ -273,6 +281,7 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
     from pipetrain.train.preflight import preflight
 
     role = role_from_env()
+    lock: RunLock | None = None
     try:
         if role is not None:
             if role.reporter:
@@ -280,13 +289,16 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
             return _train_rank(config, role)
         # Everything checkable is checked before any process starts, files included.
         plan = plan_run(config, vocab_size=load_tokenizer(config.data.tokenizer).vocab_size)
+        # This process holds the run's folders from before the checkpoints are read (a
+        # live run's, mid-save, are not) until the run ends (pipetrain.config.lock).
+        lock = lock_run(config)
         preflight(config, plan)
         sys.stdout.writelines(f"{note}\n" for note in notes)
         processes = config.pipeline.processes
+        announce(config, sys.stdout, lock)
         if processes == 1:
-            train(config, ProcessRole())
+            train(config, ProcessRole(), announced=True)
             return 0
-        announce(config, sys.stdout)
         launch_local(config.run_dir / "config.toml", processes, entry="pipetrain.train.loop:train")
         return 0
     except (RunFailed, PipelineError) as exc:
@@ -300,6 +312,9 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
         # (with --checkpoint-dir) and exit 0: a stop asked for is not a failure.
         sys.stderr.write(f"pipetrain train: stopped by signal {exc.sigval.name}\n")
         return 0
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _train_rank(config: TrainConfig, role: Any) -> int:

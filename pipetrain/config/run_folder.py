@@ -2,13 +2,20 @@
 
 ``announce`` runs once per run, before any rank writes (in the launcher, in the one
 process, or on rank 0 under torchrun before the rendezvous), so its checks are the only
-ones needed: a run without --resume never replaces an earlier run's metrics or
-checkpoints, and a --resume that finds no checkpoint keeps the earlier attempt's metrics
-in a file of their own.
+ones needed: a run folder, checkpoint directory or metrics file that a live run holds is
+refused (``pipetrain.config.lock``), a run without --resume never replaces an earlier
+run's metrics or checkpoints, and a --resume that finds no checkpoint keeps the earlier
+attempt's metrics in a file of their own.
+
+The process that announces holds the run's locks until the run ends: the launcher for the
+ranks it starts, the one process, or rank 0 under torchrun (whose death ends the run
+anyway: its peers stop when it is lost).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from pathlib import Path
 from typing import IO
@@ -16,14 +23,16 @@ from typing import IO
 from pipetrain.checkpoint.directory import list_checkpoints
 from pipetrain.checkpoint.trainer import earlier_checkpoints_error
 from pipetrain.config.load import config_to_toml
+from pipetrain.config.lock import LOCK_NAME, LockedFolder, RunLock, lock_folders
 from pipetrain.config.schema import ConfigError, TrainConfig
 from pipetrain.errors import InputError
 
-__all__ = ["announce", "earlier_run_error", "free_name"]
+__all__ = ["announce", "earlier_run_error", "free_name", "lock_run", "run_folders"]
 
 
-def announce(config: TrainConfig, out: IO[str]) -> None:
-    """Print the resolved config and save it with the run (rank 0, once per run).
+def announce(config: TrainConfig, out: IO[str], lock: RunLock | None = None) -> RunLock:
+    """Print the resolved config and save it with the run (rank 0, once per run); the run's
+    locks (``lock``, or taken here: ``lock_run``), which the caller holds until it ends.
 
     The first write of a run, so it first refuses a run that would replace an earlier
     one's checkpoints or metrics (the same --checkpoint-dir, --name or --metrics without
@@ -32,16 +41,71 @@ def announce(config: TrainConfig, out: IO[str]) -> None:
     metrics line is written, and the launcher announces before it starts any rank, so one
     check here suffices.
     """
-    refusal = earlier_run_error(config)
-    if refusal is not None:
-        raise refusal
-    _set_aside_restarted_metrics(config, out)
+    held = lock if lock is not None else lock_run(config)
+    try:
+        for folder in held.unsupported:
+            out.write(
+                f"warning: {folder} is on a file system without file locks: nothing stops "
+                f"a second run from writing into it at the same time\n"
+            )
+        refusal = earlier_run_error(config)
+        if refusal is not None:
+            raise refusal
+        _set_aside_restarted_metrics(config, out)
+        path = config.run_dir / "config.toml"
+        text = config_to_toml(config)
+        _write_whole(path, text)
+        out.write(f"# resolved config, saved to {path}\n{text}\n")
+        out.flush()
+    except BaseException:
+        if lock is None:
+            held.release()
+        raise
+    return held
+
+
+def lock_run(config: TrainConfig) -> RunLock:
+    """Lock the run's folders (``run_folders``) before anything reads or writes them: a
+    live run in any of them is refused, naming its pid and host."""
+    return lock_folders(run_folders(config), resume=config.run.resume)
+
+
+def run_folders(config: TrainConfig) -> list[LockedFolder]:
+    """What one live run owns: its folder, its checkpoint directory, and its metrics file
+    where --metrics puts it outside the folder (its lock file beside it)."""
     run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    text = config_to_toml(config)
-    (run_dir / "config.toml").write_text(text, encoding="utf-8")
-    out.write(f"# resolved config, saved to {run_dir / 'config.toml'}\n{text}\n")
-    out.flush()
+    folders = [LockedFolder(run_dir, run_dir / LOCK_NAME, "run folder", "--name")]
+    if config.run.checkpoint_dir:
+        directory = Path(config.run.checkpoint_dir)
+        folders.append(
+            LockedFolder(
+                directory, directory / LOCK_NAME, "checkpoint directory", "--checkpoint-dir"
+            )
+        )
+    metrics = config.metrics_path
+    if metrics.parent.resolve() != run_dir.resolve():
+        lock_path = metrics.with_name(f".{metrics.name}.lock")
+        folders.append(LockedFolder(metrics, lock_path, "metrics file", "--metrics"))
+    return folders
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary file renamed over it: a full disk leaves the old
+    file or none, never an empty or cut one; a failure is one line."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())  # the data on disk before the name points to it
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ConfigError(
+            f"{path} cannot be written ({exc.strerror}): free space on its disk, or choose "
+            f"another --name (or --set run.out_dir=DIR)"
+        ) from None
 
 
 def earlier_run_error(config: TrainConfig) -> InputError | None:

@@ -27,6 +27,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.config.lock import RunLock
 from pipetrain.config.run_folder import announce
 from pipetrain.config.schema import (
     ConfigError,
@@ -43,7 +44,7 @@ from pipetrain.runtime.device import gpu_identity, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
 from pipetrain.train.data import load_tokenizer
-from pipetrain.train.experts import ExpertStep
+from pipetrain.train.experts import ExpertStep, expert_summary
 from pipetrain.train.grad_report import gradient_report
 from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble
 from pipetrain.train.optim import StepOutcome
@@ -76,8 +77,8 @@ def train(
     """
     out = sys.stdout if out is None else out
     started = time.perf_counter()
-    plan, device = _set_up(config, role, out, announced)
-    with _process_group(config, role, plan, device) as (group, mesh):
+    plan, device, lock = _set_up(config, role, out, announced)
+    with lock, _process_group(config, role, plan, device) as (group, mesh):
         if plan.schedule.asynchronous:  # pipedream, pipedream-2bw: weights change inside a step
             return train_async(config, role, plan, device, group, out, started)
         session = open_session(config, role, plan, device, group, out, mesh)
@@ -93,8 +94,9 @@ def train(
 
 def _set_up(
     config: TrainConfig, role: ProcessRole, out: IO[str], announced: bool
-) -> tuple[RunPlan, torch.device]:
-    """This process's checks and settings before it meets the others: the plan and device.
+) -> tuple[RunPlan, torch.device, RunLock]:
+    """This process's checks and settings before it meets the others: the plan, the device,
+    and the run's locks (``pipetrain.config.lock``), held where this process announces.
 
     A failure is reported before it is raised: under torchrun the other nodes would wait
     for this process until the timeout.
@@ -121,12 +123,11 @@ def _set_up(
             torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
             # Activations live in the C heap: keep its freed pages for the next step.
             keep_heap()
-        if role.reporter and not announced:
-            announce(config, out)
+        lock = announce(config, out) if role.reporter and not announced else RunLock()
     except Exception as exc:
         report_failure(role, exc)
         raise
-    return plan, device
+    return plan, device, lock
 
 
 def resolve_device(setting: str, local_rank: int) -> torch.device:
@@ -376,6 +377,10 @@ def _finish(session: Session, trained: Trained, started: float) -> RunSummary | 
     session.output.record(summary.to_json())
     if role.reporter:
         say(summary.format())
+    if records and records[0].moe is not None:  # a MoE model: its most imbalanced layer
+        moe_record, moe_line = expert_summary([m.moe for m in records if m.moe is not None])
+        session.output.record(moe_record)
+        say(moe_line)
     replicas = session.replicas
     dp_stats = (
         replicas.stats(

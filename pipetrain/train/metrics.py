@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import os
 import resource
@@ -20,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from pipetrain.config.run_folder import free_name
 from pipetrain.errors import InputError
 from pipetrain.heap import release_free_heap
 from pipetrain.schedules.execution import Timeline
+from pipetrain.train.metrics_file import MetricsError, MetricsFile
 
 __all__ = [
     "MetricsError",
@@ -37,10 +36,6 @@ __all__ = [
     "peak_memory_bytes",
     "reset_peak_memory",
 ]
-
-
-class MetricsError(InputError):
-    """An output that cannot be written, or an optional logger that is not installed."""
 
 
 def format_duration(seconds: float) -> str:
@@ -127,75 +122,6 @@ def draw_timeline(
         return
     done = "written" if path.endswith(".json") else "drawn"
     say(f"measured timeline of the last {what} {done} to {path}")
-
-
-class MetricsFile:
-    """One JSON object per line, flushed at once so a crashed run keeps its lines."""
-
-    def __init__(self, path: Path, *, append: bool = False) -> None:
-        """``append``: keep the lines already there (a resumed run continues its own file)."""
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Checked here, but emptied only at the first record: a run refused before its
-            # first step (a checkpoint directory in use, say) leaves the last run's lines.
-            path.open("a", encoding="utf-8").close()
-        except OSError as exc:
-            raise MetricsError(
-                f"run.metrics {str(path)!r} cannot be written ({exc.strerror}): choose another path"
-            ) from None
-        self.path = path
-        self._mode = "a" if append else "w"
-        self._file: IO[str] | None = None
-
-    def resume_from(self, step: int) -> str | None:
-        """Before a resumed run's first record: move what the earlier attempt wrote after
-        ``step`` (the checkpoint resumed from; it crashed or was stopped later) to a file
-        of its own, so that this file holds one trajectory; a note saying so, or None.
-
-        Records are written in step order, so the first one past ``step`` (or one cut
-        short by a crash) starts what this run writes again. The moved records are written
-        before this file is replaced, atomically: a crash here loses nothing."""
-        if self._mode != "a" or not self.path.exists():
-            return None
-        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        cut = next((i for i, line in enumerate(lines) if _past(line, step)), len(lines))
-        if cut == len(lines):
-            return None
-        aside = free_name(self.path, "superseded")
-        aside.write_text("".join(lines[cut:]), encoding="utf-8")
-        kept = self.path.with_name(self.path.name + ".tmp")
-        kept.write_text("".join(lines[:cut]), encoding="utf-8")
-        kept.replace(self.path)
-        return (
-            f"note: resuming from step {step}; the {len(lines) - cut} metrics records that the "
-            f"earlier attempt wrote after it were moved to {aside}"
-        )
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        # NaN and inf are written as null: strict JSON readers reject the bare tokens.
-        clean = {
-            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in record.items()
-        }
-        if self._file is None:
-            self._file = self.path.open(self._mode, encoding="utf-8")
-        self._file.write(json.dumps(clean) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-def _past(line: str, step: int) -> bool:
-    """Whether a metrics line comes after ``step`` (a line cut short by a crash does)."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return True
-    return (
-        isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
-    )
 
 
 class TensorBoard:
@@ -367,7 +293,10 @@ class RunOutput:
         if metrics is not None:
             metrics.close()
         if board is not None:
-            board.close()
+            try:
+                board.close()
+            except OSError as exc:  # a full disk: the run's end is not worth a traceback
+                self.say(f"warning: TensorBoard's last events were not written ({exc.strerror})")
 
 
 @dataclass(frozen=True)
