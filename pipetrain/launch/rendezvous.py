@@ -53,17 +53,54 @@ def _store(role: ProcessRole, timeout_s: float) -> Any:
     """The run's key-value store, with ``timeout_s`` for its operations."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     connect_s = min(timeout_s, _AGENT_STORE_CONNECT_S) if agent_store else timeout_s
+    address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
         store, _, _ = next(rendezvous("env://", timeout=datetime.timedelta(seconds=connect_s)))
     except Exception as exc:
-        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        if "EADDRINUSE" in str(exc):  # this process was to host the store (rank 0)
+            raise ConfigError(
+                f"rank {role.rank}: port {address} is already in use (by another run's "
+                f"store, or another program): {_OTHER_PORT}"
+            ) from exc
         raise PipelineError(
             f"rank {role.rank}: the run's launcher at {address} did not answer within "
             f"{connect_s:g} s (the first node's launcher has ended, probably because a "
             f"process there failed: its log names why)"
         ) from exc
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    refusal = _foreign(store, role, address)
+    if refusal is not None:
+        raise refusal
     return store
+
+
+_OTHER_PORT = "start this run on another port (torchrun --master-port, or MASTER_PORT)"
+
+
+def _foreign(store: Any, role: ProcessRole, address: str) -> ConfigError | None:
+    """Why the store at ``address`` is another run's, or None when it is this run's.
+
+    A rank of a second run started on a port that a first run's store holds connects to
+    that store as a client, and would take part in the first run's start. Two marks tell
+    it apart, each put in by the first process to come (``compare_set``): the run id
+    that the launcher gives its ranks (TORCHELASTIC_RUN_ID: the local launcher's random
+    one, torchrun's --rdzv-id), and for each rank the process that joined as that rank
+    (which also catches runs started by hand, which have no id)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    held = store.compare_set("pipetrain/run", "", run).decode()
+    if held != run:
+        return ConfigError(
+            f"rank {role.rank}: the store at {address} belongs to another run (run id "
+            f"{held}; this one's is {run}): {_OTHER_PORT}"
+        )
+    me = f"process {os.getpid()} on {socket.gethostname()}"
+    holder = store.compare_set(f"{_prefix()}rank/{role.rank}", "", me).decode()
+    if holder != me:
+        return ConfigError(
+            f"rank {role.rank}: the store at {address} belongs to another run ({holder} "
+            f"joined it as rank {role.rank}): {_OTHER_PORT}"
+        )
+    return None
 
 
 def report_failure(role: ProcessRole, exc: BaseException) -> None:
