@@ -14,6 +14,11 @@ the live counts of its stages at each step of its program (the planner derives t
 the schedule), else the sum of their peaks, an upper bound. With one stage per rank the
 limit is a per-stage condition inside the dynamic programme; with several stages per rank
 the limits couple the stages and a branch-and-bound search over the cuts takes over.
+
+Unequal ranks: ``speeds[rank]`` (1 = the speed the costs were measured at) divides the
+time of every stage on that rank, so balancing by time gives a slow rank fewer layers (a
+stage held by several ranks runs at its slowest holder's speed); ``MemoryModel``'s
+``rank_limit_bytes`` gives each rank its own memory limit.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from pipetrain.partition.search import (
     RankBytes,
     SearchTooLarge,
     StageBytes,
+    Weights,
     coupled_search,
     min_bottleneck,
     min_squares,
 )
+from pipetrain.sim.ranks import slowdowns
 
 __all__ = [
     "LayerCost",
@@ -244,14 +251,19 @@ def split_by_params(
     costs: Sequence[LayerCost], stage_to_rank: StageRanks, memory: MemoryModel | None = None
 ) -> Partition:
     """Minimise the largest stage parameter count (then even out the rest)."""
-    return _balanced("params", costs, [float(c.param_bytes) for c in costs], stage_to_rank, memory)
+    weights = [float(c.param_bytes) for c in costs]
+    return _balanced("params", costs, weights, stage_to_rank, memory, None)
 
 
 def split_by_cost(
-    costs: Sequence[LayerCost], stage_to_rank: StageRanks, memory: MemoryModel | None = None
+    costs: Sequence[LayerCost],
+    stage_to_rank: StageRanks,
+    memory: MemoryModel | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> Partition:
-    """Minimise the slowest stage's forward + backward time (then even out the rest)."""
-    return _balanced("cost", costs, [c.time for c in costs], stage_to_rank, memory)
+    """Minimise the slowest stage's forward + backward time (then even out the rest), each
+    stage's time divided by its rank's speed when ``speeds`` are given."""
+    return _balanced("cost", costs, [c.time for c in costs], stage_to_rank, memory, speeds)
 
 
 def _balanced(
@@ -260,6 +272,7 @@ def _balanced(
     weights: Sequence[float],
     stage_to_rank: StageRanks,
     memory: MemoryModel | None,
+    speeds: Sequence[float] | None,
 ) -> Partition:
     n_layers, n_stages = len(costs), len(stage_to_rank)
     ranks = holders(stage_to_rank)
@@ -287,19 +300,14 @@ def _balanced(
             f"memory model has {len(memory.weight_versions)} weight version counts for "
             f"{n_stages} stages"
         )
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-
-    def seg(i: int, j: int) -> float:
-        return prefix[j] - prefix[i]
-
+    seg = Weights(weights, slowdowns(ranks, speeds))
     ranks_single = all(len(r) == 1 for r in ranks) and len({r[0] for r in ranks}) == n_stages
     stage_bytes = None if memory is None else StageBytes(costs, memory)
     fits: Callable[[int, int, int], bool] = lambda s, i, j: True  # noqa: E731
+    limits = [] if memory is None else [memory.limit_of(r) for r in range(_num_ranks(ranks))]
     if memory is not None and stage_bytes is not None and ranks_single:
-        limit, mem = memory.limit_bytes, stage_bytes
-        fits = lambda s, i, j: mem(s, i, j) <= limit  # noqa: E731
+        mem = stage_bytes
+        fits = lambda s, i, j: mem(s, i, j) <= limits[ranks[s][0]]  # noqa: E731
 
     bottleneck = min_bottleneck(n_layers, n_stages, seg, fits)
     bounds = None
@@ -310,10 +318,10 @@ def _balanced(
         memory is not None
         and rank_bytes is not None
         and not ranks_single
-        and (bounds is None or not rank_bytes.fit(bounds, memory.limit_bytes))
+        and (bounds is None or not rank_bytes.fit(bounds, limits))
     ):
         try:
-            bounds = coupled_search(n_layers, n_stages, seg, rank_bytes, memory.limit_bytes)
+            bounds = coupled_search(n_layers, n_stages, seg, rank_bytes, limits)
         except SearchTooLarge:
             raise PartitionError(
                 f"the memory limit couples the {n_stages} stages of this placement and the exact "
@@ -326,12 +334,24 @@ def _balanced(
             if memory.whole_batch
             else "a smaller micro-batch (--microbatches)"
         )
+        what, flag = (
+            ("the per-rank memory limits", "--rank-memory")
+            if memory.rank_limit_bytes
+            else (
+                f"the memory limit of {format_bytes(memory.limit_bytes)} per rank",
+                "--memory-limit",
+            )
+        )
         raise PartitionError(
-            f"no split into {n_stages} stages fits the memory limit of {format_bytes(memory.limit_bytes)} per rank "
-            f"at micro-batch size {memory.microbatch_size}: raise --memory-limit, use more ranks (--pp), or "
+            f"no split into {n_stages} stages fits {what} "
+            f"at micro-batch size {memory.microbatch_size}: raise {flag}, use more ranks (--pp), or "
             f"{smaller}"
         )
     return make_partition(method, costs, bounds, stage_to_rank)
+
+
+def _num_ranks(ranks: Sequence[Sequence[int]]) -> int:
+    return max(max(r) for r in ranks) + 1
 
 
 def format_bytes(n: float) -> str:

@@ -66,6 +66,13 @@ class MemoryModel:
     # Every action carries all the micro-batches (naive model parallel): the batch size,
     # not the micro-batch count, sets the activations (``live`` already counts them all).
     whole_batch: bool = False
+    # Per rank, its own limit (``--rank-memory``: a device with less memory); empty: every
+    # rank has ``limit_bytes``.
+    rank_limit_bytes: tuple[float, ...] = ()
+
+    def limit_of(self, rank: int) -> float:
+        """The memory limit of ``rank``."""
+        return self.rank_limit_bytes[rank] if self.rank_limit_bytes else self.limit_bytes
 
     def param_factor(self, stage: int) -> float:
         """Parameter bytes times this = what the stage's weights cost with their state."""

@@ -10,7 +10,6 @@ candidate micro-batch counts are ranked by simulated step time.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +19,8 @@ from pipetrain.partition.balance import (
     MemoryModel,
     Partition,
     PartitionError,
-    format_bytes,
 )
+from pipetrain.partition.limits import check_fits, max_microbatch, rank_limits
 from pipetrain.partition.stages import (
     model_stage_live,
     model_stage_versions,
@@ -31,6 +30,7 @@ from pipetrain.partition.stages import (
 )
 from pipetrain.schedules.execution import Costs
 from pipetrain.schedules.schedule import Schedule, ScheduleError
+from pipetrain.sim.ranks import slowdowns, with_rank_speeds
 from pipetrain.sim.simulator import SimResult, simulate
 
 __all__ = [
@@ -109,6 +109,17 @@ class Plan:
     memory_limit: float | None
     max_microbatch_size: int | None  # the largest that fits the limit (None: no limit)
     options: tuple[MicrobatchOption, ...]
+    # Unequal ranks (None: all alike): each rank's speed (its times are the costs' divided
+    # by it) and its own memory limit (instead of ``memory_limit``).
+    rank_speed: tuple[float, ...] | None = None
+    rank_memory: tuple[float, ...] | None = None
+
+    @property
+    def limits(self) -> tuple[float, ...] | None:
+        """Each rank's memory limit, or None without one."""
+        if self.rank_memory is not None:
+            return self.rank_memory
+        return None if self.memory_limit is None else (self.memory_limit,) * self.pp
 
     @property
     def microbatch_size(self) -> int:
@@ -191,11 +202,18 @@ class Plan:
             "recommended": None
             if best is None
             else {"microbatches": best.microbatches, "microbatch_size": best.microbatch_size},
+            **({} if self.rank_speed is None else {"rank_speed": list(self.rank_speed)}),
+            **({} if self.rank_memory is None else {"rank_memory": list(self.rank_memory)}),
         }
 
 
 def _sim(
-    schedule: Schedule, partition: Partition, mb: int, overheads: Overheads, batch_scale: int
+    schedule: Schedule,
+    partition: Partition,
+    mb: int,
+    overheads: Overheads,
+    batch_scale: int,
+    speeds: Sequence[float] | None = None,
 ) -> SimResult:
     fixed = [overheads.per_layer * len(layers) for layers in partition.stages]
 
@@ -211,6 +229,8 @@ def _sim(
         bandwidth=overheads.bandwidth,
         message_bytes=overheads.message_bytes_per_sample * mb,
     )
+    if speeds is not None:  # a stage on a rank of speed 0.5 takes twice as long
+        costs = with_rank_speeds(costs, schedule.placement, speeds)
     activations = tuple(a * mb for a in partition.activation_bytes_per_sample)
     weights = tuple(float(b) for b in partition.param_bytes)
     return simulate(
@@ -241,11 +261,15 @@ def make_plan(
     time_source: str = "estimated",
     overheads: Overheads = Overheads(),
     whole_batch: bool = False,
+    rank_speed: Sequence[float] | None = None,
+    rank_memory: Sequence[float] | None = None,
 ) -> Plan:
     """Split ``costs`` for the schedule at ``microbatches`` and rank the micro-batch counts.
 
     ``whole_batch``: the schedule does not micro-batch (naive model parallel); each of its
-    actions carries all ``microbatches`` micro-batches.
+    actions carries all ``microbatches`` micro-batches. ``rank_speed`` and ``rank_memory``
+    (one per rank) describe unequal ranks: a rank's times are divided by its speed, and
+    its own memory limit replaces ``memory_limit``; the balanced splits follow both.
     """
     if batch_size < 1 or microbatches < 1 or batch_size % microbatches:
         raise PartitionError(
@@ -254,16 +278,18 @@ def make_plan(
         )
     schedule = schedule_for(microbatches)
     mb = batch_size // microbatches
+    speeds = None if rank_speed is None else tuple(rank_speed)
+    limits = rank_limits(memory_limit, rank_memory, schedule.num_ranks)
     live, memory = _memory_model(
-        schedule, mb, microbatches, memory_limit, state_factor, whole_batch=whole_batch
+        schedule, mb, microbatches, limits, state_factor, whole_batch=whole_batch
     )
-    partition = split_for(method, costs, stage_ranks_of(schedule.placement), split, memory)
-    sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1)
+    partition = split_for(method, costs, stage_ranks_of(schedule.placement), split, memory, speeds)
+    sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1, speeds)
     static = _static_bytes(partition, state_factor, sim)
     peaks = sim.peak_activation_bytes or tuple(0.0 for _ in static)
-    if memory_limit is not None:
-        _check_fits(static, peaks, memory_limit, partition.method, whole_batch=whole_batch)
-    stages = _stage_plans(costs, partition, mb, overheads, live)
+    if limits is not None:
+        check_fits(static, peaks, limits, partition.method, whole_batch=whole_batch)
+    stages = _stage_plans(costs, partition, mb, overheads, live, speeds)
     return Plan(
         schedule=schedule.name,
         pp=schedule.num_ranks,
@@ -277,10 +303,19 @@ def make_plan(
         rank_peak_activation_bytes=peaks,
         step_time=sim.makespan,
         memory_limit=memory_limit,
-        max_microbatch_size=_max_microbatch(static, peaks, mb, memory_limit),
+        max_microbatch_size=max_microbatch(static, peaks, mb, limits),
         options=_options(
-            schedule_for, partition, batch_size, state_factor, memory_limit, overheads, whole_batch
+            schedule_for,
+            partition,
+            batch_size,
+            state_factor,
+            limits,
+            overheads,
+            whole_batch,
+            speeds,
         ),
+        rank_speed=speeds,
+        rank_memory=None if rank_memory is None else tuple(rank_memory),
     )
 
 
@@ -288,7 +323,7 @@ def _memory_model(
     schedule: Schedule,
     mb: int,
     microbatches: int,
-    memory_limit: float | None,
+    limits: tuple[float, ...] | None,
     state_factor: float,
     *,
     whole_batch: bool,
@@ -301,39 +336,19 @@ def _memory_model(
         # Each action carries every micro-batch: a stage holds all of their activations.
         live = tuple(n * microbatches for n in live)
         points = tuple(tuple(tuple(n * microbatches for n in p) for p in r) for r in points)
-    if memory_limit is None:
+    if limits is None:
         return live, None
     memory = MemoryModel(
-        memory_limit,
+        max(limits),
         mb,
         live,
         state_factor,
         model_stage_versions(schedule),
         points,
         whole_batch,
+        limits if len(set(limits)) > 1 else (),
     )
     return live, memory
-
-
-def _check_fits(
-    static: Sequence[float],
-    peaks: Sequence[float],
-    memory_limit: float,
-    method: str,
-    *,
-    whole_batch: bool,
-) -> None:
-    """Refuse a split whose simulated peak on some rank is over the memory limit."""
-    over = [r for r in range(len(static)) if static[r] + peaks[r] > memory_limit]
-    if over:
-        r = over[0]
-        raise PartitionError(
-            f"rank {r} needs {format_bytes(static[r] + peaks[r])} with this {method} "
-            f"split, over the memory limit of {format_bytes(memory_limit)} per rank: use "
-            "--balance params or profile, more ranks (--pp, --tp), "
-            f"{'a smaller --batch-size' if whole_batch else 'more micro-batches'}, or a higher "
-            "--memory-limit"
-        )
 
 
 def _stage_plans(
@@ -342,8 +357,11 @@ def _stage_plans(
     mb: int,
     overheads: Overheads,
     live: Sequence[int],
+    speeds: Sequence[float] | None = None,
 ) -> tuple[StagePlan, ...]:
-    """Each stage's layers and its costs for one micro-batch of ``mb`` samples."""
+    """Each stage's layers and its costs for one micro-batch of ``mb`` samples, on its
+    rank (divided by that rank's speed)."""
+    slow = slowdowns(partition.stage_ranks, speeds)
     return tuple(
         StagePlan(
             stage=s,
@@ -355,8 +373,8 @@ def _stage_plans(
             embedding=any(costs[i].kind == "embedding" for i in layers),
             head=any(costs[i].kind == "head" for i in layers),
             params=partition.params[s],
-            forward=partition.forward[s] * mb + overheads.per_layer * len(layers),
-            backward=partition.backward[s] * mb + 2 * overheads.per_layer * len(layers),
+            forward=(partition.forward[s] * mb + overheads.per_layer * len(layers)) * slow[s],
+            backward=(partition.backward[s] * mb + 2 * overheads.per_layer * len(layers)) * slow[s],
             activation_bytes=partition.activation_bytes_per_sample[s] * mb,
             live=live[s],
         )
@@ -373,28 +391,15 @@ def _rank_time(stages: Sequence[StagePlan], num_ranks: int, microbatches: int) -
     return tuple(totals)
 
 
-def _max_microbatch(
-    static: Sequence[float], peaks: Sequence[float], mb: int, limit: float | None
-) -> int | None:
-    """Activations grow with the micro-batch size; the static part does not."""
-    if limit is None:
-        return None
-    best = math.inf
-    for fixed, activations in zip(static, peaks, strict=True):
-        per_sample = activations / mb
-        if per_sample > 0:
-            best = min(best, (limit - fixed) / per_sample)
-    return None if best == math.inf else max(0, math.floor(best))
-
-
 def _options(
     schedule_for: ScheduleFactory,
     partition: Partition,
     batch_size: int,
     state_factor: float,
-    limit: float | None,
+    limits: Sequence[float] | None,
     overheads: Overheads,
     whole_batch: bool,
+    speeds: Sequence[float] | None = None,
 ) -> tuple[MicrobatchOption, ...]:
     options = []
     for m in range(1, batch_size + 1):
@@ -405,9 +410,10 @@ def _options(
         except ScheduleError:
             continue  # this schedule does not run with m micro-batches (e.g. 1F1B needs m >= p)
         mb = batch_size // m
-        sim = _sim(schedule, partition, mb, overheads, m if whole_batch else 1)
+        sim = _sim(schedule, partition, mb, overheads, m if whole_batch else 1, speeds)
         static = _static_bytes(partition, state_factor, sim)
         peaks = sim.peak_activation_bytes or tuple(0.0 for _ in static)
-        peak = max(s + a for s, a in zip(static, peaks, strict=True))
-        options.append(MicrobatchOption(m, mb, sim.makespan, peak, limit is None or peak <= limit))
+        held = [s + a for s, a in zip(static, peaks, strict=True)]
+        fits = limits is None or all(h <= lim for h, lim in zip(held, limits, strict=True))
+        options.append(MicrobatchOption(m, mb, sim.makespan, max(held), fits))
     return tuple(options)

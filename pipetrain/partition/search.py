@@ -1,9 +1,10 @@
 """The exact searches behind the balanced splits (torch-free).
 
 Splits are half-open layer ranges ``(start, end)``, one per stage, covering every layer in
-order. ``seg(i, j)`` is the weight of layers i..j-1 (time or parameter bytes), non-negative,
-so a longer range never weighs less; ``fits(stage, i, j)`` says whether a range may be that
-stage under a per-stage memory limit.
+order. ``seg(stage, i, j)`` (a ``Weights``) is the weight of layers i..j-1 on ``stage``:
+their summed time or parameter bytes times the stage's factor (1 / its rank's speed when
+ranks differ), non-negative, so a longer range never weighs less; ``fits(stage, i, j)``
+says whether a range may be that stage under its rank's memory limit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ __all__ = [
     "RankBytes",
     "SearchTooLarge",
     "StageBytes",
+    "Weights",
     "coupled_search",
     "min_bottleneck",
     "min_squares",
@@ -64,10 +66,38 @@ class StageBytes:
         return (self.acts[end] - self.acts[start]) * self.memory.microbatch_size
 
 
+class Weights:
+    """Stage weights from per-layer weights: ``seg(stage, i, j)`` is the sum over layers
+    i..j-1 times ``factor[stage]``; a stage on a rank of half the speed weighs twice."""
+
+    def __init__(self, layer_weights: Sequence[float], factor: Sequence[float]) -> None:
+        self.prefix = [0.0]
+        for w in layer_weights:
+            self.prefix.append(self.prefix[-1] + w)
+        self.factor = tuple(factor)
+        # Speeds (1 / factor) of stages s.. and their squares, summed: the bounds below.
+        self.speed_after = [0.0] * (len(self.factor) + 1)
+        self.square_after = [0.0] * (len(self.factor) + 1)
+        for stage in range(len(self.factor) - 1, -1, -1):
+            speed = 1.0 / self.factor[stage]
+            self.speed_after[stage] = self.speed_after[stage + 1] + speed
+            self.square_after[stage] = self.square_after[stage + 1] + speed * speed
+
+    def __call__(self, stage: int, start: int, end: int) -> float:
+        return (self.prefix[end] - self.prefix[start]) * self.factor[stage]
+
+    def rest_bounds(self, stage: int, start: int) -> tuple[float, float]:
+        """Lower bounds for stages ``stage``.. covering layers ``start``..: on their heaviest
+        (the raw weight R spread in proportion to speed: R / sum(speed)) and on their sum of
+        squares (R^2 / sum(speed^2), the least over all ways to share R)."""
+        rest = self.prefix[-1] - self.prefix[start]
+        return rest / self.speed_after[stage], rest * rest / self.square_after[stage]
+
+
 def min_bottleneck(
     n_layers: int,
     n_stages: int,
-    seg: Callable[[int, int], float],
+    seg: Weights,
     fits: Callable[[int, int, int], bool],
 ) -> float | None:
     """best[s][j]: the least possible heaviest stage when stages 0..s-1 cover layers 0..j-1."""
@@ -79,7 +109,7 @@ def min_bottleneck(
             value = inf
             for i in range(s - 1, j):
                 if best[s - 1][i] < inf and fits(s - 1, i, j):
-                    value = min(value, max(best[s - 1][i], seg(i, j)))
+                    value = min(value, max(best[s - 1][i], seg(s - 1, i, j)))
             best[s][j] = value
     result = best[n_stages][n_layers]
     return None if result == inf else result
@@ -88,7 +118,7 @@ def min_bottleneck(
 def min_squares(
     n_layers: int,
     n_stages: int,
-    seg: Callable[[int, int], float],
+    seg: Weights,
     fits: Callable[[int, int, int], bool],
     bottleneck: float,
 ) -> list[tuple[int, int]] | None:
@@ -101,7 +131,7 @@ def min_squares(
     for s in range(1, n_stages + 1):
         for j in range(s, n_layers - (n_stages - s) + 1):
             for i in range(s - 1, j):
-                w = seg(i, j)
+                w = seg(s - 1, i, j)
                 if best[s - 1][i] < inf and w <= cap and fits(s - 1, i, j):
                     value = best[s - 1][i] + w * w
                     if value < best[s][j]:
@@ -140,13 +170,15 @@ class RankBytes:
                     own[rank][stage] += memory.live[stage]
             self.points = tuple((tuple(counts),) for counts in own)
 
-    def fit(self, bounds: Sequence[tuple[int, int]], limit: float) -> bool:
-        """Whether every rank stays within ``limit`` under the split ``bounds``."""
+    def fit(self, bounds: Sequence[tuple[int, int]], limits: Sequence[float]) -> bool:
+        """Whether every rank stays within its limit (``limits[rank]``) under ``bounds``."""
         static = [0.0] * self.num_ranks
         acts = [[0.0] * len(p) for p in self.points]
         for s, (i, j) in enumerate(bounds):
             self.add(static, acts, s, i, j, 1.0)
-        return all(static[r] + max(acts[r], default=0.0) <= limit for r in range(self.num_ranks))
+        return all(
+            static[r] + max(acts[r], default=0.0) <= limits[r] for r in range(self.num_ranks)
+        )
 
     def add(
         self,
@@ -172,7 +204,7 @@ class RankBytes:
         stage: int,
         start: int,
         end: int,
-        limit: float,
+        limits: Sequence[float],
     ) -> bool:
         fixed = self.stage_bytes.static(stage, start, end)
         per_microbatch = self.stage_bytes.activations(start, end)
@@ -184,7 +216,7 @@ class RankBytes:
                 ),
                 default=0.0,
             )
-            if static[rank] + fixed + peak > limit:
+            if static[rank] + fixed + peak > limits[rank]:
                 return False
         return True
 
@@ -192,9 +224,9 @@ class RankBytes:
 def coupled_search(
     n_layers: int,
     n_stages: int,
-    seg: Callable[[int, int], float],
+    seg: Weights,
     rank_bytes: RankBytes,
-    limit: float,
+    limits: Sequence[float],
 ) -> list[tuple[int, int]] | None:
     """Branch and bound over the cuts when one rank holds several stages under a limit.
 
@@ -202,12 +234,12 @@ def coupled_search(
     stages stay within it, the least sum of squares. Raises ``SearchTooLarge`` when the
     first search runs out of budget; when the second does, the first's split stands.
     """
-    fewest = _branch_and_bound(n_layers, n_stages, seg, rank_bytes, limit, None)
+    fewest = _branch_and_bound(n_layers, n_stages, seg, rank_bytes, limits, None)
     if fewest is None:
         return None
-    cap = max(seg(i, j) for i, j in fewest) * (1 + 1e-12) + 1e-300
+    cap = max(seg(s, i, j) for s, (i, j) in enumerate(fewest)) * (1 + 1e-12) + 1e-300
     try:
-        return _branch_and_bound(n_layers, n_stages, seg, rank_bytes, limit, cap) or fewest
+        return _branch_and_bound(n_layers, n_stages, seg, rank_bytes, limits, cap) or fewest
     except SearchTooLarge:
         return fewest
 
@@ -215,9 +247,9 @@ def coupled_search(
 def _branch_and_bound(
     n_layers: int,
     n_stages: int,
-    seg: Callable[[int, int], float],
+    seg: Weights,
     rank_bytes: RankBytes,
-    limit: float,
+    limits: Sequence[float],
     cap: float | None,
 ) -> list[tuple[int, int]] | None:
     """Without ``cap``: minimise the heaviest stage. With it: minimise the sum of squared
@@ -240,18 +272,17 @@ def _branch_and_bound(
             return
         last = n_layers - (n_stages - s - 1)
         for j in range(i + 1, last + 1) if s < n_stages - 1 else (n_layers,):
-            w = seg(i, j)
+            w = seg(s, i, j)
             new = max(value, w) if cap is None else value + w * w
             if new >= best_value or (cap is not None and w > cap):
                 break  # longer segments only weigh more
-            if not rank_bytes.would_fit(static, acts, s, i, j, limit):
+            if not rank_bytes.would_fit(static, acts, s, i, j, limits):
                 break  # and hold more
-            left = n_stages - s - 1
-            if left:
-                # The later stages share the rest: at best evenly.
-                rest = seg(j, n_layers) / left
-                bound = rest if cap is None else new + left * rest * rest
-                if bound >= best_value or (cap is not None and rest > cap):
+            if s < n_stages - 1:
+                # The later stages share the rest: at best in proportion to their speeds.
+                heaviest, squares = seg.rest_bounds(s + 1, j)
+                bound = heaviest if cap is None else new + squares
+                if bound >= best_value or (cap is not None and heaviest > cap):
                     continue
             rank_bytes.add(static, acts, s, i, j, 1.0)
             path.append((i, j))

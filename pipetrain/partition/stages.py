@@ -122,8 +122,10 @@ def split_for(
     stage_ranks: tuple[tuple[int, ...], ...],
     split: Sequence[int] | None,
     memory: MemoryModel | None,
+    speeds: Sequence[float] | None = None,
 ) -> Partition:
-    """The partition by ``split`` (blocks per stage) if given, else by ``method``."""
+    """The partition by ``split`` (blocks per stage) if given, else by ``method``; balanced
+    by time, a stage on a rank of speed 0.5 (``speeds[rank]``) counts twice its time."""
     if split is not None:
         return split_explicit(costs, split, stage_ranks)
     if method == "uniform":
@@ -132,7 +134,7 @@ def split_for(
         return split_by_params(costs, stage_ranks, memory)
     if method in ("profile", "cost"):
         # Balanced by time; the name says where the times came from.
-        return replace(split_by_cost(costs, stage_ranks, memory), method=method)
+        return replace(split_by_cost(costs, stage_ranks, memory, speeds), method=method)
     raise PartitionError(f"--balance {method!r} is unknown: use one of uniform, params, profile")
 
 
