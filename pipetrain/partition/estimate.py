@@ -12,17 +12,38 @@ norms and the residual stream are whole (split over the sequence with
 ``sequence_parallel``), and the time of the tp collectives at ``tp_bandwidth`` is added to
 the layers' forward and backward (``pipetrain.sim.tensor_parallel``). The formula, term by
 term, is docs/memory_model.md.
+
+Mixture-of-experts blocks (``pipetrain.partition.experts``) count their router, experts and
+shared experts; with expert parallelism (``ep`` > 1) a rank holds ``1 / ep`` of the routed
+experts, and the time of the MoE layers' all-to-alls at ``ep_bandwidth`` is added to their
+forward and backward (``pipetrain.sim.expert_parallel``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost, PartitionError
-from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
+from pipetrain.partition.experts import moe_activation_numbers, moe_counts
+from pipetrain.sim.expert_parallel import (
+    ALLTOALLS_BACKWARD,
+    ALLTOALLS_FORWARD,
+    alltoall_bytes,
+    ep_time,
+)
+from pipetrain.sim.tensor_parallel import MOE_TP, TpCollectives, layer_collectives, tp_time
 
-__all__ = ["DEFAULT_FLOPS", "check_tensor_parallel", "estimate_costs", "layer_params"]
+__all__ = [
+    "DEFAULT_FLOPS",
+    "ModelCounts",
+    "block_params",
+    "check_expert_parallel",
+    "check_tensor_parallel",
+    "estimate_costs",
+    "layer_params",
+    "model_counts",
+]
 
 # About what 2 CPU cores sustain on small fp32 matmuls (the 6.6 M-parameter reference model
 # trains at ~2500 tokens/s: 6 x 6.6e6 x 2500 = 1e11 FLOP/s).
@@ -51,6 +72,12 @@ def check_tensor_parallel(
                 f"({fits}), or --set {what}=..."
             )
     if sequence_parallel and tp > 1:
+        if config.n_experts:
+            raise PartitionError(
+                "--sequence-parallel is not supported with mixture-of-experts blocks (as "
+                "pipetrain train refuses it: routing needs the whole sequence): drop "
+                "--sequence-parallel"
+            )
         if config.family == "gpt2":
             raise PartitionError(
                 "--sequence-parallel is not supported with gpt2's learned positions (as "
@@ -61,6 +88,28 @@ def check_tensor_parallel(
                 f"--sequence-parallel splits the {seq_len} tokens of a sequence over --tp "
                 f"{tp} ranks: use a --seq-len that is a multiple of {tp}"
             )
+
+
+def check_expert_parallel(config: ModelConfig, ep: int) -> None:
+    """Refuse, in one line, an ``ep`` for a dense model or one that does not divide the
+    experts (as ``pipetrain train --ep`` does)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise PartitionError(f"--ep {ep!r}: give a whole number >= 1")
+    if ep == 1:
+        return
+    if not config.n_experts:
+        raise PartitionError(
+            f"--ep {ep} shards experts, but model {config.name!r} is dense: pick a MoE model "
+            f"(moe-tiny, moe-default, mixtral-8x7b, deepseek-v3) or drop --ep"
+        )
+    if config.n_experts % ep:
+        fits = ", ".join(
+            str(n) for n in range(2, config.n_experts + 1) if config.n_experts % n == 0
+        )
+        raise PartitionError(
+            f"model {config.name!r} has {config.n_experts} experts per MoE layer, which do not "
+            f"split over --ep {ep} ranks: pick an --ep that divides {config.n_experts} ({fits})"
+        )
 
 
 def layer_params(config: ModelConfig, tp: int = 1) -> tuple[int, int, int]:
@@ -82,18 +131,68 @@ def layer_params(config: ModelConfig, tp: int = 1) -> tuple[int, int, int]:
     return embed, block, head
 
 
-def _block_flops(config: ModelConfig, seq_len: int) -> tuple[float, float]:
-    """Forward FLOPs of one block for one sequence: (matmuls with weights, attention core)."""
+def block_params(config: ModelConfig, block: int, tp: int = 1, ep: int = 1) -> int:
+    """Parameters of block ``block`` on one tp rank of one of ``ep`` expert-parallel ranks:
+    a dense block as ``layer_params``; a MoE block its norms and tp-split attention, and its
+    router, shared experts and ``1 / ep`` of the routed experts, whole on every tp rank."""
+    dense = layer_params(config, tp)[1]
+    if not config.is_moe_block(block):
+        return dense
+    d, kv = config.d_model, config.kv_dim
+    return 2 * d + (2 * d * d + 2 * d * kv) // tp + moe_counts(config).held(ep)
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """The whole model's parameters: all of them, and those one token's forward uses."""
+
+    total: int  # a tied head counted once
+    active: int  # a MoE block's router, top_k and shared experts only; dense: = total
+    moe_blocks: int
+
+    @property
+    def forward_flops_per_token(self) -> float:
+        """Matmul FLOPs of one token's forward, attention's core left out: 2 x active."""
+        return 2.0 * self.active
+
+
+def model_counts(config: ModelConfig) -> ModelCounts:
+    """Parameters of ``config``, total and active per token (docs/memory_model.md)."""
+    embed, _, head = layer_params(config)
+    total = embed + head - (config.vocab_size * config.d_model if config.tie_embeddings else 0)
+    active = total
+    for i in range(config.n_layers):
+        total += block_params(config, i)
+        active += block_params(config, i)
+        if config.is_moe_block(i):
+            moe = moe_counts(config)
+            active -= moe.total - moe.active
+    return ModelCounts(total, active, len(config.moe_blocks))
+
+
+def _block_flops(
+    config: ModelConfig, seq_len: int, tp: int = 1, moe: bool = False
+) -> tuple[float, float]:
+    """Forward FLOPs of one block for one sequence on one of ``tp`` ranks: (matmuls with
+    weights, attention core). A MoE block's feed-forward multiplies each token with the
+    router, its top_k experts and the shared ones, whole on every tp rank."""
     d, f, kv = config.d_model, config.ffn_hidden, config.kv_dim
     proj = d * d + 2 * d * kv + d * d
     mlp = 3 * d * f if config.family == "llama" else 2 * d * f
-    matmul = 2.0 * seq_len * (proj + mlp)
+    whole = 0
+    if moe:
+        mlp, whole = 0, moe_counts(config).active
+    matmul = 2.0 * seq_len * ((proj + mlp) / tp + whole)
     attention = 4.0 * seq_len * seq_len * d  # Q K^T and A V, computed in full by the CPU kernels
-    return matmul, attention
+    return matmul, attention / tp  # each tp rank its heads and hidden units
 
 
 def _block_activation_bytes(
-    config: ModelConfig, seq_len: int, tp: int = 1, sequence_parallel: bool = False
+    config: ModelConfig,
+    seq_len: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    moe: bool = False,
 ) -> float:
     """Bytes a block keeps for its backward, per sequence, fp32, on one of ``tp`` ranks.
 
@@ -110,7 +209,8 @@ def _block_activation_bytes(
     and hidden units are); the norms' (input, normalised, statistics) are whole, or split
     over the sequence with ``sequence_parallel``; the norms' outputs that the column-wise
     linears keep are whole either way (with sequence parallelism they keep the all-gathered
-    input).
+    input). A MoE block keeps its feed-forward's tensors (``moe_activation_numbers``) in
+    place of the MLP's, whole on every tp rank.
     """
     d, f, h = config.d_model, config.ffn_hidden, config.n_heads
     if config.family == "llama":
@@ -121,8 +221,13 @@ def _block_activation_bytes(
         # Per LayerNorm: input, 2 statistics (2 d + 2 with the output).
         norms, outputs, whole = 2 * (d + 2), 2 * d, 0
         split = 4 * d + h + 2 * f  # q, k, v, y; lse; fc's output and its GELU
+    per_sequence = 0
+    if moe:  # and the auxiliary loss's product of E load fractions and mean scores
+        split -= 4 * f
+        whole += moe_activation_numbers(config)
+        per_sequence = config.n_experts
     per_token = whole + outputs + norms / (tp if sequence_parallel else 1) + split / tp
-    return per_token * seq_len * _FP32
+    return (per_token * seq_len + per_sequence) * _FP32
 
 
 def _head_activation_bytes(
@@ -144,24 +249,34 @@ def estimate_costs(
     tp: int = 1,
     sequence_parallel: bool = False,
     tp_bandwidth: float | None = None,
+    ep: int = 1,
+    ep_bandwidth: float | None = None,
 ) -> list[LayerCost]:
     """One ``LayerCost`` per pipeline layer (embed, blocks, head), per sequence of ``seq_len``,
-    for one of ``tp`` tensor-parallel ranks; ``tp_bandwidth``: bytes/s of a rank's tp link
-    (None: the tp collectives take no time)."""
+    for one of ``tp`` tensor-parallel ranks and one of ``ep`` expert-parallel ranks;
+    ``tp_bandwidth``, ``ep_bandwidth``: bytes/s of a rank's tp and ep links (None: the
+    collectives take no time)."""
     check_tensor_parallel(config, tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
+    check_expert_parallel(config, ep)
     d, v = config.d_model, config.vocab_size
-    embed_p, block_p, head_p = layer_params(config, tp)
+    embed_p, _, head_p = layer_params(config, tp)
     t = seq_len
     activation = float(t * d * _FP32)  # one (1, T, C) activation, what a tp all-reduce sums
 
     def cost(
-        name: str, kind: str, fwd: float, b_in: float, b_w: float, params: int, act: float
+        name: str,
+        kind: str,
+        flops: tuple[float, float, float],
+        params: int,
+        act: float,
+        comm: TpCollectives | None = None,
+        alltoall: tuple[float, float] = (0.0, 0.0),
     ) -> LayerCost:
-        s = flops_per_second
+        (fwd, b_in, b_w), s = flops, flops_per_second
         # The collectives wait for their matmul and the next one for them: on the path.
-        comm = layer_collectives(kind, sequence_parallel=sequence_parallel)
-        c_fwd = tp_time(comm.forward, activation, tp, tp_bandwidth)
-        c_in = tp_time(comm.backward, activation, tp, tp_bandwidth)
+        comm = comm or layer_collectives(kind, sequence_parallel=sequence_parallel)
+        c_fwd = tp_time(comm.forward, activation, tp, tp_bandwidth) + alltoall[0]
+        c_in = tp_time(comm.backward, activation, tp, tp_bandwidth) + alltoall[1]
         return LayerCost(
             name,
             kind,
@@ -177,26 +292,26 @@ def estimate_costs(
     # The lookup and its scatter-add backward move T x C numbers: memory-bound, a few FLOPs each.
     # It keeps the token ids (int64), and GPT-2 its position ids too.
     ids = t * 8 * (1 if config.family == "llama" else 2)
-    layers = [cost("embed", "embedding", 2.0 * t * d, 0.0, 2.0 * t * d, embed_p, float(ids))]
-    matmul, attention = _block_flops(config, t)
-    matmul, attention = matmul / tp, attention / tp  # each rank its heads and hidden units
-    act = _block_activation_bytes(config, t, tp, sequence_parallel)
+    layers = [cost("embed", "embedding", (2.0 * t * d, 0.0, 2.0 * t * d), embed_p, float(ids))]
+    sent = alltoall_bytes(t, config.top_k, d, ep, number_bytes=_FP32) if ep > 1 else 0.0
+    alltoall = (
+        ep_time(ALLTOALLS_FORWARD, sent, ep_bandwidth),
+        ep_time(ALLTOALLS_BACKWARD, sent, ep_bandwidth),
+    )
     for i in range(config.n_layers):
+        moe = config.is_moe_block(i)
+        matmul, attention = _block_flops(config, t, tp, moe)
+        act = _block_activation_bytes(config, t, tp, sequence_parallel, moe)
         # Input gradient: the matmuls again plus twice the attention core; weight gradient: the matmuls.
-        layers.append(
-            cost(
-                f"layers.{i}",
-                "block",
-                matmul + attention,
-                matmul + 2 * attention,
-                matmul,
-                block_p,
-                act,
-            )
-        )
+        flops = (matmul + attention, matmul + 2 * attention, matmul)
+        params = block_params(config, i, tp, ep)
+        if moe:  # attention's tp collectives only; the experts' all-to-alls
+            layers.append(cost(f"layers.{i}", "block", flops, params, act, MOE_TP, alltoall))
+        else:
+            layers.append(cost(f"layers.{i}", "block", flops, params, act))
     head = 2.0 * t * d * v / tp
     head_act = _head_activation_bytes(config, t, tp, sequence_parallel)
-    layers.append(cost("head", "head", head, head, head, head_p, head_act))
+    layers.append(cost("head", "head", (head, head, head), head_p, head_act))
     if config.tie_embeddings:  # the head's output weight is the token embedding (v x d)
         tied = v * d // tp
         layers[-1] = replace(layers[-1], tied_to=0, tied_params=tied, tied_param_bytes=tied * _FP32)

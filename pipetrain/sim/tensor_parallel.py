@@ -15,6 +15,9 @@ forward (a reduce-scatter with sequence parallelism); the head (split over the
 vocabulary, logits kept sharded) gathers its input forward only with sequence
 parallelism, and all-reduces its input gradient backward (a reduce-scatter with sequence
 parallelism). The loss's own reductions over the vocabulary are (b, T) numbers, left out.
+A mixture-of-experts block shards its attention only (its router and experts are whole
+on every tp rank, ``pipetrain.parallel.tp``): one all-reduce forward and one backward
+(``MOE_TP``); sequence parallelism is not supported with it.
 
 A ring all-reduce of ``n`` bytes over ``tp`` ranks moves ``2 (tp - 1) / tp * n`` bytes
 through every rank's link; an all-gather or reduce-scatter half that. These collectives
@@ -30,6 +33,7 @@ from pipetrain.errors import InputError
 from pipetrain.schedules.execution import Costs
 
 __all__ = [
+    "MOE_TP",
     "TensorParallelError",
     "TpCollectives",
     "layer_collectives",
@@ -62,6 +66,9 @@ _LAYERS = {
     "embedding": (TpCollectives(1.0, 0.0), TpCollectives(0.5, 0.0)),
     "head": (TpCollectives(0.0, 1.0), TpCollectives(0.5, 0.5)),
 }
+
+# A MoE block: attention's all-reduce forward (after wo) and backward (before q, k, v).
+MOE_TP = TpCollectives(1.0, 1.0)
 
 
 def layer_collectives(kind: str, *, sequence_parallel: bool = False) -> TpCollectives:
