@@ -30,7 +30,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--init-from": (
         "model.init_from",
         str,
-        "a local Hugging Face model directory to start from (Llama, Mistral, Qwen2, GPT-2)",
+        "a local Hugging Face model directory to start from (Llama, Mistral, Qwen2, Mixtral, GPT-2)",
     ),
     "--pp": ("pipeline.pp", int, "pipeline ranks (processes); 1 = one stage in this process"),
     "--dp": ("pipeline.dp", int, "data-parallel replicas of the pipeline (pp x dp processes)"),

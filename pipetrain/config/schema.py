@@ -51,7 +51,8 @@ class ModelSection:
     init_from: str = ""
     """A local Hugging Face model directory (config.json, model.safetensors or its shards
     with model.safetensors.index.json, tokenizer.json) of LlamaForCausalLM,
-    MistralForCausalLM, Qwen2ForCausalLM or GPT2LMHeadModel: the model comes from its
+    MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM or GPT2LMHeadModel (with
+    --ep, a rank reads only its own experts): the model comes from its
     config.json instead of model.name, every rank loads its own layers' weights from it,
     and data.tokenizer defaults to its tokenizer.json (pipetrain.models.hf). "" = none."""
 

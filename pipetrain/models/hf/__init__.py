@@ -1,5 +1,5 @@
 """Hugging Face model directories in and out: Llama (with Llama 3's rotary scaling),
-Mistral, Qwen2 and GPT-2.
+Mistral, Qwen2, Mixtral and GPT-2.
 
 ``read_hf_config(DIR)`` gives the architecture and the ``ModelConfig`` of config.json;
 build the pipeline (or the full model) from that config, then ``load_hf_weights(pipe,
@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from pipetrain.models.hf.config import (
     ARCHITECTURES,
+    HFExportError,
     HFImportError,
     HFModel,
+    check_mixtral,
     hf_config_dict,
     read_hf_config,
 )
@@ -34,10 +36,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ARCHITECTURES",
+    "HFExportError",
     "HFImportError",
     "HFLoad",
     "HFModel",
     "Source",
+    "check_mixtral",
     "check_weights",
     "full_modules",
     "hf_config_dict",

@@ -1,8 +1,8 @@
 """A Hugging Face ``config.json`` as a ``ModelConfig``, and back (torch-free).
 
-Four architectures map onto pipetrain's two families: Llama, Mistral and Qwen2 are the
-llama family (Qwen2 with q/k/v biases, Llama 3 with its rotary scaling), GPT-2 the gpt2
-family. Anything these models would compute differently (a sliding window shorter than
+Five architectures map onto pipetrain's two families: Llama, Mistral, Qwen2 and Mixtral
+are the llama family (Qwen2 with q/k/v biases, Llama 3 with its rotary scaling, Mixtral
+with a mixture of experts in every block), GPT-2 the gpt2 family. Anything these models would compute differently (a sliding window shorter than
 the sequence, biases elsewhere, another activation) is refused in one line, never
 imported into a model that computes something else.
 """
@@ -17,14 +17,35 @@ from typing import Any
 from pipetrain.errors import InputError
 from pipetrain.models.config import ModelConfig, ModelConfigError
 
-__all__ = ["ARCHITECTURES", "HFImportError", "HFModel", "hf_config_dict", "read_hf_config"]
+__all__ = [
+    "ARCHITECTURES",
+    "HFExportError",
+    "HFImportError",
+    "HFModel",
+    "check_mixtral",
+    "hf_config_dict",
+    "read_hf_config",
+]
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
-_MODEL_TYPES = dict(zip(ARCHITECTURES, ("llama", "mistral", "qwen2", "gpt2"), strict=True))
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "GPT2LMHeadModel",
+)
+_MODEL_TYPES = dict(
+    zip(ARCHITECTURES, ("llama", "mistral", "qwen2", "mixtral", "gpt2"), strict=True)
+)
+_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")  # a window whenever one is given
 
 
 class HFImportError(InputError):
     """A Hugging Face model directory that cannot be imported: one line, the fix."""
+
+
+class HFExportError(InputError):
+    """A model that no supported Hugging Face architecture expresses: one line, the fix."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +121,7 @@ def _llama_config(raw: dict[str, Any], path: Path, architecture: str) -> ModelCo
         raise _refuse(path, "attention_bias or mlp_bias is true")
     max_len = int(raw["max_position_embeddings"])
     window = raw.get("sliding_window")
-    if window and (architecture == "MistralForCausalLM" or raw.get("use_sliding_window")):
+    if window and (architecture in _WINDOWED or raw.get("use_sliding_window")):
         # Attention over the whole prefix equals the sliding window's while the sequence
         # fits in the window: the model's positions are cut to it, so a longer
         # --seq-len is refused by the run's own check instead of computing otherwise.
@@ -119,7 +140,25 @@ def _llama_config(raw: dict[str, Any], path: Path, architecture: str) -> ModelCo
         name=path.parent.name or "hf",
         qkv_bias=architecture == "Qwen2ForCausalLM",
         **_rope(raw, path),
+        **(_mixtral_experts(raw, path) if architecture == "MixtralForCausalLM" else {}),
     )
+
+
+def _mixtral_experts(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Mixtral's sparse block as pipetrain's MoE options: softmax over every expert, the
+    top k renormalised, dropless, each expert as wide as ``intermediate_size``.
+
+    ``router_aux_loss_coef`` weighs pipetrain's per-layer Switch loss
+    (``pipetrain.models.moe``); transformers adds its own, computed over all layers at once,
+    only with ``output_router_logits``. Neither changes the logits."""
+    if float(raw.get("router_jitter_noise") or 0.0) != 0.0:
+        raise _refuse(path, f"router_jitter_noise {raw['router_jitter_noise']!r} (0 only)")
+    return {
+        "n_experts": int(raw["num_local_experts"]),
+        "top_k": int(raw["num_experts_per_tok"]),
+        "expert_ffn": int(raw["intermediate_size"]),
+        "aux_loss_coef": float(raw.get("router_aux_loss_coef", 0.001)),
+    }
 
 
 def _gpt2_config(raw: dict[str, Any], path: Path) -> ModelConfig:
@@ -152,12 +191,17 @@ def _gpt2_config(raw: dict[str, Any], path: Path) -> ModelConfig:
 def hf_config_dict(config: ModelConfig, architecture: str | None = None) -> dict[str, Any]:
     """The ``config.json`` body transformers builds ``config``'s model from.
 
-    ``architecture`` None: GPT-2 for the gpt2 family, Qwen2 for a llama with q/k/v
+    ``architecture`` None: GPT-2 for the gpt2 family, Mixtral for a mixture of experts
+    (one Mixtral can express, else ``HFExportError``), Qwen2 for a llama with q/k/v
     biases, else Llama."""
+    if config.n_experts:
+        check_mixtral(config)
     if architecture is None:
         architecture = (
             "GPT2LMHeadModel"
             if config.family == "gpt2"
+            else "MixtralForCausalLM"
+            if config.n_experts
             else "Qwen2ForCausalLM"
             if config.qkv_bias
             else "LlamaForCausalLM"
@@ -189,9 +233,10 @@ def hf_config_dict(config: ModelConfig, architecture: str | None = None) -> dict
             "high_freq_factor": high,
             "original_max_position_embeddings": original,
         }
+    experts = _mixtral_fields(config) if config.n_experts else {}
     return common | {
         "hidden_size": config.d_model,
-        "intermediate_size": config.ffn_hidden,
+        "intermediate_size": config.expert_hidden if config.n_experts else config.ffn_hidden,
         "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.n_kv_heads,
@@ -207,4 +252,40 @@ def hf_config_dict(config: ModelConfig, architecture: str | None = None) -> dict
         "sliding_window": None,
         "attention_bias": False,
         "mlp_bias": False,
+        **experts,
     }
+
+
+def _mixtral_fields(config: ModelConfig) -> dict[str, Any]:
+    return {
+        "num_local_experts": config.n_experts,
+        "num_experts_per_tok": config.top_k,
+        "router_aux_loss_coef": config.aux_loss_coef,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+    }
+
+
+def check_mixtral(config: ModelConfig) -> None:
+    """A mixture of experts that Mixtral computes too, else one line naming what differs.
+
+    Mixtral: every block sparse, a softmax router whose top k are renormalised, no shared
+    experts, no routing bias, no q/k/v biases. A capacity factor is a training option
+    (Mixtral is dropless), not a different model: it is written as is."""
+    problems = (
+        (config.router != "softmax", f"a {config.router} router (Mixtral's is softmax)"),
+        (not config.router_norm_topk, "top-k weights not renormalised (router_norm_topk)"),
+        (config.n_shared_experts > 0, f"{config.n_shared_experts} shared experts"),
+        (config.bias_update_rate > 0, "a routing bias (bias_update_rate > 0)"),
+        (
+            config.dense_first > 0 or config.moe_every != 1,
+            f"dense blocks (dense_first={config.dense_first}, moe_every={config.moe_every})",
+        ),
+        (config.qkv_bias, "q/k/v biases"),
+    )
+    found = [what for bad, what in problems if bad]
+    if found:
+        raise HFExportError(
+            f"model {config.name!r} has {', '.join(found)}, which a Hugging Face "
+            "MixtralForCausalLM cannot express: export it with --format native"
+        )

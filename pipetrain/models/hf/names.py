@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipetrain.models.config import ModelConfig
+from pipetrain.models.hf.config import check_mixtral
 
 __all__ = ["Source", "weight_sources"]
 
@@ -47,8 +48,24 @@ _LLAMA_BLOCK = {
 
 def weight_sources(config: ModelConfig) -> dict[str, Source]:
     """Global name -> its source, for every parameter of ``config``'s model (a tied head
-    reads the embedding)."""
+    reads the embedding). A mixture of experts maps to Mixtral's names, or is refused
+    (``HFExportError``) when Mixtral cannot express it."""
+    if config.n_experts:
+        check_mixtral(config)
     return _gpt2(config) if config.family == "gpt2" else _llama(config)
+
+
+def _mixtral_block(c: ModelConfig, i: int) -> dict[str, Source]:
+    """Block ``i``'s router and experts (``layers.i.moe.*``) in Mixtral's
+    ``block_sparse_moe``: the same router rows and expert matrices, under other names."""
+    d, ffn = c.d_model, c.expert_hidden
+    hf = f"model.layers.{i}.block_sparse_moe"
+    out = {f"layers.{i}.moe.gate.weight": Source(f"{hf}.gate.weight", (c.n_experts, d))}
+    for e in range(c.n_experts):
+        for w, shape in (("w1", (ffn, d)), ("w3", (ffn, d)), ("w2", (d, ffn))):
+            key = f"experts.{e}.{w}.weight"
+            out[f"layers.{i}.moe.{key}"] = Source(f"{hf}.{key}", shape)
+    return out
 
 
 def _llama(c: ModelConfig) -> dict[str, Source]:
@@ -76,7 +93,12 @@ def _llama(c: ModelConfig) -> dict[str, Source]:
         shapes |= {"attn.wq.bias": (d,), "attn.wk.bias": (kv,), "attn.wv.bias": (kv,)}
     heads = {"attn.wq": c.n_heads, "attn.wk": c.n_kv_heads}
     for i in range(c.n_layers):
+        moe = c.is_moe_block(i)
+        if moe:
+            out |= _mixtral_block(c, i)
         for local, shape in shapes.items():
+            if moe and local.startswith("mlp."):
+                continue
             rope = heads.get(local.rpartition(".")[0], 0)
             key = f"model.layers.{i}.{_LLAMA_BLOCK[local]}"
             out[f"layers.{i}.{local}"] = Source(key, shape, rope_heads=rope)
