@@ -24,7 +24,7 @@ from pipetrain.models.config import ModelConfig
 from pipetrain.models.moe import MoEFeedForward, moe_layers
 from pipetrain.parallel import Mesh
 
-__all__ = ["ExpertStep", "ExpertTracker"]
+__all__ = ["ExpertStep", "ExpertTracker", "expert_summary"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,26 @@ class ExpertTracker:
         """Drop records of passes that will not be reported (a failed or evaluation pass)."""
         for layer in self.local.values():
             layer.take_records()
+
+
+def expert_summary(steps: Sequence[ExpertStep]) -> tuple[dict[str, Any], str]:
+    """The run's experts in one record and one line: each layer's imbalance (busiest
+    expert over the mean) over all the steps' tokens, the most imbalanced layer, the mean
+    auxiliary loss and the dropped assignments."""
+    totals: dict[str, list[int]] = {}
+    for step in steps:
+        for name, load in step.loads.items():
+            totals[name] = [
+                a + b for a, b in zip(totals.get(name, [0] * len(load)), load, strict=True)
+            ]
+    imbalance = ExpertStep(0.0, totals, 0).imbalance()
+    worst = max(imbalance, key=lambda n: imbalance[n])
+    aux = sum(s.aux_loss for s in steps) / len(steps)
+    dropped = sum(s.dropped for s in steps)
+    record = {"expert_imbalance": imbalance, "aux_loss_mean": aux, "dropped_tokens": dropped}
+    line = (
+        f"experts: most imbalanced layer {worst} (busiest expert {imbalance[worst]:.2f}x the "
+        f"mean, tokens per expert {totals[worst]}); aux loss {aux:.4f} on average; "
+        f"{dropped:,} token assignments dropped"
+    )
+    return record, line

@@ -44,7 +44,7 @@ from pipetrain.runtime.device import gpu_identity, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
 from pipetrain.train.data import load_tokenizer
-from pipetrain.train.experts import ExpertStep
+from pipetrain.train.experts import ExpertStep, expert_summary
 from pipetrain.train.grad_report import gradient_report
 from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble
 from pipetrain.train.optim import StepOutcome
@@ -377,6 +377,10 @@ def _finish(session: Session, trained: Trained, started: float) -> RunSummary | 
     session.output.record(summary.to_json())
     if role.reporter:
         say(summary.format())
+    if records and records[0].moe is not None:  # a MoE model: its most imbalanced layer
+        moe_record, moe_line = expert_summary([m.moe for m in records if m.moe is not None])
+        session.output.record(moe_record)
+        say(moe_line)
     replicas = session.replicas
     dp_stats = (
         replicas.stats(

@@ -10,6 +10,7 @@ import math
 
 from pipetrain.config.schema import ConfigError, TrainConfig
 from pipetrain.errors import InputError
+from pipetrain.models.config import PRESETS
 from pipetrain.schedules import Schedule
 from pipetrain.schedules.pipedream import pipedream, pipedream_2bw
 
@@ -114,6 +115,12 @@ def _check_unsupported(config: TrainConfig) -> None:
         raise ConfigError(
             "model.init_from: the asynchronous trainer does not load imported weights yet: "
             "use a synchronous schedule (1f1b, zb-h1, ...) or drop --init-from"
+        )
+    if PRESETS[config.model.name].n_experts:
+        raise ConfigError(
+            f"model.name {config.model.name}: the asynchronous trainer does not train "
+            f"mixture-of-experts models yet (their loads and balancing are per synchronous "
+            f"step): use a synchronous schedule (1f1b, zb-h1, ...)"
         )
     if r.profile:
         raise ConfigError(
