@@ -21,7 +21,7 @@ from pipetrain.checkpoint import state
 from pipetrain.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from pipetrain.checkpoint.load import dcp_read, tensor_metadata
 from pipetrain.checkpoint.manifest import Manifest, verify_checkpoint
-from pipetrain.checkpoint.safetensors_io import read_safetensors, write_safetensors
+from pipetrain.checkpoint.safetensors_io import write_safetensors
 from pipetrain.errors import InputError
 
 __all__ = [
@@ -124,22 +124,32 @@ def export_checkpoint(path: Path | str, out: Path | str, *, format: str = "nativ
 
 
 def load_weights(modules: nn.Module | Iterable[nn.Module], file: Path | str) -> tuple[str, ...]:
-    """Copy a native export into stage modules (any split; tied copies all filled).
-    Returns the file's tensor names that no module here holds; a module parameter that
-    the file lacks, or whose shape differs, raises CheckpointError naming it."""
-    tensors, _ = read_safetensors(file)
+    """Copy a native export into stage modules (any split; tied copies all filled), reading
+    only their tensors from the memory-mapped file. Returns the file's tensor names that no
+    module here holds; a module parameter that the file lacks, or whose shape differs,
+    raises CheckpointError naming it."""
+    from safetensors import safe_open
+
     index = state.index_parameters([modules] if isinstance(modules, nn.Module) else modules)
-    with torch.no_grad():
-        for key, copies in index.tensors.items():
-            if key not in tensors:
-                raise CheckpointError(
-                    f"{file} has no tensor {key!r}: export a checkpoint of this model"
-                )
-            if tuple(tensors[key].shape) != tuple(copies[0].shape):
-                raise CheckpointError(
-                    f"{file}: {key} has shape {tuple(tensors[key].shape)}, the model "
-                    f"{tuple(copies[0].shape)}: export a checkpoint of this model"
-                )
-            for tensor in copies:
-                tensor.copy_(tensors[key])
-    return tuple(sorted(set(tensors) - set(index.tensors)))
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
+            names = set(f.keys())
+            for key, copies in index.tensors.items():
+                if key not in names:
+                    raise CheckpointError(
+                        f"{file} has no tensor {key!r}: export a checkpoint of this model"
+                    )
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(copies[0].shape):
+                    raise CheckpointError(
+                        f"{file}: {key} has shape {shape}, the model "
+                        f"{tuple(copies[0].shape)}: export a checkpoint of this model"
+                    )
+                value = f.get_tensor(key)
+                for tensor in copies:
+                    tensor.copy_(value)
+    except (OSError, CheckpointError):
+        raise
+    except Exception as exc:  # the package's own error type for a damaged file
+        raise CheckpointError(f"{file}: not a safetensors file ({exc})") from None
+    return tuple(sorted(names - set(index.tensors)))

@@ -168,3 +168,19 @@ def test_export_to_a_directory_or_below_a_file_is_one_line_and_keeps_an_earlier_
         export_checkpoint(_save(tmp_path / "other", 2), out)
     assert out.read_bytes() == before  # the earlier export, whole; no partial file left
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["plain", "w.safetensors"]
+
+
+def test_safetensors_errors_are_one_line_and_shared_memory_is_written(tmp_path: Path) -> None:
+    weight = torch.randn(4, 3)
+    write_safetensors(tmp_path / "tied.safetensors", {"a": weight, "b": weight, "c": weight[1]})
+    back, _ = read_safetensors(tmp_path / "tied.safetensors")
+    assert torch.equal(back["a"], weight) and torch.equal(back["b"], weight)
+    assert torch.equal(back["c"], weight[1])
+    with pytest.raises(CheckpointError, match=r"tensor 'z' has dtype torch.complex128, which"):
+        write_safetensors(tmp_path / "c.safetensors", {"a": weight, "z": torch.zeros(2).cdouble()})
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(CheckpointError, match=r"bad.safetensors: not a safetensors file \("):
+        read_safetensors(tmp_path / "bad.safetensors")
+    _, _, stages, _ = _trained_stages("llama-tiny", 1)
+    with pytest.raises(CheckpointError, match=r"bad.safetensors: not a safetensors file \("):
+        load_weights(stages, tmp_path / "bad.safetensors")
