@@ -226,6 +226,13 @@ def run(args: argparse.Namespace) -> int:
             from pipetrain.train.preflight import check_chunks_given
 
             check_chunks_given(config)
+        if role is not None:
+            # An elastic restart with fewer processes continues the run re-planned.
+            from pipetrain.train.elastic import fit_world
+
+            refit = fit_world(config, role.world_size)
+            config = refit.config
+            notes += [refit.note] if refit.note else []
     except Exception as exc:
         if role is not None:
             # Under torchrun the other nodes would wait for this process until the timeout.

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
 from pipetrain.config.checks import ConfigError
@@ -142,7 +143,10 @@ def join_process_group(
         raise problem
     dist.init_process_group(
         backend,
-        store=store,
+        # torchrun's static rendezvous keeps one store across --max-restarts: without a
+        # prefix of its own, a restarted group read the dead attempt's gloo addresses and
+        # failed to connect ("Connection refused") until the timeout.
+        store=PrefixStore(_prefix(), store),
         rank=role.rank,
         world_size=role.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
