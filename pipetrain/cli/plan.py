@@ -4,7 +4,8 @@
                    [--tp 8 [--sequence-parallel] [--tp-bandwidth 1.5e11]]
                    [--split 4,3,5 | --balance uniform|params|profile]
                    [--batch-size 32] [--seq-len 128] [--microbatches 8]
-                   [--memory-limit 16GiB] [--json]
+                   [--memory-limit 16GiB] [--rank-speed 1,1,0.5,1] [--rank-memory 8GiB,...]
+                   [--json]
 
 Without ``--balance profile`` the times are estimated from FLOPs (and say so); with it
 each layer is measured on this machine's device, which needs torch, imported only then.
@@ -16,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.cli.plan_text import TpReport, render
+from pipetrain.cli.ranks import add_rank_flags, compare_equal, parse_size, rank_options
 from pipetrain.models.config import ModelConfig, get_model_config, parse_overrides
 from pipetrain.partition.balance import LayerCost, format_bytes, parse_split
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
@@ -35,34 +36,6 @@ __all__ = ["add_parser", "parse_size", "run"]
 
 _FP32 = 4  # bytes of one number of the activations the planner counts
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> float:
-    """``"16GiB"`` -> 17179869184.0; decimal (GB) and binary (GiB) units, or plain bytes."""
-    # The number may have an exponent ("2e9", as the error below suggests).
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    size = float(match.group(1)) * _UNITS[unit] if match and unit in _UNITS else 0.0
-    if not 0 < size < math.inf:
-        raise UsageError(f"--memory-limit {text!r} is not a size: write e.g. 16GiB, 512MiB or 2e9")
-    return size
-
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -74,6 +47,7 @@ def add_parser(subparsers: Any) -> None:
     )
     _add_split_flags(p)
     _add_batch_flags(p)
+    add_rank_flags(p)
     _add_cost_flags(p)
     _add_tp_flags(p)
     _add_profile_flags(p)
@@ -361,27 +335,39 @@ def run(args: argparse.Namespace) -> int:
     problem = spec.check(args.pp, args.microbatches, args.chunks)
     if problem is not None:
         raise UsageError(problem)
+    ranks = rank_options(args, args.pp)
+    method = "explicit" if split is not None else args.balance
     costs, source, per_layer = _costs(args, config, seq_len)
-    plan = make_plan(
-        costs,
-        schedule_for=lambda m: spec.build(args.pp, m, args.chunks),
-        batch_size=args.batch_size,
-        microbatches=args.microbatches,
-        method="explicit" if split is not None else args.balance,
+
+    def plan_for(**split_and_ranks: Any) -> Plan:
+        return make_plan(
+            costs,
+            schedule_for=lambda m: spec.build(args.pp, m, args.chunks),
+            batch_size=args.batch_size,
+            microbatches=args.microbatches,
+            time_source=source,
+            overheads=Overheads(
+                per_layer=per_layer,
+                latency=args.latency_ms / 1e3,
+                # With sequence parallelism a tp rank sends its peer 1/tp of the sequence.
+                message_bytes_per_sample=_FP32
+                * seq_len
+                * config.d_model
+                / (args.tp if args.sequence_parallel else 1),
+            ),
+            whole_batch=spec.whole_batch,
+            **split_and_ranks,
+        )
+
+    plan = plan_for(
+        # An even count of blocks ignores speed and memory: balance by time for the ranks.
+        method="cost" if ranks.given and method == "uniform" else method,
         split=split,
         memory_limit=memory_limit,
-        time_source=source,
-        overheads=Overheads(
-            per_layer=per_layer,
-            latency=args.latency_ms / 1e3,
-            # With sequence parallelism a tp rank sends its peer 1/tp of the sequence.
-            message_bytes_per_sample=_FP32
-            * seq_len
-            * config.d_model
-            / (args.tp if args.sequence_parallel else 1),
-        ),
-        whole_batch=spec.whole_batch,
+        rank_speed=ranks.speed,
+        rank_memory=ranks.memory,
     )
+    effect = compare_equal(plan_for, plan, ranks, method, split, costs) if ranks.given else None
     # Blocks per stage: what `pipetrain train --split` takes to train this split (a first
     # stage of the embedding alone, or a last of the head alone, is 0 blocks there).
     blocks = ",".join(
@@ -391,9 +377,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = plan.to_json()
         out.update(model=config.name, seq_len=seq_len, train_split=blocks, **tp.to_json())
+        if effect is not None:
+            out["unequal_ranks"] = effect[1]
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
         sys.stdout.write(render(plan, config.name, seq_len, tp))
+        sys.stdout.write("".join(line + "\n" for line in (effect[0] if effect else [])))
         sys.stdout.write(f"to train this split: pipetrain train ... --split {blocks}\n")
     return 0
 

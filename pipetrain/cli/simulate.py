@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.ranks import add_rank_flags, memory_lines, memory_report, on_ranks
 from pipetrain.cli.simulate_cases import (
     SimCase,
     builtin_case,
@@ -34,6 +35,7 @@ from pipetrain.cli.simulate_cases import (
     save_schedule,
     single_case,
 )
+from pipetrain.cli.simulate_ep import add_ep_flags, ep_json, ep_line, with_expert_parallel
 from pipetrain.cli.simulate_text import format_dp, format_summary, format_table, grid_fits
 from pipetrain.schedules.execution import Costs
 from pipetrain.sim.costs import parse_costs, stage_costs, stage_share
@@ -60,8 +62,10 @@ def add_parser(subparsers: Any) -> None:
     )
     _add_schedule_flags(p)
     _add_cost_flags(p)
+    add_rank_flags(p)
     _add_data_parallel_flags(p)
     _add_tensor_parallel_flags(p)
+    add_ep_flags(p)
     _add_output_flags(p)
     p.set_defaults(run=run)
 
@@ -217,9 +221,9 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _case_costs(case: SimCase, costs: Costs) -> Costs:
+def _case_costs(case: SimCase, costs: Costs, args: argparse.Namespace) -> Costs:
     # What simulate replays: the rank's share split over its stages, the batch scale on top.
-    per_stage = stage_costs(costs, case.schedule)
+    per_stage = on_ranks(args, case.schedule, stage_costs(costs, case.schedule))
     return scale_costs(per_stage, case.batch_scale) if case.batch_scale != 1 else per_stage
 
 
@@ -227,7 +231,7 @@ def _run_case(case: SimCase, costs: Costs, args: argparse.Namespace) -> SimResul
     share = stage_share(case.schedule)
     return simulate(
         case.schedule,
-        stage_costs(costs, case.schedule),
+        on_ranks(args, case.schedule, stage_costs(costs, case.schedule)),
         activation_bytes=None if args.activation_bytes is None else args.activation_bytes * share,
         weight_bytes=None if args.weight_bytes is None else args.weight_bytes * share,
         batch_scale=case.batch_scale,
@@ -261,7 +265,7 @@ def _data_parallel(
     if args.shard:
         return sharded_cost(
             case.schedule,
-            _case_costs(case, costs),
+            _case_costs(case, costs, args),
             stage_bytes,
             replicas=args.dp,
             bandwidth=args.dp_bandwidth,
@@ -294,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
         need(args, "pp", "microbatches")
         case = single_case(args)
     costs = _tensor_parallel(case, costs, args)
+    costs = with_expert_parallel(case, costs, args)
     result = _run_case(case, costs, args)
     dp = _data_parallel(case, result, costs, args)
     if args.save:
@@ -306,21 +311,32 @@ def run(args: argparse.Namespace) -> int:
         sent = transfers(traced, case.schedule.placement, costs.transfer())
         links = [dp.spans if dp is not None else ()]
         write_chrome_trace(traced, args.trace, messages=[sent], links=links)
+    memory = memory_report(args, result)
     if args.json:
-        tp = {"tensor_parallel": _tp_json(args)} if args.tp > 1 else {}
+        tp: dict[str, Any] = {"tensor_parallel": _tp_json(args)} if args.tp > 1 else {}
+        tp.update({} if memory is None else {"rank_memory": memory})
         print(
             json.dumps(
-                {**result.to_json(), **({"data_parallel": dp.to_json()} if dp else {}), **tp}
+                {
+                    **result.to_json(),
+                    **({"data_parallel": dp.to_json()} if dp else {}),
+                    **tp,
+                    **({"expert_parallel": ep_json(case, args)} if args.ep > 1 else {}),
+                }
             )
         )
         return 0
     print(format_summary(result))
+    for line in memory_lines(result.schedule, memory or []):
+        print(line)
     if args.tp > 1:
         tp = _tp_json(args)
         print(
             f"  tp={args.tp} collectives  {tp['time_per_forward']:g} per F, B and I; "
             f"{tp['traffic_per_microbatch']:g} bytes per micro-batch through each tp link"
         )
+    if args.ep > 1:
+        print(ep_line(case, args))
     if dp is not None:
         print(format_dp(dp))
     if args.ascii or grid_fits(result):
@@ -337,9 +353,9 @@ def run(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace, costs: Costs) -> int:
     from pipetrain.schedules import registry
 
-    if args.dp != 1 or args.shard or args.tp != 1:
+    if args.dp != 1 or args.shard or args.tp != 1 or args.ep != 1:
         raise UsageError(
-            "--dp, --shard and --tp work with --schedule or --schedule-file: drop --compare"
+            "--dp, --shard, --tp and --ep work with --schedule or --schedule-file: drop --compare"
         )
 
     need(args, "pp", "microbatches")
@@ -390,6 +406,9 @@ def _compare(args: argparse.Namespace, costs: Costs) -> int:
     )
     for name, why in skipped:
         print(f"  not fitting: {name}: {why}")
+    for r in results:
+        for line in memory_lines(r.schedule, memory_report(args, r) or []):
+            print(line)
     if args.ascii:
         for r in results:
             print()

@@ -281,7 +281,13 @@ def make_plan(
     speeds = None if rank_speed is None else tuple(rank_speed)
     limits = rank_limits(memory_limit, rank_memory, schedule.num_ranks)
     live, memory = _memory_model(
-        schedule, mb, microbatches, limits, state_factor, whole_batch=whole_batch
+        schedule,
+        mb,
+        microbatches,
+        limits,
+        state_factor,
+        whole_batch=whole_batch,
+        per_rank=rank_memory is not None,
     )
     partition = split_for(method, costs, stage_ranks_of(schedule.placement), split, memory, speeds)
     sim = _sim(schedule, partition, mb, overheads, microbatches if whole_batch else 1, speeds)
@@ -327,6 +333,7 @@ def _memory_model(
     state_factor: float,
     *,
     whole_batch: bool,
+    per_rank: bool = False,
 ) -> tuple[tuple[int, ...], MemoryModel | None]:
     """Peak live micro-batches per model stage, and the memory model of a limit (None
     without one); ``mb``: samples per micro-batch."""
@@ -346,7 +353,8 @@ def _memory_model(
         model_stage_versions(schedule),
         points,
         whole_batch,
-        limits if len(set(limits)) > 1 else (),
+        # Each rank's own (``--rank-memory``): errors then name that flag.
+        limits if per_rank else (),
     )
     return live, memory
 
