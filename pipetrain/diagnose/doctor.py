@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Diagnosis", "RankView", "diagnose", "format_report", "rank_views"]
+__all__ = ["Blame", "Diagnosis", "RankView", "blame", "diagnose", "format_report", "rank_views"]
 
 # States in which a rank waits on a peer's message (its edge of the graph).
 _WAITING = ("waiting", "failed")
@@ -136,6 +136,47 @@ def diagnose(report: Mapping[str, Any]) -> Diagnosis:
     if not verdict:
         verdict.append(_quiet_line(views))
     return Diagnosis(views, edges, tuple(cycles), culprits, tuple(verdict))
+
+
+@dataclass(frozen=True)
+class Blame:
+    """The rank a launcher's last line names, and why in words."""
+
+    rank: int
+    text: str
+
+
+def blame(report: Mapping[str, Any]) -> Blame | None:
+    """The rank that stopped answering first, for the launcher's last line; None when the
+    report names none (a deadlock, or nothing stuck).
+
+    Of the silent ranks, the one heard from longest ago: once a rank stops, its peers
+    time out, fail and exit one after the other, and a report collected after some of
+    them exited finds those silent too, but heard from more recently. With no silent
+    rank, the first rank that others wait on (computing, or outside the actions)."""
+    d = diagnose(report)
+    silent = [v for v in d.ranks if v.state == "silent"]
+    if silent:
+        first = max(silent, key=lambda v: -1.0 if v.last_seen_s is None else v.last_seen_s)
+        seen = (
+            f" for {_seconds(first.last_seen_s)}; last seen {first.last_state}"
+            if first.last_seen_s is not None
+            else ""
+        )
+        return Blame(
+            first.rank,
+            f"rank {first.rank} stopped answering first (the hang doctor heard nothing from "
+            f"it{seen})",
+        )
+    if not d.culprits:
+        return None
+    culprit = d.culprits[0]
+    view = next(v for v in d.ranks if v.rank == culprit.rank)
+    return Blame(
+        culprit.rank,
+        f"rank {culprit.rank} held the others up (the hang doctor: it was {_doing(view)}; "
+        f"{_ranks(culprit.waited_by)} waited on it)",
+    )
 
 
 def _rotate(cycle: tuple[int, ...]) -> tuple[int, ...]:

@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 from types import FrameType
@@ -65,6 +67,21 @@ def _unfinished(config_path: Path, processes: int, *, waited: bool = True) -> st
     return "; ".join(problems)
 
 
+def _doctor_blame(config_path: Path, since: float) -> str | None:
+    """The hang doctor's verdict on who stopped answering first, from the report that a
+    failing rank wrote into the run folder after ``since`` (None without one)."""
+    from pipetrain.diagnose.doctor import blame
+    from pipetrain.runtime.hang import REPORT_FILE
+
+    try:
+        report = json.loads((config_path.parent / REPORT_FILE).read_text())
+        fresh = report.get("by") == "failure" and float(report["collected_at"]) >= since
+        found = blame(report) if fresh else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no report, or not one this launcher can read: its own words stand
+    return None if found is None else found.text
+
+
 def _to_ranks(signum: int, frame: FrameType | None) -> None:
     """Pass a signal on to this process's children: the ranks torch's launcher started
     (Linux lists them in /proc; elsewhere nothing is passed on)."""
@@ -99,6 +116,7 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
         max_restarts=0,
         monitor_interval=0.1,
     )
+    started = time.time()
     records = exit_record(config_path, 0).parent
     shutil.rmtree(records, ignore_errors=True)  # an earlier run's
     # The ranks inherit the launcher's environment: where to leave their exit records.
@@ -138,6 +156,11 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
             if failure.exitcode < 0
             else f"rank {rank} exited with status {failure.exitcode} first (its error is above)"
         )
+        # Status 1 first: a rank that failed on a peer, maybe on one that stopped answering
+        # and so exited last (killed by the launcher): the hang doctor knows which.
+        culprit = _doctor_blame(config_path, started) if failure.exitcode == 1 else None
+        if culprit is not None:
+            first = f"{culprit} (`pipetrain doctor {config_path.parent}` shows its report)"
         raise LaunchFailed(
             f"{first}; {len(failures)} of {processes} processes failed", code
         ) from None

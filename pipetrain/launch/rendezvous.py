@@ -32,7 +32,7 @@ from pipetrain.errors import InputError
 from pipetrain.launch.role import ProcessRole
 from pipetrain.runtime.errors import PipelineError
 
-__all__ = ["join_process_group", "report_failure"]
+__all__ = ["connect_store", "join_process_group", "report_failure"]
 
 # How long a failing process tries to reach the store: it is exiting anyway.
 _REPORT_TIMEOUT_S = 10.0
@@ -102,6 +102,11 @@ def _foreign(store: Any, role: ProcessRole, address: str) -> ConfigError | None:
             f"joined it as rank {role.rank}): {_OTHER_PORT}"
         )
     return None
+
+
+def connect_store(role: ProcessRole, timeout_s: float) -> Any:
+    """This run's key-value store (a new client), after the checks of ``_store``."""
+    return _store(role, timeout_s)
 
 
 def report_failure(role: ProcessRole, exc: BaseException) -> None:

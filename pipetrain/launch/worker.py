@@ -28,14 +28,18 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 from pipetrain.config import PipelineConfig, load_config
 from pipetrain.errors import InputError, RunFailed
 from pipetrain.launch.guard import watch_launcher
 from pipetrain.launch.process_exit import exit_rank, launched_rank, record_exit
+from pipetrain.launch.role import ProcessRole, role_from_env
 
 __all__ = ["main"]
+
+_DOCTOR_STORE_S = 10.0  # how long a failed rank tries to reach the store for the doctor
 
 
 def _rank() -> int:
@@ -71,7 +75,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # it, so the log says where the rank was.
     faulthandler.enable()
     # torch comes only now, after the stop handler is in place (module doc).
-    from pipetrain.launch.role import ProcessRole, role_from_env
     from pipetrain.runtime import PipelineError
     from pipetrain.runtime.errors import lost_peer_error
 
@@ -97,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         failure = lost_peer_error(exc, rank=role.rank, timeout_s=timeout_s)
         if failure is None:
             raise
+        _ask_doctor(role, str(failure), Path(config_path).parent)
         sys.stderr.write(f"pipetrain train (rank {role.rank}): {failure}\n")
         return 1
     except KeyboardInterrupt:
@@ -108,6 +112,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 130
     return 0
+
+
+def _ask_doctor(role: ProcessRole, error: str, run_dir: Path) -> None:
+    """A collective outside the pipeline's waits failed on a peer: ask the hang doctor, as
+    the pipeline does for its own waits, so that the launcher can name the rank that
+    stopped answering first (launch.local) rather than the first one to time out."""
+    if not role.distributed:
+        return
+    from pipetrain.launch.rendezvous import connect_store
+    from pipetrain.runtime.hang import report_failure_outside
+
+    with contextlib.suppress(Exception):  # the doctor never hides the error itself
+        store = connect_store(role, _DOCTOR_STORE_S)
+        report_failure_outside(
+            store, rank=role.rank, world=role.world_size, error=error, report_dir=run_dir
+        )
 
 
 def _run() -> int:

@@ -45,7 +45,7 @@ from pipetrain.diagnose.doctor import format_report
 from pipetrain.runtime.executor import RankExecutor
 from pipetrain.schedules import Action, Kind, Schedule
 
-__all__ = ["REPORT_FILE", "HangWatch", "watch_pipeline"]
+__all__ = ["REPORT_FILE", "HangWatch", "report_failure_outside", "watch_pipeline"]
 
 REPORT_FILE = "doctor.json"
 
@@ -56,6 +56,29 @@ _PEER_RANK = re.compile(r"peer rank(?:\(s\))? (\d+)")
 def _prefix() -> str:
     # An elastic restart starts every process again on the same store.
     return f"pipetrain/doctor/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _run() -> str:
+    """This launch: its launcher's run id and the restart (the reports' ids count per launch)."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/{_prefix()}"
+
+
+def _keeps_first_failure(path: Path, report: dict[str, Any]) -> bool:
+    """Whether ``path`` holds an earlier failure report of this launch that ``report``, a
+    later failure report, must not replace: the first one names the rank that stopped
+    answering (the launcher's last line reads it), and by a later one the ranks that
+    failed on it have exited and are silent too."""
+    if report.get("by") != "failure":
+        return False
+    try:
+        kept = json.loads(path.read_text())
+        return bool(
+            kept.get("by") == "failure"
+            and kept.get("run") == report["run"]
+            and kept["id"] < report["id"]
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def _describe(action: Action, peer: int | None) -> str:
@@ -243,6 +266,7 @@ class HangWatch:
             states[str(r)] = state
         return {
             **request,
+            "run": _run(),
             "window_s": self.window_s,
             "collected_at": now,
             "ranks": states,
@@ -261,8 +285,9 @@ class HangWatch:
             if self.report_dir is not None:
                 with contextlib.suppress(OSError):
                     path = self.report_dir / REPORT_FILE
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(json.dumps(report, indent=1) + "\n")
+                    if not _keeps_first_failure(path, report):
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        path.write_text(json.dumps(report, indent=1) + "\n")
         finally:
             self.store.set(self._key(request["id"], "done"), "1")
 
@@ -369,3 +394,16 @@ def watch_pipeline(
     if free and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR1, watch.ask)
     return watch
+
+
+def report_failure_outside(
+    store: Any, *, rank: int, world: int, error: str, report_dir: Path | None
+) -> None:
+    """A wait outside the pipeline's actions (a collective of the trainer) failed with
+    ``error``: ask for a report as ``on_failure`` does, as a rank between actions. The
+    other ranks' watches answer; one that stopped answering shows up silent."""
+    watch = HangWatch(
+        store, rank=rank, world=world, executors=(), stage_ranks={}, group_ranks=range(world)
+    )
+    watch.report_dir = report_dir
+    watch.on_failure(error)
