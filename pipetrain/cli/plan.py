@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.plan_moe import add_ep_flags, check_ep_args, moe_report
 from pipetrain.cli.plan_text import TpReport, render
 from pipetrain.cli.ranks import add_rank_flags, compare_equal, parse_size, rank_options
 from pipetrain.models.config import ModelConfig, get_model_config, parse_overrides
@@ -50,6 +51,7 @@ def add_parser(subparsers: Any) -> None:
     add_rank_flags(p)
     _add_cost_flags(p)
     _add_tp_flags(p)
+    add_ep_flags(p)
     _add_profile_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)
@@ -261,6 +263,9 @@ def _costs(
         if args.tp > 1:
             link = f"{args.tp_bandwidth:.3g} B/s" if args.tp_bandwidth else "no time (bytes only)"
             source += f"; tp {args.tp} collectives at {link}"
+        if args.ep > 1:
+            link = f"{args.ep_bandwidth:.3g} B/s" if args.ep_bandwidth else "no time (bytes only)"
+            source += f"; ep {args.ep} all-to-alls at {link}"
         costs = estimate_costs(
             config,
             seq_len,
@@ -268,6 +273,8 @@ def _costs(
             tp=args.tp,
             sequence_parallel=args.sequence_parallel,
             tp_bandwidth=args.tp_bandwidth,
+            ep=args.ep,
+            ep_bandwidth=args.ep_bandwidth,
         )
         return costs, source, args.overhead_ms / 1e3
     import torch  # only a measured plan needs torch
@@ -322,6 +329,7 @@ def _costs(
 def run(args: argparse.Namespace) -> int:
     config = get_model_config(args.model, **parse_overrides(args.set))
     seq_len = _check_args(args, config)
+    check_ep_args(args, config)
     spec = get_spec(args.schedule)
     if args.chunks is not None and args.chunks > 1 and not spec.uses_chunks:
         # Ignoring it would plan one stage per rank for a user who asked for several.
@@ -374,14 +382,17 @@ def run(args: argparse.Namespace) -> int:
         str(sum(1 for i in stage if costs[i].kind == "block")) for stage in plan.partition.stages
     )
     tp = _tp_report(args, plan, costs, seq_len * config.d_model * _FP32)
+    moe = moe_report(args, config, plan, costs, seq_len)
     if args.json:
         out = plan.to_json()
         out.update(model=config.name, seq_len=seq_len, train_split=blocks, **tp.to_json())
         if effect is not None:
             out["unequal_ranks"] = effect[1]
+        if moe is not None:
+            out["moe"] = moe.to_json()
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
-        sys.stdout.write(render(plan, config.name, seq_len, tp))
+        sys.stdout.write(render(plan, config.name, seq_len, tp, moe))
         sys.stdout.write("".join(line + "\n" for line in (effect[0] if effect else [])))
         sys.stdout.write(f"to train this split: pipetrain train ... --split {blocks}\n")
     return 0

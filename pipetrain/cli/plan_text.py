@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pipetrain.cli.plan_moe import MoeReport
 from pipetrain.partition.planner import Plan
 
 __all__ = ["TpReport", "render"]
@@ -66,7 +67,13 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
-def render(plan: Plan, model: str, seq_len: int, tp: TpReport | None = None) -> str:
+def render(
+    plan: Plan,
+    model: str,
+    seq_len: int,
+    tp: TpReport | None = None,
+    moe: MoeReport | None = None,
+) -> str:
     """The plan as tables for a terminal."""
     lines = [
         f"{model}: {plan.schedule} on {plan.pp} ranks, {plan.partition.num_stages} stages "
@@ -74,6 +81,7 @@ def render(plan: Plan, model: str, seq_len: int, tp: TpReport | None = None) -> 
         f"{plan.microbatches} micro-batches of {plan.microbatch_size}",
         f"times: {plan.time_source}; per micro-batch",
         *(tp.lines(plan.pp) if tp is not None else []),
+        *(moe.lines() if moe is not None else []),
         "",
         f"{'stage':>5} {'rank':>5}  {'layers':<24} {'params':>8} {'fwd ms':>9} {'bwd ms':>9} "
         f"{'act/mb':>10} {'live':>4} {'peak act':>10}",

@@ -33,6 +33,7 @@ __all__ = [
     "ALLTOALLS_FORWARD",
     "ExpertParallelError",
     "alltoall_bytes",
+    "ep_sent",
     "ep_time",
     "with_ep_time",
 ]
@@ -50,16 +51,26 @@ def _check(ep: int) -> None:
         raise ExpertParallelError(f"ep is {ep!r}: use a whole number >= 1 (--ep)")
 
 
+def ep_sent(routed_bytes: float, ep: int) -> float:
+    """Bytes a rank sends to the others in one all-to-all that carries ``routed_bytes`` of
+    its token vectors: the ``(ep - 1) / ep`` of them routed to experts on other ranks."""
+    _check(ep)
+    if not 0 <= routed_bytes < float("inf"):
+        raise ExpertParallelError(
+            f"all-to-all of {routed_bytes:g} bytes: give a finite number >= 0 (--ep-bytes)"
+        )
+    return routed_bytes * (ep - 1) / ep
+
+
 def alltoall_bytes(
     tokens: float, top_k: int, d_model: int, ep: int, *, number_bytes: int = 4
 ) -> float:
     """Bytes one rank sends to the others in one all-to-all of one MoE layer, for
     ``tokens`` tokens of its own: ``tokens x top_k x d_model x number_bytes x (ep - 1) / ep``
     (dropless, balanced routing; see the module docstring)."""
-    _check(ep)
     if not 0 <= tokens < float("inf"):
         raise ExpertParallelError(f"all-to-all of {tokens:g} tokens: give a finite number >= 0")
-    return tokens * top_k * d_model * number_bytes * (ep - 1) / ep
+    return ep_sent(tokens * top_k * d_model * number_bytes, ep)
 
 
 def ep_time(alltoalls: float, sent_bytes: float, bandwidth: float | None) -> float:
