@@ -31,7 +31,7 @@ from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
 from pipetrain.partition.overhead import remove_fixed_cost, split_fixed_cost
 from pipetrain.partition.planner import Overheads, Plan, make_plan
 from pipetrain.schedules.registry import SCHEDULE_NAMES, get_spec
-from pipetrain.sim.tensor_parallel import layer_collectives, tp_time, tp_traffic
+from pipetrain.sim.tensor_parallel import MOE_TP, layer_collectives, tp_time, tp_traffic
 
 __all__ = ["add_parser", "parse_size", "run"]
 
@@ -381,7 +381,8 @@ def run(args: argparse.Namespace) -> int:
     blocks = ",".join(
         str(sum(1 for i in stage if costs[i].kind == "block")) for stage in plan.partition.stages
     )
-    tp = _tp_report(args, plan, costs, seq_len * config.d_model * _FP32)
+    moe_blocks = frozenset(f"layers.{b}" for b in config.moe_blocks)
+    tp = _tp_report(args, plan, costs, seq_len * config.d_model * _FP32, moe_blocks)
     moe = moe_report(args, config, plan, costs, seq_len)
     if args.json:
         out = plan.to_json()
@@ -399,15 +400,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tp_report(
-    args: argparse.Namespace, plan: Plan, costs: Sequence[LayerCost], activation: float
+    args: argparse.Namespace,
+    plan: Plan,
+    costs: Sequence[LayerCost],
+    activation: float,
+    moe_blocks: frozenset[str] = frozenset(),
 ) -> TpReport:
     """Per pipeline rank, the bytes its tp collectives move through one tp rank's link per
-    step, and their time; ``activation``: bytes of one sequence's (T, C) activation."""
+    step, and their time; ``activation``: bytes of one sequence's (T, C) activation;
+    ``moe_blocks``: the names of the blocks whose tp collectives are attention's only."""
     traffic = [0.0] * plan.pp
     time = [0.0] * plan.pp
     for stage in plan.stages:
         per_mb = sum(
-            layer_collectives(costs[i].kind, sequence_parallel=args.sequence_parallel).total
+            MOE_TP.total
+            if costs[i].name in moe_blocks
+            else layer_collectives(costs[i].kind, sequence_parallel=args.sequence_parallel).total
             for i in stage.layers
         )
         size = activation * plan.microbatch_size

@@ -79,3 +79,16 @@ def test_an_ep_that_does_not_fit_is_one_line_and_exit_2(
     flags: str, words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert words in one_line_error(["plan", "--pp", "2", *flags.split()], capsys)
+
+
+def test_a_moe_blocks_tp_collectives_are_attentions_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = "--model moe-tiny --pp 2 --tp 2 --seq-len 64 --batch-size 4 --microbatches 4 --json"
+    assert main(["plan", *flags.split()]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # Per micro-batch: the embedding's all-reduce (rank 0) or the head's (rank 1) and one
+    # forward and one backward in each of 2 MoE blocks (attention's; the experts are whole
+    # on every tp rank): 5 all-reduces of 64 x 32 x 4 bytes, each through a link 2 (2-1)/2
+    # times, 4 micro-batches: 5 x 8192 x 4 = 163840 bytes, not the dense blocks' 2 + 2.
+    assert out["tp_traffic_per_rank"] == [163840.0, 163840.0]
