@@ -2,6 +2,7 @@
 
     pipetrain plan --model llama-default [--set n_layers=24] --pp 3 [--schedule 1f1b] [--chunks V]
                    [--tp 8 [--sequence-parallel] [--tp-bandwidth 1.5e11]]
+                   [--ep 8 [--ep-bandwidth 5e10]]
                    [--split 4,3,5 | --balance uniform|params|profile]
                    [--batch-size 32] [--seq-len 128] [--microbatches 8]
                    [--memory-limit 16GiB] [--rank-speed 1,1,0.5,1] [--rank-memory 8GiB,...]
@@ -9,7 +10,8 @@
 
 Without ``--balance profile`` the times are estimated from FLOPs (and say so); with it
 each layer is measured on this machine's device, which needs torch, imported only then.
-With ``--tp`` every figure per rank is one tensor-parallel rank's (docs/memory_model.md).
+With ``--tp`` every figure per rank is one tensor-parallel rank's (docs/memory_model.md),
+with ``--ep`` one expert-parallel rank's (``pipetrain.cli.plan_moe``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@
         --dp 2 [--shard] [--dp-bandwidth 1e6]
     pipetrain simulate --schedule 1f1b --pp 4 --microbatches 8 --tp 8 --tp-bytes 2.1e9 \
         --tp-bandwidth 1.5e11 --costs F=0.05,B=0.1
+    pipetrain simulate --schedule 1f1b --pp 4 --microbatches 8 --ep 8 --ep-bytes 1.34e8 \
+        --moe-layers 8 --ep-bandwidth 5e10 --costs F=2.2,B=4.4
 
 Imports no torch: everything here is pure schedule arithmetic (matplotlib only for
 ``--plot``). The text it prints is formatted in ``pipetrain.cli.simulate_text``; the flags are checked
