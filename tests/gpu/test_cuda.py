@@ -41,6 +41,8 @@ SCHEDULES = [
         ("zb-h2", 8),
         ("zb-v", 4),
         ("dualpipe-v", 8),
+        ("v-half", 4),
+        ("v-min", 4),
         ("chimera", 4),
     )
 ]
