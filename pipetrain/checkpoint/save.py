@@ -2,6 +2,10 @@
 
 Save protocol (every rank calls ``save_checkpoint`` with its own stage modules):
 
+0. every rank counts the bytes it will write; rank 0 removes the leftovers of crashed
+   saves, compares the sum with the free space (``pipetrain.checkpoint.space``: with
+   ``keep``, older checkpoints are pruned first when that makes it fit) and tells every
+   rank, before any of them writes, when it does not fit: one line, nothing touched;
 1. rank 0 creates ``ROOT/step_000123.tmp-<nonce>/`` and tells every rank its name;
 2. every rank writes and fsyncs its own part with torch.distributed.checkpoint (no
    gathering of tensors) and hashes the files it wrote;
@@ -13,7 +17,10 @@ Save protocol (every rank calls ``save_checkpoint`` with its own stage modules):
    back past them, are neither counted nor removed).
 
 A process killed before step 3 ends leaves only a ``.tmp-`` directory, which loading
-ignores with a warning: the previous checkpoint stays the newest valid one.
+ignores with a warning: the previous checkpoint stays the newest valid one. A save that
+fails (a full disk, any OS error: DCP gives every rank the same verdict) removes its
+``.tmp-`` directory and raises one line on every rank naming what failed, where, and the
+fix; the earlier checkpoints stay.
 """
 
 from __future__ import annotations
@@ -48,6 +55,14 @@ from pipetrain.checkpoint.manifest import (
     hash_file,
     write_manifest,
 )
+from pipetrain.checkpoint.space import (
+    first_failure,
+    no_room_line,
+    plan_room,
+    tensor_bytes,
+    write_failed_line,
+)
+from pipetrain.errors import on_every_rank
 
 __all__ = [
     "KILL_BEFORE_RENAME_ENV",
@@ -68,6 +83,8 @@ class SaveResult:
     bytes: int  # all files of the checkpoint, every rank's
     seconds: float
     removed: tuple[Path, ...] = field(default=())  # pruned by ``keep`` or crash leftovers
+    made_room: tuple[Path, ...] = field(default=())  # of those, pruned before the save for room
+    needed: int = 0  # bytes the save was estimated to need before it started
 
 
 def _hash_own_files(directory: Path, rank: int, threads: int) -> list[FileEntry]:
@@ -111,26 +128,20 @@ def save_checkpoint(
     start = time.perf_counter()
     comm = Comm.of(group)
     root = Path(root)
-    # (name, error): rank 0 tells every rank where to write, or why there is nowhere.
-    created: tuple[str, str] = ("", "")
-    if comm.rank == 0:
-        tmp_name = f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            (root / tmp_name).mkdir()
-            created = (tmp_name, "")
-        except OSError as exc:
-            created = ("", f"cannot create a checkpoint in {root} ({exc}); check --checkpoint-dir")
-    tmp_name, error = comm.broadcast(created)
-    if error:
-        raise CheckpointError(error)
-    tmp = root / tmp_name
-
     index = state.index_parameters(as_modules(modules))
     entries = state.model_entries(index)
     if optimizer is not None:
         entries.update(state.optimizer_entries(optimizer, index))
     entries.update(state.rng_entries(comm.rank, generators or {}))
+    # Rank 0 decides for every rank, before any writes: where to write, what to prune
+    # first to make room (``keep``), or why there is no room (step 0 of the module doc).
+    sizes = comm.gather(tensor_bytes(entries.values()))
+    made: _Made = _make_room(root, step, sum(sizes), keep) if comm.rank == 0 else _Made()
+    made = comm.broadcast(made)
+    if made.error:
+        raise on_every_rank(CheckpointError(made.error))
+    tmp = root / made.tmp_name
+
     try:
         with quiet_single_process():
             dcp_save(
@@ -140,7 +151,15 @@ def save_checkpoint(
                 no_dist=not comm.distributed,
             )
     except CheckpointException as exc:  # a BaseException: `except Exception` misses it
-        raise CheckpointError(f"saving step {step} into {tmp} failed: {exc}") from None
+        # Every rank gets DCP's verdict alike (its write results are gathered), so every
+        # rank is here: rank 0 removes the partial folder, which would keep the disk full,
+        # and tells every rank the one line once it is gone.
+        failed_rank, cause = first_failure(exc.failures)
+        line = ""
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            line = write_failed_line(step, root, failed_rank, cause, made.needed)
+        raise on_every_rank(CheckpointError(comm.broadcast(line))) from None
 
     hashed = comm.gather(_hash_own_files(tmp, comm.rank, threads))
     outcome: tuple[str, int, tuple[str, ...]] | str = ""
@@ -151,6 +170,9 @@ def save_checkpoint(
         except Exception as exc:  # told to every rank below, so that none waits forever
             failure = exc
             outcome = f"finishing the save of step {step} in {tmp} failed on rank 0: {exc}"
+            if isinstance(exc, OSError):  # a full disk (the manifest): no partial folder left
+                shutil.rmtree(tmp, ignore_errors=True)
+                outcome = write_failed_line(step, root, 0, exc, made.needed)
     # Doubles as the barrier: no rank returns before the checkpoint is visible.
     outcome = comm.broadcast(outcome)
     if failure is not None and not isinstance(failure, OSError):
@@ -159,8 +181,48 @@ def save_checkpoint(
         raise CheckpointError(outcome)
     final, total, removed = outcome
     return SaveResult(
-        Path(final), step, total, time.perf_counter() - start, tuple(Path(p) for p in removed)
+        Path(final),
+        step,
+        total,
+        time.perf_counter() - start,
+        tuple(Path(p) for p in (*made.removed, *removed)),
+        made_room=tuple(Path(p) for p in made.pruned),
+        needed=made.needed,
     )
+
+
+@dataclass(frozen=True)
+class _Made:
+    """Rank 0's answer before a save, broadcast: the folder to write into, or an error."""
+
+    tmp_name: str = ""
+    error: str = ""
+    needed: int = 0
+    removed: tuple[str, ...] = ()  # crash leftovers, and older checkpoints pruned for room
+    pruned: tuple[str, ...] = ()  # of those, the checkpoints pruned for room (``keep``)
+
+
+def _make_room(root: Path, step: int, state_bytes: int, keep: int | None) -> _Made:
+    """Rank 0: remove crash leftovers (a failed save's folder kept the disk full, and
+    every resume failed at the same step and left another), check the room for this save,
+    prune older checkpoints first where ``keep`` allows and that makes it fit, and create
+    the folder to write into."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        leftovers = list_checkpoints(root).partial
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+        room = plan_room(root, step, state_bytes, keep)
+        if not room.fits:
+            return _Made(error=no_room_line(room, root, step, keep), needed=room.needed)
+        for path in room.prune:
+            shutil.rmtree(path, ignore_errors=True)
+        tmp_name = f"{step_dir_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
+        (root / tmp_name).mkdir()
+    except OSError as exc:
+        return _Made(error=f"cannot create a checkpoint in {root} ({exc}); check --checkpoint-dir")
+    pruned = tuple(str(p) for p in room.prune)
+    return _Made(tmp_name, "", room.needed, (*map(str, leftovers), *pruned), pruned)
 
 
 def _finish_save(

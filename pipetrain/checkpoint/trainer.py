@@ -30,8 +30,10 @@ from pipetrain.checkpoint.errors import CheckpointError
 from pipetrain.checkpoint.load import LoadResult, resume_checkpoint
 from pipetrain.checkpoint.manifest import Layout
 from pipetrain.checkpoint.save import save_checkpoint
-from pipetrain.launch.guard import StopGrace
+from pipetrain.checkpoint.space import megabytes, optimizer_bytes, plan_room, tensor_bytes
+from pipetrain.checkpoint.state import index_parameters, model_entries
 from pipetrain.errors import on_every_rank
+from pipetrain.launch.guard import StopGrace
 
 __all__ = [
     "CheckpointPolicy",
@@ -211,6 +213,7 @@ class RunCheckpoints:
 
         Weights and optimizer state come from the checkpoint; the optimizer's settings
         (betas, eps, weight decay) stay this run's, as its config says."""
+        self._warn_if_no_room()
         if not self.policy.resume:
             self._refuse_earlier_checkpoints()
             return 0
@@ -254,6 +257,28 @@ class RunCheckpoints:
             )
         return result.step
 
+    def _warn_if_no_room(self) -> None:
+        """Say at the start when a checkpoint of this run cannot fit in its directory (every
+        rank counts what it will save; rank 0 compares): better now than after hours."""
+        if not self.policy.directory:
+            return
+        comm = Comm.of(self._group)
+        entries = model_entries(index_parameters(self._modules))
+        mine = tensor_bytes(entries.values()) + optimizer_bytes(self._optimizer)
+        sizes = comm.gather(mine)
+        if comm.rank != 0:
+            return
+        root, keep = Path(self.policy.directory), self.policy.keep or None
+        room = plan_room(root, self._total + 1, sum(sizes), keep)
+        if room.fits:
+            return
+        pruned = f" ({megabytes(room.free + room.prunable)} with --keep {keep})" if keep else ""
+        self._say(
+            f"warning: a checkpoint of this run needs about {megabytes(room.needed)} but "
+            f"{megabytes(room.free)} are free in {root}{pruned}: its saves will fail; free "
+            "space there, pass --keep N, or another --checkpoint-dir"
+        )
+
     def _refuse_earlier_checkpoints(self) -> None:
         """A run that does not resume must not save into a directory of another run's
         checkpoints: its step_N would replace theirs one by one (a forgotten --resume after
@@ -292,6 +317,12 @@ class RunCheckpoints:
             group=self._group,
         )
         self._last_saved = step
+        if result.made_room:
+            self._say(
+                f"note: made room for step {step} (about {megabytes(result.needed)}): removed "
+                f"{', '.join(p.name for p in result.made_room)} before the save, as --keep "
+                f"{self.policy.keep} would have after it"
+            )
         self._say(
             f"saved checkpoint {result.path} ({result.bytes / 1e6:.1f} MB in {result.seconds:.2f} s)"
         )
