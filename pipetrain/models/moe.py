@@ -93,8 +93,11 @@ def run_experts(
     for j, chunk in enumerate(torch.split(tokens, list(counts))):
         if chunk.shape[0]:
             outputs.append(experts[str(first + j)](chunk))
-    if not outputs:  # no token here: an empty result still joins the graph of the experts
-        return tokens.new_zeros(0, tokens.shape[-1])
+    if not outputs:
+        # No token for any of these experts: an empty slice of the input keeps the result in
+        # the autograd graph, so that the backward still runs the exchanges that brought the
+        # tokens here (under expert parallelism every rank of the group must take part).
+        return tokens[:0]
     return torch.cat(outputs)
 
 

@@ -158,18 +158,19 @@ class ExpertGradients:
         self.dp = dp
 
     def reduce(self, params: Sequence[nn.Parameter]) -> None:
-        grads = []
-        for p in params:
-            if p.grad is None:  # no token reached it here: its replicas may differ
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        if not grads:
+        """Sum over the expert replicas, divide by dp. An expert that no replica routed a
+        token to keeps no gradient (None), as in one process, so that the optimizer leaves
+        it alone instead of decaying it with a zero gradient."""
+        if not params:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        used = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [used.to(grads[0].device)])
         if self.groups.replica_group is not None:
             dist.all_reduce(flat, group=self.groups.replica_group)
-        flat.div_(self.dp)
+        flat[: -len(params)].div_(self.dp)
         offset = 0
-        for g in grads:
+        for p, g, anyone in zip(params, grads, flat[-len(params) :].tolist(), strict=True):
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+            p.grad = g if anyone else None

@@ -2,8 +2,9 @@
 one process on the full batch.
 
 pp=2 x dp=2 x ep=2 (1F1B; ZB-H1 with its split backward, a sigmoid router, a shared
-expert and the loss-free bias; a capacity factor that drops tokens) and pp=1 x dp=4 x
-ep=2 (each expert on two replicas). Every rank also trains the single-process reference
+expert and the loss-free bias; a capacity factor that drops tokens; a router that never
+picks ep rank 1's experts, which then take part in every exchange with nothing to compute)
+and pp=1 x dp=4 x ep=2 (each expert on two replicas). Every rank also trains the single-process reference
 (all experts, 4 micro-batches of the same 2 sequences each) and compares per-step main
 loss, auxiliary loss, dropped tokens and global gradient norm (clipping engaged) to 1e-5
 relative over 5 AdamW steps, the balancing biases, and its final weights to 1e-4.
@@ -52,10 +53,18 @@ WORKER = textwrap.dedent(
         return {n: l.expert_bias.tolist() for m in modules for n, l in moe_layers(m)
                 if l.expert_bias is not None}
 
-    def reference(config):
+    def idle(modules, on):
+        # Experts 2 and 3 (ep rank 1's) never chosen: that rank gets no token at all.
+        for m in modules:
+            for _, layer in moe_layers(m):
+                if on:
+                    layer.expert_bias[2:] = -10.0
+
+    def reference(config, idle_experts=False):
         spec = model_spec(config)
         pipe = build_pipeline(spec, schedule="1f1b", microbatches=4, ranks=1, device="cpu",
                               split=block_split(config.n_layers, 1))
+        idle(pipe.modules, idle_experts)
         opt = build_optimizer(pipe.named_parameters(), optim)
         update = GuardedUpdate(opt, optim, total_steps=STEPS, group=None)
         grads = Gradients.of(list(pipe.parameters()))
@@ -70,8 +79,8 @@ WORKER = textwrap.dedent(
         params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
         return rows, params, biases(pipe.modules)
 
-    def parallel(mesh, config, schedule, ep=2):
-        ref_rows, ref_params, ref_bias = reference(config)
+    def parallel(mesh, config, schedule, ep=2, idle_experts=False):
+        ref_rows, ref_params, ref_bias = reference(config, idle_experts)
         groups = expert_groups(mesh, ep)
         replicas = ReplicaGradients(mesh, timeout_s=60, experts=ExpertGradients(groups, mesh.dp))
         pipe = build_pipeline(
@@ -82,6 +91,7 @@ WORKER = textwrap.dedent(
             hooks=PipelineHooks(grads_hook=replicas.grads_hook),
         )
         shard_experts(pipe.modules, groups)
+        idle(pipe.modules, idle_experts)
         replicas.attach(pipe)
         opt = build_optimizer(pipe.named_parameters(), optim)
         update = GuardedUpdate(opt, optim, total_steps=STEPS, group=mesh.world_group)
@@ -116,6 +126,8 @@ WORKER = textwrap.dedent(
         "moe-tiny", router="sigmoid", n_shared_experts=1, bias_update_rate=0.01, **base), "zb-h1")
     cases["capacity"] = parallel(mesh, get_model_config(
         "moe-tiny", capacity_factor=1.0, **base), "1f1b")
+    cases["idle-rank"] = parallel(mesh, get_model_config(
+        "moe-tiny", bias_update_rate=1e-6, **base), "zb-h1", idle_experts=True)
     cases["pp1-dp4-ep2"] = parallel(build_mesh("cpu", 1, 4), get_model_config(
         "moe-tiny", bias_update_rate=0.01, **base), "1f1b")
     with open(sys.argv[1] + f"/rank{dist.get_rank()}.json", "w") as f:
@@ -127,7 +139,7 @@ WORKER = textwrap.dedent(
     """
 )
 
-CASES = ["1f1b", "zb-h1-sigmoid-shared-bias", "capacity", "pp1-dp4-ep2"]
+CASES = ["1f1b", "zb-h1-sigmoid-shared-bias", "capacity", "idle-rank", "pp1-dp4-ep2"]
 
 
 @pytest.fixture(scope="module")
