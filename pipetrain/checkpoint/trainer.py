@@ -104,6 +104,8 @@ class StopSignal:
     def agreed(self, group: Any, device: torch.device) -> bool:
         """True on every rank when any rank of ``group`` was signalled (collective)."""
         if group is None:
+            if self._flag:
+                self._grace.release()  # the step ended: the save and the exit follow
             return self._flag
         flag = torch.tensor([1.0 if self._flag else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -402,6 +402,9 @@ def report_failure_outside(
     """A wait outside the pipeline's actions (a collective of the trainer) failed with
     ``error``: ask for a report as ``on_failure`` does, as a rank between actions. The
     other ranks' watches answer; one that stopped answering shows up silent."""
+    others = [f"{_prefix()}alive/{r}" for r in range(world) if r != rank]
+    if not any(store.check([key]) for key in others):
+        return  # no rank of this run has a watch (no pipeline group): nothing to collect
     watch = HangWatch(
         store, rank=rank, world=world, executors=(), stage_ranks={}, group_ranks=range(world)
     )

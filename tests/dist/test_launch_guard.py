@@ -142,3 +142,29 @@ def test_a_rank_stops_soon_after_its_launcher_is_killed(tmp_path: Path, rank_doe
     assert not alive
     if rank_does == "ignores":
         assert (tmp_path / ".exit" / "rank1").read_text() == "143\n"
+
+
+# The trainer's side: a run in one process (no group) that learns of the stop at the end
+# of its step releases the grace, and its save may take longer than the grace.
+OBEYED = textwrap.dedent(
+    """
+    import os, signal, time
+    import torch
+    from pipetrain.checkpoint.trainer import StopSignal
+
+    stop = StopSignal(grace_s=0.5)
+    print("in the step", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)  # the rest of the step
+    assert stop.agreed(None, torch.device("cpu"))
+    time.sleep(1.5)  # the save
+    stop.close()
+    print("saved", flush=True)
+    """
+)
+
+
+def test_a_stop_obeyed_at_the_end_of_the_step_may_save_past_the_grace(tmp_path: Path) -> None:
+    proc = _start(OBEYED, env=_rank_env(tmp_path))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "saved" in out, (proc.returncode, err)
