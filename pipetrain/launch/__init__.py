@@ -1,5 +1,6 @@
 """Starting the processes of a run and ending them: the process role, the local launcher,
-the rendezvous, the worker entry point and the process exit.
+the rendezvous, the worker entry point, the process exit and the guards that end a rank
+whose launcher died or whose step outlives a stop's grace.
 
 It knows no trainer: ``launch_local`` is told which function each worker trains with.
 Nothing here imports torch at import time (a worker installs its stop handler before

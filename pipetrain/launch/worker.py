@@ -10,7 +10,9 @@ how).
 
 A stop signal (SIGTERM, or the Ctrl-C that the launcher forwards) can come at any moment.
 During the training steps the trainer's ``StopSignal`` makes it finish the step, save and
-stop. Outside them (importing torch, meeting the other ranks, building the model; the
+stop (after SIGTERM, a step that does not end within run.stop_grace_s is given up:
+``guard.StopGrace``); the rank also stops when its launcher dies (``guard.watch_launcher``).
+Outside them (importing torch, meeting the other ranks, building the model; the
 final evaluation and sample) no step can be cut short, so the rank ends there in one line
 with status 0, as a stop asked for is not a failure: torch's default handling printed a
 KeyboardInterrupt traceback per rank (or died of SIGTERM), and the launcher called the stop
