@@ -43,16 +43,18 @@ def _train(out: Path, name: str, *flags: str) -> list[dict[str, Any]]:
 
 
 def _all_to_all_seconds(folder: Path) -> list[float]:
-    """Per rank: seconds inside all-to-all events over the profiled steps."""
+    """Per rank: seconds its process group spent running all-to-alls over the profiled
+    steps: the backend's own ranges (``gloo:all_to_all``, one per exchange, forward and
+    backward, from its start to its completion, waiting for peers included). The ops that
+    enqueue them and the autograd nodes around them would count the same time twice."""
     seconds = []
     for rank in range(4):
         events = json.loads((folder / f"rank{rank}.trace.json").read_text())["traceEvents"]
         total_us = sum(
             e.get("dur", 0)
             for e in events
-            if e.get("ph") == "X" and "all_to_all" in str(e.get("name", "")).lower()
-            and e.get("cat") != "gpu_user_annotation"
-        )  # fmt: skip
+            if e.get("ph") == "X" and str(e.get("name", "")).endswith(":all_to_all")
+        )
         seconds.append(total_us * 1e-6)
     return seconds
 

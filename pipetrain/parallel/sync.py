@@ -121,7 +121,7 @@ def norm_share(
         routed = {id(p) for p in experts[0]}
         dense = Gradients(tuple(p for p in grads.counted if id(p) not in routed), grads.all)
         mine = norm_share(dense, mesh, sharded=sharded).counted
-        if experts[1]:
+        if experts[1] and mesh.tp_rank == 0:  # experts are whole on every tp rank
             mine += tuple(p for p in grads.counted if id(p) in routed)
         return Gradients(counted=mine, all=grads.all)
     if mesh.dp_rank != 0 and not sharded:

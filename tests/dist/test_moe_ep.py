@@ -4,7 +4,8 @@ one process on the full batch.
 pp=2 x dp=2 x ep=2 (1F1B; ZB-H1 with its split backward, a sigmoid router, a shared
 expert and the loss-free bias; a capacity factor that drops tokens; a router that never
 picks ep rank 1's experts, which then take part in every exchange with nothing to compute)
-and pp=1 x dp=4 x ep=2 (each expert on two replicas). Every rank also trains the single-process reference
+pp=1 x dp=2 x tp=2 x ep=2 (attention sharded, experts whole on each tp rank) and pp=1 x
+dp=4 x ep=2 (each expert on two replicas). Every rank also trains the single-process reference
 (all experts, 4 micro-batches of the same 2 sequences each) and compares per-step main
 loss, auxiliary loss, dropped tokens and global gradient norm (clipping engaged) to 1e-5
 relative over 5 AdamW steps, the balancing biases, and its final weights to 1e-4.
@@ -28,6 +29,8 @@ WORKER = textwrap.dedent(
     from pipetrain.config import OptimConfig
     from pipetrain.models import get_model_config, model_spec
     from pipetrain.models.moe import moe_layers
+    from torch.distributed.tensor import DTensor
+    from pipetrain.parallel.tp import shard_stage
     from pipetrain.parallel import (
         ExpertGradients, Gradients, ReplicaGradients, build_mesh, expert_groups,
         expert_parameters, norm_share, replica_denominator, replica_mean, shard_batch,
@@ -52,6 +55,9 @@ WORKER = textwrap.dedent(
     def biases(modules):
         return {n: l.expert_bias.tolist() for m in modules for n, l in moe_layers(m)
                 if l.expert_bias is not None}
+
+    def full(p):
+        return (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
     def idle(modules, on):
         # Experts 2 and 3 (ep rank 1's) never chosen: that rank gets no token at all.
@@ -92,6 +98,10 @@ WORKER = textwrap.dedent(
         )
         shard_experts(pipe.modules, groups)
         idle(pipe.modules, idle_experts)
+        if mesh.tp > 1:  # attention sharded over tp; the router and experts stay whole
+            for module in pipe.modules:
+                shard_stage(module, mesh.tp_mesh)
+            pipe.rebind_parameters()
         replicas.attach(pipe)
         opt = build_optimizer(pipe.named_parameters(), optim)
         update = GuardedUpdate(opt, optim, total_steps=STEPS, group=mesh.world_group)
@@ -111,7 +121,7 @@ WORKER = textwrap.dedent(
             o = update.apply(step, grads, loss)
             tracker.update_bias(moe)
             rows.append([loss, moe.aux_loss, moe.dropped, o.grad_norm, o.clip_factor])
-        errors = {n: float((p.detach() - ref_params[n]).norm() / ref_params[n].norm())
+        errors = {n: float((full(p) - ref_params[n]).norm() / ref_params[n].norm())
                   for n, p in pipe.named_parameters()}
         mine = biases(pipe.modules)
         return {"rows": rows, "ref_rows": ref_rows, "weight_errors": errors,
@@ -128,6 +138,8 @@ WORKER = textwrap.dedent(
         "moe-tiny", capacity_factor=1.0, **base), "1f1b")
     cases["idle-rank"] = parallel(mesh, get_model_config(
         "moe-tiny", bias_update_rate=1e-6, **base), "zb-h1", idle_experts=True)
+    cases["dp2-tp2-ep2"] = parallel(build_mesh("cpu", 1, 2, 2), get_model_config(
+        "moe-tiny", **base), "1f1b")
     cases["pp1-dp4-ep2"] = parallel(build_mesh("cpu", 1, 4), get_model_config(
         "moe-tiny", bias_update_rate=0.01, **base), "1f1b")
     with open(sys.argv[1] + f"/rank{dist.get_rank()}.json", "w") as f:
@@ -139,7 +151,9 @@ WORKER = textwrap.dedent(
     """
 )
 
-CASES = ["1f1b", "zb-h1-sigmoid-shared-bias", "capacity", "idle-rank", "pp1-dp4-ep2"]
+CASES = [
+    "1f1b", "zb-h1-sigmoid-shared-bias", "capacity", "idle-rank", "dp2-tp2-ep2", "pp1-dp4-ep2",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +182,7 @@ def test_equals_one_process_on_the_full_batch(results: list[dict], case: str) ->
             assert clip == pytest.approx(ref_clip, rel=1e-5), (case, step)
         assert min(r[4] for r in rows) < 1.0, "clipping never engaged: a bad norm would pass"
         # Each rank holds half of the experts of each of its MoE layers (4 experts, ep=2).
-        layers = 2 if case != "pp1-dp4-ep2" else 4
+        layers = 2 if case not in ("pp1-dp4-ep2", "dp2-tp2-ep2") else 4
         assert got["experts_here"] == 2 * layers
         assert max(got["weight_errors"].values()) < 1e-4, got["weight_errors"]
         for name, bias in got["bias"].items():
