@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.plan_auto import add_auto_flags, run_auto
 from pipetrain.cli.plan_moe import add_ep_flags, check_ep_args, moe_report
 from pipetrain.cli.plan_text import TpReport, render
 from pipetrain.cli.ranks import add_rank_flags, compare_equal, parse_size, rank_options
@@ -55,6 +56,7 @@ def add_parser(subparsers: Any) -> None:
     _add_tp_flags(p)
     add_ep_flags(p)
     _add_profile_flags(p)
+    add_auto_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)
 
@@ -71,7 +73,7 @@ def _add_split_flags(p: argparse.ArgumentParser) -> None:
         metavar="FIELD=VALUE",
         help="change a field of the model preset, e.g. --set n_layers=24 (repeatable)",
     )
-    p.add_argument("--pp", type=int, required=True, metavar="P", help="pipeline ranks")
+    p.add_argument("--pp", type=int, metavar="P", help="pipeline ranks (or --auto)")
     p.add_argument(
         "--schedule",
         default="1f1b",
@@ -330,6 +332,10 @@ def _costs(
 
 def run(args: argparse.Namespace) -> int:
     config = get_model_config(args.model, **parse_overrides(args.set))
+    if args.auto:
+        return run_auto(args, config, _costs)
+    if args.pp is None:
+        raise UsageError("plan needs --pp P, or --auto --world-size N to search the layouts")
     seq_len = _check_args(args, config)
     check_ep_args(args, config)
     spec = get_spec(args.schedule)

@@ -1,0 +1,284 @@
+"""``pipetrain plan --auto`` and ``pipetrain train --auto``: search the layouts, print the
+fastest that fit, write the winner as a config ``pipetrain train --config`` runs as is.
+
+    pipetrain plan --auto --model llama-default --world-size 4 [--memory-limit 1GiB]
+                   [--batch-size 32] [--seq-len 128] [--hardware cpu|a100|h100]
+                   [--balance profile] [--top 5] [--out auto.toml]
+
+The search is ``pipetrain.partition.auto`` (what is exact, what is pruned:
+docs/plan_auto.md). Costs are estimated from FLOPs for ``--hardware`` (per process; on a
+CPU the cores are shared by the processes), or measured on this machine with
+``--balance profile`` (whole layers at tp 1; a tp rank's share scaled as the estimate
+scales it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipetrain.cli.errors import UsageError
+from pipetrain.cli.ranks import parse_size
+from pipetrain.models.config import ModelConfig
+from pipetrain.partition.auto import AutoPlan, AutoRequest, Hardware, Scored, search
+from pipetrain.partition.balance import LayerCost, format_bytes
+from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
+
+__all__ = ["HARDWARE", "add_auto_flags", "auto_overrides", "hardware_for", "render", "run_auto"]
+
+# Per process. The CPU figure is DEFAULT_FLOPS's two cores shared by the processes; the
+# GPUs' are a sustained fraction of their fp32/TF32 peak, NVLink inside a node for tp,
+# InfiniBand between nodes for pp and dp.
+HARDWARE: dict[str, Hardware] = {
+    "cpu": Hardware("cpu", DEFAULT_FLOPS / 2, 5e-5, 1e-4, 2e9, 2e9, 4e9),
+    "a100": Hardware("a100", 1.0e14, 2e-5, 1e-5, 2.5e10, 2.4e11, 1.5e12),
+    "h100": Hardware("h100", 2.5e14, 2e-5, 1e-5, 5e10, 4.5e11, 2.5e12),
+}
+
+# Profile / estimate hook: (args, config, seq_len) -> (tp-1 layer costs, source, per_layer s).
+ProfileCosts = Callable[
+    [argparse.Namespace, ModelConfig, int], tuple[Sequence[LayerCost], str, float]
+]
+
+
+def add_auto_flags(p: argparse.ArgumentParser) -> None:
+    """``plan``'s flags of the search (with --memory-limit, --batch-size, --seq-len)."""
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="search schedule, chunks, pp x dp x tp, micro-batches, recomputation and early "
+        "input gradients for --world-size processes; print the fastest that fit",
+    )
+    p.add_argument("--world-size", type=int, metavar="N", help="with --auto: processes in all")
+    p.add_argument(
+        "--hardware",
+        choices=tuple(HARDWARE),
+        default="cpu",
+        help="with --auto: the device the estimated costs are for (default cpu)",
+    )
+    p.add_argument(
+        "--top", type=int, default=5, metavar="K", help="with --auto: layouts shown (default 5)"
+    )
+    p.add_argument(
+        "--out", metavar="FILE", help="with --auto: write the winner as a train config (TOML)"
+    )
+
+
+def hardware_for(name: str, world_size: int) -> Hardware:
+    """The preset; a CPU's cores are shared by the processes that run on it."""
+    hw = HARDWARE[name]
+    if name == "cpu":
+        cores = os.cpu_count() or 1
+        # DEFAULT_FLOPS is two cores' worth; the trainer gives each process cores / processes
+        # threads, or one thread time-sliced with the others beyond the cores.
+        hw = dataclasses.replace(hw, flops=DEFAULT_FLOPS / 2 * cores / world_size)
+    return hw
+
+
+def _check(args: argparse.Namespace, config: ModelConfig) -> int:
+    if args.world_size is None:
+        raise UsageError("--auto needs --world-size N, the number of processes to plan for")
+    for flag, value in (("--world-size", args.world_size), ("--top", args.top)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    seq_len: int = args.seq_len if args.seq_len is not None else config.max_seq_len
+    if not 1 <= seq_len <= config.max_seq_len:
+        raise UsageError(
+            f"--seq-len {seq_len} is outside 1..{config.max_seq_len} (the model's max_seq_len)"
+        )
+    if args.out is not None and args.set:
+        # A train config names a preset; a changed preset would train another model.
+        raise UsageError(
+            "--out writes a train config, which names a model preset without --set changes: "
+            "drop --set, or drop --out and pass the layout to pipetrain train yourself"
+        )
+    return seq_len
+
+
+def _costs_for(
+    args: argparse.Namespace,
+    config: ModelConfig,
+    seq_len: int,
+    hw: Hardware,
+    profile: ProfileCosts | None,
+) -> tuple[Callable[[int], Sequence[LayerCost]], str, Hardware]:
+    """tp degree -> one tp rank's layer costs; where they came from; the hardware with the
+    measured fixed cost per layer where measured."""
+
+    def estimated(tp: int) -> list[LayerCost]:
+        return estimate_costs(
+            config,
+            seq_len,
+            flops_per_second=hw.flops,
+            tp=tp,
+            tp_bandwidth=hw.tp_bandwidth if tp > 1 else None,
+        )
+
+    if profile is None:
+        return (
+            estimated,
+            f"estimated from FLOPs for {hw.name} at {hw.flops:.3g} FLOP/s a process",
+            hw,
+        )
+    measured, source, per_layer = profile(args, config, seq_len)
+    base = estimated(1)
+
+    def scaled(tp: int) -> list[LayerCost]:
+        if tp == 1:
+            return list(measured)
+        # A tp rank's share of a measured layer: the estimate's ratio, tp's collectives included.
+        out = []
+        for m, b, t in zip(measured, base, estimated(tp), strict=True):
+            ratio = t.time / b.time if b.time > 0 else 1.0
+            out.append(
+                dataclasses.replace(
+                    t,
+                    forward=m.forward * ratio,
+                    backward=m.backward * ratio,
+                    backward_input=m.backward_input * ratio,
+                    backward_weight=m.backward_weight * ratio,
+                )
+            )
+        return out
+
+    return scaled, source, dataclasses.replace(hw, per_layer=per_layer)
+
+
+def run_auto(args: argparse.Namespace, config: ModelConfig, profile: ProfileCosts) -> int:
+    """``plan --auto``: the table, the winner's reasons, and ``--out``'s config."""
+    seq_len = _check(args, config)
+    limit = parse_size(args.memory_limit) if args.memory_limit is not None else None
+    hw = hardware_for(args.hardware, args.world_size)
+    use_profile = args.balance == "profile"
+    if use_profile:
+        # The profile measures at --batch-size / --microbatches samples (and at one).
+        args = argparse.Namespace(**{**vars(args), "tp": 1, "split": None})
+    costs_for, source, hw = _costs_for(args, config, seq_len, hw, profile if use_profile else None)
+    request = AutoRequest(args.world_size, args.batch_size, seq_len, limit, top=args.top)
+    plan = search(config, request, costs_for, hw)
+    sys.stdout.write(render(plan, config.name, source))
+    if args.out is not None and plan.winner is not None:
+        _write(Path(args.out), config.name, plan.winner, request)
+        sys.stdout.write(f"wrote {args.out}: pipetrain train --config {args.out}\n")
+    return 0 if plan.winner is not None else 2
+
+
+def auto_overrides(scored: Scored, request: AutoRequest) -> dict[str, Any]:
+    """The config fields of a layout (``--set`` keys)."""
+    lay = scored.layout
+    return {
+        "pipeline.schedule": lay.schedule,
+        "pipeline.pp": lay.pp,
+        "pipeline.dp": lay.dp,
+        "pipeline.tp": lay.tp,
+        "pipeline.chunks": lay.chunks,
+        "pipeline.microbatches": lay.microbatches,
+        "pipeline.split": ",".join(str(n) for n in scored.split) if lay.pp > 1 else "",
+        "pipeline.balance": "uniform",
+        "pipeline.recompute": lay.recompute,
+        "pipeline.early_grads": lay.early_grads,
+        "data.batch_size": request.batch_size,
+        "data.seq_len": request.seq_len,
+    }
+
+
+def _write(path: Path, model: str, scored: Scored, request: AutoRequest) -> None:
+    from pipetrain.config import load_config
+    from pipetrain.config.load import config_to_toml
+
+    overrides = {"model.name": model, **auto_overrides(scored, request)}
+    config = load_config(None, overrides, check_paths=False)
+    try:
+        path.write_text(config_to_toml(config), encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(
+            f"--out {path}: cannot write it ({exc.strerror}): give a writable path"
+        ) from None
+
+
+def _size(n: float) -> str:
+    return format_bytes(n)
+
+
+def render(plan: AutoPlan, model: str, source: str) -> str:
+    """The top layouts as a table, then why the winner wins and what a budget took."""
+    req = plan.request
+    limit = "no limit" if req.memory_limit is None else f"{_size(req.memory_limit)} per process"
+    lines = [
+        f"{model} on {req.world_size} processes, batch {req.batch_size} x {req.seq_len}, {limit}",
+        f"costs {source}",
+        f"{'#':>2}  {'layout':<46} {'split':<18} {'step':>9} {'tokens/s':>10} {'bubble':>7} "
+        f"{'peak/process':>13}",
+    ]
+    for i, s in enumerate(plan.ranked[: req.top], start=1):
+        split = ",".join(map(str, s.split))
+        lines.append(
+            f"{i:>2}  {s.layout.describe():<46} {split[:18]:<18} {s.step_time * 1e3:>7.1f}ms "
+            f"{s.tokens_per_s:>10,.0f} {s.bubble:>7.1%} {_size(s.peak_bytes):>13}"
+        )
+    lines.extend(explain(plan))
+    lines.append(
+        f"searched {plan.layouts} layouts in {plan.seconds:.1f} s: {plan.simulated} simulated, "
+        f"{plan.pruned} pruned by their bounds (docs/plan_auto.md)"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def explain(plan: AutoPlan) -> list[str]:
+    """Why the winner wins, and what the memory limit made it give up."""
+    win = plan.winner
+    if win is None:
+        best = plan.over_budget[0] if plan.over_budget else None
+        need = (
+            f": the leanest simulated needs {_size(min(s.peak_bytes for s in plan.over_budget))}"
+            if best
+            else ""
+        )
+        return [
+            f"no layout fits{need}; raise --memory-limit, add processes (--world-size), or "
+            "use a smaller --batch-size or --seq-len"
+        ]
+    m = win.memory[win.peak_rank]
+    lines = [
+        f"winner: {win.layout.describe()}, split {','.join(map(str, win.split))}: "
+        f"{win.step_time * 1e3:.1f} ms a step (pipeline {win.pipeline_time * 1e3:.1f}, dp "
+        f"all-reduce {win.dp_time * 1e3:.1f}, update {win.update_time * 1e3:.1f}), peak "
+        f"{_size(win.peak_bytes)} on rank {win.peak_rank} (state {_size(m.static)}, "
+        f"activations {_size(m.activations)}, recompute {_size(m.transient)}, buffers "
+        f"{_size(m.buffers)})"
+    ]
+    if len(plan.ranked) > 1:
+        second = plan.ranked[1]
+        lines.append(
+            f"  it wins over {second.layout.describe()} by "
+            f"{second.step_time / win.step_time - 1:.1%} ({_differences(win, second)})"
+        )
+    given = plan.given_up
+    if given is not None:
+        lines.append(
+            f"  the memory limit gave up {given.layout.describe()}: "
+            f"{1 - given.step_time / win.step_time:.1%} faster a step, but "
+            f"{_size(given.peak_bytes)} on rank {given.peak_rank} ({_differences(win, given)})"
+        )
+    return lines
+
+
+def _differences(a: Scored, b: Scored) -> str:
+    """What ``a`` does differently from ``b``, and the bubbles and peaks."""
+    names = [
+        f.name
+        for f in dataclasses.fields(a.layout)
+        if getattr(a.layout, f.name) != getattr(b.layout, f.name)
+    ]
+    said = ", ".join(f"{n} {getattr(a.layout, n)} vs {getattr(b.layout, n)}" for n in names)
+    return (
+        f"{said or 'split ' + ','.join(map(str, a.split))}; bubble {a.bubble:.1%} vs "
+        f"{b.bubble:.1%}; peak {_size(a.peak_bytes)} vs {_size(b.peak_bytes)}"
+    )

@@ -1,0 +1,176 @@
+"""The space ``plan --auto`` searches: a layout's fields, the request and hardware it is
+searched for, and a scored layout (torch-free; ``pipetrain.partition.auto`` searches)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from pipetrain.models.config import ModelConfig
+from pipetrain.partition.balance import LayerCost, PartitionError
+from pipetrain.partition.estimate import check_tensor_parallel
+from pipetrain.partition.memory import RankMemory
+from pipetrain.schedules.registry import SCHEDULE_NAMES, get_spec
+
+__all__ = [
+    "AutoPlan",
+    "AutoRequest",
+    "CostsFor",
+    "Hardware",
+    "Layout",
+    "Scored",
+    "enumerate_layouts",
+]
+
+CostsFor = Callable[[int], Sequence[LayerCost]]  # tp degree -> one tp rank's layer costs
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a device and its links do; estimated times divide FLOPs by ``flops``."""
+
+    name: str
+    flops: float  # sustained FLOP/s of one process
+    per_layer: float  # seconds each layer adds to every F, I and W (twice to a B)
+    latency: float  # seconds per pipeline message
+    link_bandwidth: float  # bytes/s between pipeline ranks and of the dp all-reduce
+    tp_bandwidth: float  # bytes/s of a tensor-parallel link
+    update_bandwidth: float  # bytes/s the optimizer update streams its state through
+
+
+@dataclass(frozen=True)
+class AutoRequest:
+    """The space to search and the budget."""
+
+    world_size: int
+    batch_size: int
+    seq_len: int
+    memory_limit: float | None = None  # bytes per process; None: no limit
+    schedules: tuple[str, ...] = ()  # () = every synchronous built-in schedule
+    chunks: tuple[int, ...] = (2, 4)  # stages per rank tried by looped schedules
+    max_tp: int = 8  # a tp group lives inside one machine's fast links
+    recompute: tuple[bool, ...] = (False, True)
+    top: int = 5  # candidates kept exact and shown
+    # Layouts whose schedule has more than this many forwards (p x m x v) are not simulated:
+    # a replay of 64 x 64 takes seconds. Pruning: docs/plan_auto.md.
+    max_forwards: int = 1024
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """One point of the space: what a ``pipetrain train`` config sets."""
+
+    schedule: str
+    pp: int
+    dp: int
+    tp: int
+    chunks: int
+    microbatches: int
+    recompute: bool
+    early_grads: bool
+
+    def describe(self) -> str:
+        v = f" v={self.chunks}" if get_spec(self.schedule).uses_chunks else ""
+        extras = "".join(
+            (" recompute" if self.recompute else "", " early-grads" if self.early_grads else "")
+        )
+        return (
+            f"{self.schedule}{v} pp={self.pp} dp={self.dp} tp={self.tp} m={self.microbatches}"
+            + extras
+        )
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A simulated layout: its split, step time and bytes per rank."""
+
+    layout: Layout
+    split: tuple[int, ...]  # blocks per model stage (pipeline.split)
+    memory_balanced: bool  # the time-balanced split did not fit: balanced under the limit
+    pipeline_time: float  # the simulator's makespan of one step
+    dp_time: float  # the dp all-reduce's time after the last backward
+    update_time: float  # the optimizer update
+    bubble: float  # idle share of the pipeline
+    memory: tuple[RankMemory, ...]
+    fits: bool
+    tokens: int  # per step, every replica's
+
+    @property
+    def step_time(self) -> float:
+        return self.pipeline_time + self.dp_time + self.update_time
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time if self.step_time > 0 else math.inf
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(m.total for m in self.memory)
+
+    @property
+    def peak_rank(self) -> int:
+        totals = [m.total for m in self.memory]
+        return totals.index(max(totals))
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """The search's outcome: fitting layouts fastest first, and how much it looked at."""
+
+    request: AutoRequest
+    ranked: tuple[Scored, ...]  # fitting, fastest first
+    over_budget: tuple[Scored, ...]  # simulated but over the limit, fastest first
+    layouts: int  # in the space
+    simulated: int
+    pruned: int  # never simulated: their bound could not beat the top
+    seconds: float
+
+    @property
+    def winner(self) -> Scored | None:
+        return self.ranked[0] if self.ranked else None
+
+    @property
+    def given_up(self) -> Scored | None:
+        """The fastest layout the memory limit ruled out, when it beats the winner."""
+        best = self.over_budget[0] if self.over_budget else None
+        win = self.winner
+        if best is None or (win is not None and best.step_time >= win.step_time):
+            return None
+        return best
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _synchronous(names: Sequence[str]) -> tuple[str, ...]:
+    return tuple(n for n in (names or SCHEDULE_NAMES) if not get_spec(n).asynchronous)
+
+
+def enumerate_layouts(config: ModelConfig, req: AutoRequest) -> Iterator[Layout]:
+    """Every layout of the space that the schedules' own constraints accept."""
+    for tp in _divisors(req.world_size):
+        if tp > req.max_tp:
+            continue
+        try:
+            check_tensor_parallel(config, tp, seq_len=req.seq_len)
+        except PartitionError:
+            continue
+        for pp in _divisors(req.world_size // tp):
+            dp = req.world_size // (tp * pp)
+            if req.batch_size % dp:
+                continue
+            # One rank: every schedule is the same gradient accumulation.
+            names = ("1f1b",) if pp == 1 else _synchronous(req.schedules)
+            for name in names:
+                spec = get_spec(name)
+                for v in req.chunks if spec.uses_chunks else (spec.default_chunks,):
+                    stages = pp * v if spec.placement != "chimera" else pp
+                    if stages > config.n_layers + 2:
+                        continue
+                    for m in _divisors(req.batch_size // dp):
+                        if pp * m * v > req.max_forwards or spec.check(pp, m, v) is not None:
+                            continue
+                        for recompute in req.recompute:
+                            yield Layout(name, pp, dp, tp, v, m, recompute, False)

@@ -1,0 +1,114 @@
+"""The planner's memory model in bytes, per rank, for one candidate layout (torch-free).
+
+What one process (one tp rank of one pipeline rank of one replica) holds at its peak:
+
+    weights + gradients + optimizer state   16 bytes a parameter (fp32 AdamW), plus the
+                                            dp gradient buckets (4 more) with dp > 1
+    activations                             the simulator's peak over the schedule of the
+                                            live micro-batches' saved tensors
+    transient                               with recomputation, the one block being re-run
+                                            in the backward holds its full activations
+    buffers                                 messages in flight: one activation forward and
+                                            one gradient backward per pipeline neighbour
+
+The per-layer figures and the formula term by term are docs/memory_model.md; the schedule
+decides the activations (``pipetrain.sim.simulator`` counts them per rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from pipetrain.partition.balance import LayerCost, Partition
+
+__all__ = [
+    "OPTIMIZER_FACTOR",
+    "RankMemory",
+    "rank_memory",
+    "recompute_costs",
+]
+
+# AdamW keeps two fp32 moments per parameter.
+OPTIMIZER_FACTOR = 2
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one process holds at its peak, by what holds them."""
+
+    weights: float  # every weight version held (one for synchronous schedules)
+    gradients: float  # the .grad tensors, plus the dp buckets' flat copies with dp > 1
+    optimizer: float
+    activations: float  # the schedule's peak of live micro-batches' saved tensors
+    transient: float  # recomputation: one block's full activations for one micro-batch
+    buffers: float  # pipeline messages in flight
+
+    @property
+    def static(self) -> float:
+        """What does not depend on the micro-batches: weights, gradients, optimizer state."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.static + self.activations + self.transient + self.buffers
+
+
+def recompute_costs(costs: Sequence[LayerCost], block_input_bytes: float) -> list[LayerCost]:
+    """``costs`` with every block recomputed in its backward (``torch.utils.checkpoint`` per
+    block, as ``pipeline.recompute`` does): a block keeps only its input per sample
+    (``block_input_bytes``) and its backward runs its forward again first."""
+    out = []
+    for c in costs:
+        if c.kind != "block":
+            out.append(c)
+            continue
+        out.append(
+            replace(
+                c,
+                backward=c.backward + c.forward,
+                backward_input=c.backward_input + c.forward,
+                activation_bytes_per_sample=block_input_bytes,
+            )
+        )
+    return out
+
+
+def rank_memory(
+    partition: Partition,
+    costs: Sequence[LayerCost],
+    *,
+    weight_bytes: Sequence[float],
+    peak_activation_bytes: Sequence[float],
+    microbatch_size: int,
+    message_bytes: float,
+    dp: int,
+    recompute_block_bytes: float = 0.0,
+) -> tuple[RankMemory, ...]:
+    """Each rank's bytes: ``weight_bytes`` and ``peak_activation_bytes`` are the simulator's
+    per rank; ``message_bytes`` one micro-batch's activation between stages;
+    ``recompute_block_bytes`` one block's full activations per sample when recomputing
+    (0 without recomputation)."""
+    ranks = partition.num_ranks
+    grads = [0.0] * ranks
+    has_block = [False] * ranks
+    neighbours = [0] * ranks
+    for stage, holders in enumerate(partition.stage_ranks):
+        for rank in holders:
+            grads[rank] += partition.param_bytes[stage]
+            has_block[rank] |= any(costs[i].kind == "block" for i in partition.stages[stage])
+    for rank in range(ranks):
+        # Linear and looped placements both talk to the ranks either side of this one.
+        neighbours[rank] = (rank > 0) + (rank < ranks - 1)
+    bucket = 2 if dp > 1 else 1
+    return tuple(
+        RankMemory(
+            weights=weight_bytes[r],
+            gradients=bucket * grads[r],
+            optimizer=OPTIMIZER_FACTOR * grads[r],
+            activations=peak_activation_bytes[r],
+            transient=recompute_block_bytes * microbatch_size if has_block[r] else 0.0,
+            buffers=2.0 * neighbours[r] * message_bytes,
+        )
+        for r in range(ranks)
+    )

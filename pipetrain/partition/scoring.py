@@ -1,0 +1,271 @@
+"""Scoring one layout for ``plan --auto``: its split, its simulated step and its bytes
+per rank, with the caches the layouts share (torch-free)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pipetrain.models.config import ModelConfig
+from pipetrain.partition.balance import LayerCost, MemoryModel, Partition, PartitionError
+from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
+from pipetrain.partition.memory import rank_memory, recompute_costs
+from pipetrain.partition.stages import rank_live_points, split_for, stage_ranks_of
+from pipetrain.schedules.early_grads import early_grads
+from pipetrain.schedules.execution import Costs
+from pipetrain.schedules.placement import Placement
+from pipetrain.schedules.registry import get_spec
+from pipetrain.schedules.schedule import Schedule, ScheduleError
+from pipetrain.sim.data_parallel import data_parallel_cost
+from pipetrain.sim.simulator import SimResult, simulate
+
+__all__ = ["Scorer"]
+
+_FP32 = 4
+# AdamW reads a parameter, its gradient and both moments and writes three of them back.
+_UPDATE_BYTES_PER_PARAM_BYTE = 7
+
+
+class Scorer:
+    """Caches shared by the layouts: costs per (tp, recompute), schedules, splits."""
+
+    def __init__(
+        self, config: ModelConfig, req: AutoRequest, costs_for: CostsFor, hw: Hardware
+    ) -> None:
+        self.config, self.req, self.hw = config, req, hw
+        self._costs_for = costs_for
+        self._costs: dict[tuple[int, bool], list[LayerCost]] = {}
+        self._schedules: dict[tuple[str, int, int, int, bool], Schedule] = {}
+        self._splits: dict[tuple[int, bool, int], Partition] = {}
+
+    def costs(self, tp: int, recompute: bool) -> list[LayerCost]:
+        key = (tp, recompute)
+        if key not in self._costs:
+            plain = list(self._costs_for(tp))
+            self._costs[key] = recompute_costs(plain, self.message_bytes(1)) if recompute else plain
+        return self._costs[key]
+
+    def message_bytes(self, mb: int) -> float:
+        """One micro-batch's (mb, T, d) activation between stages, as every tp rank sends it."""
+        return float(_FP32 * mb * self.req.seq_len * self.config.d_model)
+
+    def schedule(self, layout: Layout) -> Schedule:
+        lay = layout
+        key = (lay.schedule, lay.pp, lay.microbatches, lay.chunks, lay.early_grads)
+        if key not in self._schedules:
+            plain = get_spec(lay.schedule).build(lay.pp, lay.microbatches, lay.chunks)
+            self._schedules[key] = early_grads(plain) if lay.early_grads else plain
+        return self._schedules[key]
+
+    def bound(self, layout: Layout) -> tuple[float, float]:
+        """Lower bounds of the step time and of the fullest rank's static bytes.
+
+        Time: a rank works through its share of the micro-batches after the first one has
+        come through the stages before its earliest (exact for the time-balanced split; a
+        split balanced under the memory limit can only be slower per rank, which the
+        bound of its time-balanced split does not see: that part is pruning).
+        """
+        costs = self.costs(layout.tp, layout.recompute)
+        params = sum(c.param_bytes for c in costs) - sum(c.tied_param_bytes for c in costs)
+        update = _UPDATE_BYTES_PER_PARAM_BYTE * params / layout.pp / self.hw.update_bandwidth
+        try:
+            placement = self.placement(layout)
+            partition = self.split_for_placement(layout, placement)
+        except (PartitionError, ScheduleError):
+            return math.inf, math.inf
+        # Every rank holds one micro-batch of its stages at some point: the fullest rank
+        # at least the mean of state plus one micro-batch's activations (Chimera holds
+        # every stage twice).
+        mb = self.req.batch_size // layout.dp // layout.microbatches
+        acts = sum(c.activation_bytes_per_sample for c in costs) * mb
+        copies = placement.replicas
+        static = copies * ((4 + (layout.dp > 1)) * params + acts) / layout.pp
+        m = layout.microbatches
+        scale = m if get_spec(layout.schedule).whole_batch else 1
+        per_layer = self.hw.per_layer
+        forward = [
+            f * mb + per_layer * len(layers)
+            for f, layers in zip(partition.forward, partition.stages, strict=True)
+        ]
+        backward = [
+            b * mb + 2 * per_layer * len(layers)
+            for b, layers in zip(partition.backward, partition.stages, strict=True)
+        ]
+        prefix = [0.0]
+        for f in forward:
+            prefix.append(prefix[-1] + f)
+        best = 0.0
+        for rank in range(placement.num_ranks):
+            held = [placement.model_stage(v) for v in placement.stages_of(rank)]
+            actions = 1 if scale > 1 else m  # naive: one action carries the whole batch
+            work = sum(forward[j] + backward[j] for j in held) * actions / placement.replicas
+            best = max(best, (min(prefix[j] for j in held) + work) * scale)
+        return best + update, static
+
+    def placement(self, layout: Layout) -> Placement:
+        """The layout's placement, without building its schedule where the kind says it."""
+        kind, p, v = get_spec(layout.schedule).placement, layout.pp, layout.chunks
+        made = {
+            "linear": Placement.linear,
+            "v": Placement.v_shape,
+            "bidirectional": Placement.bidirectional,
+        }
+        if kind in made:
+            return made[kind](p)
+        if kind == "looped":
+            return Placement.looped(p, v)
+        return self.schedule(layout).placement
+
+    def split(self, layout: Layout, schedule: Schedule, memory: MemoryModel | None) -> Partition:
+        if memory is None:
+            return self.split_for_placement(layout, schedule.placement)
+        costs = self.costs(layout.tp, layout.recompute)
+        return split_for("cost", costs, stage_ranks_of(schedule.placement), None, memory)
+
+    def split_for_placement(self, layout: Layout, placement: Placement) -> Partition:
+        """The time-balanced split (no limit) of ``placement``'s model stages."""
+        ranks = stage_ranks_of(placement)
+        costs = self.costs(layout.tp, layout.recompute)
+        # Without a limit the split depends on the number of stages only, not their ranks.
+        key = (layout.tp, layout.recompute, len(ranks))
+        if key not in self._splits:
+            self._splits[key] = split_for("cost", costs, ranks, None, None)
+        return replace(self._splits[key], stage_ranks=ranks)
+
+    def evaluate(self, layout: Layout) -> Scored | None:
+        """The layout simulated, split under the limit where it must be; None when the
+        model cannot be split for it."""
+        try:
+            schedule = self.schedule(layout)
+            scored = self._score(layout, schedule, self.split(layout, schedule, None), False)
+        except (PartitionError, ScheduleError):
+            return None
+        limit = self.req.memory_limit
+        if scored.fits or limit is None:
+            return scored
+        if schedule.placement.stages_per_rank > 1:
+            # Several stages a rank couple the limits: the exact search over their cuts
+            # takes up to seconds a layout, more than the search can give each one.
+            return scored
+        memory = self._memory_model(layout, schedule, scored, limit)
+        if memory is None:
+            return scored
+        try:
+            partition = self.split(layout, schedule, memory)
+        except PartitionError:
+            return scored  # no split fits: the time-balanced one stands for the layout
+        return self._score(layout, schedule, partition, True)
+
+    def _memory_model(
+        self, layout: Layout, schedule: Schedule, scored: Scored, limit: float
+    ) -> MemoryModel | None:
+        """The balancer's limit: the budget less what the split does not change."""
+        spare = max(m.transient + m.buffers for m in scored.memory)
+        spec = get_spec(layout.schedule)
+        mb = self.req.batch_size // layout.dp // layout.microbatches
+        points = rank_live_points(schedule)
+        live = tuple(
+            max((max(p[s] for p in r) for r in points if r), default=1)
+            for s in range(schedule.placement.num_model_stages)
+        )
+        if spec.whole_batch:
+            scale = layout.microbatches
+            live = tuple(n * scale for n in live)
+            points = tuple(tuple(tuple(n * scale for n in p) for p in r) for r in points)
+        if limit - spare <= 0:
+            return None
+        state = 4.0 + (layout.dp > 1)
+        return MemoryModel(
+            limit_bytes=limit - spare,
+            microbatch_size=mb,
+            live=live,
+            state_factor=state,
+            rank_live=points,
+            whole_batch=spec.whole_batch,
+        )
+
+    def _score(
+        self, layout: Layout, schedule: Schedule, partition: Partition, balanced: bool
+    ) -> Scored:
+        hw, req = self.hw, self.req
+        local = req.batch_size // layout.dp
+        mb = local // layout.microbatches
+        whole = get_spec(layout.schedule).whole_batch
+        sim = self._simulate(schedule, partition, mb, whole, layout.microbatches)
+        dp_time = 0.0
+        if layout.dp > 1:
+            cost = data_parallel_cost(
+                sim.timeline,
+                schedule.placement,
+                partition.param_bytes,
+                replicas=layout.dp,
+                bandwidth=hw.link_bandwidth,
+            )
+            dp_time = cost.exposed
+        weights = sim.weight_bytes or tuple(0.0 for _ in range(layout.pp))
+        update = max(weights) * _UPDATE_BYTES_PER_PARAM_BYTE / hw.update_bandwidth
+        costs = self.costs(layout.tp, layout.recompute)
+        full_block = max(
+            (
+                c.activation_bytes_per_sample
+                for c in self.costs(layout.tp, False)
+                if c.kind == "block"
+            ),
+            default=0.0,
+        )
+        memory = rank_memory(
+            partition,
+            costs,
+            weight_bytes=weights,
+            peak_activation_bytes=sim.peak_activation_bytes or (0.0,) * len(weights),
+            microbatch_size=mb,
+            message_bytes=self.message_bytes(mb) if layout.pp > 1 else 0.0,
+            dp=layout.dp,
+            recompute_block_bytes=full_block if layout.recompute else 0.0,
+        )
+        limit = req.memory_limit
+        fits = limit is None or all(m.total <= limit for m in memory)
+        return Scored(
+            layout,
+            _blocks_per_stage(costs, partition),
+            balanced,
+            sim.makespan,
+            dp_time,
+            update,
+            sim.bubble.idle_fraction,
+            memory,
+            fits,
+            req.batch_size * req.seq_len,
+        )
+
+    def _simulate(
+        self, schedule: Schedule, partition: Partition, mb: int, whole: bool, m: int
+    ) -> SimResult:
+        fixed = [self.hw.per_layer * len(layers) for layers in partition.stages]
+
+        def per_action(values: Sequence[float], times: int) -> tuple[float, ...]:
+            return tuple(v * mb + times * f for v, f in zip(values, fixed, strict=True))
+
+        costs = Costs(
+            forward=per_action(partition.forward, 1),
+            backward=per_action(partition.backward, 2),
+            backward_input=per_action(partition.backward_input, 1),
+            backward_weight=per_action(partition.backward_weight, 1),
+            latency=self.hw.latency,
+            bandwidth=self.hw.link_bandwidth,
+            message_bytes=self.message_bytes(mb),
+        )
+        activations = tuple(a * mb for a in partition.activation_bytes_per_sample)
+        weights = tuple(float(b) for b in partition.param_bytes)
+        return simulate(
+            schedule,
+            costs,
+            activation_bytes=activations,
+            weight_bytes=weights,
+            batch_scale=m if whole else 1,
+        )
+
+
+def _blocks_per_stage(costs: Sequence[LayerCost], partition: Partition) -> tuple[int, ...]:
+    return tuple(sum(1 for i in stage if costs[i].kind == "block") for stage in partition.stages)
