@@ -4,6 +4,7 @@ against a store faked in memory (the interleavings of two processes, forced)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -34,6 +35,20 @@ class _Store:
         return self.counters[key]
 
 
+@dataclass(frozen=True)
+class _Prefixed:
+    """What the process group is given: the run's store under a prefix of its own."""
+
+    prefix: str
+    store: _Store
+
+
+@pytest.fixture(autouse=True)
+def _prefix_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    # c10d's PrefixStore takes only c10d's own stores.
+    monkeypatch.setattr(rendezvous, "PrefixStore", _Prefixed)
+
+
 def _join(monkeypatch: pytest.MonkeyPatch, store: _Store) -> list[Any]:
     joined: list[Any] = []
     monkeypatch.setattr(rendezvous, "_store", lambda role, timeout_s: store)
@@ -46,7 +61,24 @@ def _join(monkeypatch: pytest.MonkeyPatch, store: _Store) -> list[Any]:
 
 def test_every_process_ready_joins_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
     store = _Store({"pipetrain/start/0/1": json.dumps({"ready": True})})
-    assert len(_join(monkeypatch, store)) == 1
+    (joined,) = _join(monkeypatch, store)
+    assert joined["store"] == _Prefixed("pipetrain/start/0/", store)
+
+
+def test_a_restarted_group_joins_under_a_prefix_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torchrun's static rendezvous keeps one store across --max-restarts: the process
+    # group of attempt 1 must not read the addresses that attempt 0's processes left.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    store = _Store(
+        {
+            "pipetrain/start/0/1": json.dumps({"host": "x", "problem": "old", "input": True}),
+            "pipetrain/start/1/1": json.dumps({"ready": True}),
+        }
+    )
+    (joined,) = _join(monkeypatch, store)
+    assert joined["store"] == _Prefixed("pipetrain/start/1/", store)
 
 
 def test_a_failure_posted_but_not_yet_counted_is_not_taken_for_ready(
