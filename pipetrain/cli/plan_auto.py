@@ -29,7 +29,16 @@ from pipetrain.partition.auto import AutoPlan, AutoRequest, Hardware, Scored, se
 from pipetrain.partition.balance import LayerCost, format_bytes
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
 
-__all__ = ["HARDWARE", "add_auto_flags", "auto_overrides", "hardware_for", "render", "run_auto"]
+__all__ = [
+    "HARDWARE",
+    "add_auto_flags",
+    "add_train_auto_flags",
+    "auto_config",
+    "auto_overrides",
+    "hardware_for",
+    "render",
+    "run_auto",
+]
 
 # Per process. The CPU figure is DEFAULT_FLOPS's two cores shared by the processes; the
 # GPUs' are a sustained fraction of their fp32/TF32 peak, NVLink inside a node for tp,
@@ -282,3 +291,54 @@ def _differences(a: Scored, b: Scored) -> str:
         f"{said or 'split ' + ','.join(map(str, a.split))}; bubble {a.bubble:.1%} vs "
         f"{b.bubble:.1%}; peak {_size(a.peak_bytes)} vs {_size(b.peak_bytes)}"
     )
+
+
+def add_train_auto_flags(p: argparse.ArgumentParser) -> None:
+    """``train --auto``: plan the layout first, then train it."""
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="choose schedule, chunks, pp x dp x tp, micro-batches, recomputation and early "
+        "input gradients for --world-size processes (as plan --auto), then train that layout",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="with --auto: processes in all (default: the config's pp x dp x tp)",
+    )
+    p.add_argument(
+        "--memory-limit", metavar="SIZE", help="with --auto: memory per process, e.g. 16GiB"
+    )
+    p.add_argument(
+        "--hardware",
+        choices=tuple(HARDWARE),
+        default="cpu",
+        help="with --auto: the device the estimated costs are for (default cpu)",
+    )
+
+
+def auto_config(config: Any, args: argparse.Namespace) -> Any:
+    """``config`` (a ``TrainConfig``) with the layout ``plan --auto`` chooses for it."""
+    from pipetrain.models.config import get_model_config
+
+    if not getattr(args, "auto", False):
+        return config
+    world = args.world_size if args.world_size is not None else config.pipeline.processes
+    if world < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world}")
+    limit = parse_size(args.memory_limit) if args.memory_limit is not None else None
+    model = get_model_config(config.model.name)
+    hw = hardware_for(args.hardware, world)
+    costs_for, source, hw = _costs_for(args, model, config.data.seq_len, hw, None)
+    request = AutoRequest(world, config.data.batch_size, config.data.seq_len, limit)
+    plan = search(model, request, costs_for, hw)
+    sys.stdout.write(render(plan, model.name, source))
+    if plan.winner is None:
+        raise UsageError(
+            f"--auto found no layout of {world} processes that fits: raise --memory-limit, "
+            "add processes (--world-size), or use a smaller --batch-size or --seq-len"
+        )
+    fields = auto_overrides(plan.winner, request)
+    pipeline = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("pipeline.")}
+    return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, **pipeline))

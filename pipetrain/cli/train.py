@@ -19,6 +19,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
+from pipetrain.cli.plan_auto import add_train_auto_flags, auto_config
 from pipetrain.config import TrainConfig, load_config, parse_override
 from pipetrain.config.docs import config_fields
 
@@ -212,6 +213,7 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=_LinesFormatter,
     )
     add_config_flags(p)
+    add_train_auto_flags(p)
     p.set_defaults(run=run)
 
 
@@ -221,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     role = role_from_env()
     notes: list[str] = []
     try:
-        config = config_from_args(args, notes=notes)
+        config = auto_config(config_from_args(args, notes=notes), args)
         if _chunks_given(args):
             from pipetrain.train.preflight import check_chunks_given
 
