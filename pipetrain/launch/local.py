@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +24,8 @@ from types import FrameType
 from pipetrain.launch.process_exit import EXIT_RECORDS_ENV, exit_record
 
 __all__ = ["LaunchFailed", "launch_local"]
+
+_POLL_S = 0.5
 
 
 class LaunchFailed(RuntimeError):
@@ -82,13 +85,38 @@ def _doctor_blame(config_path: Path, since: float) -> str | None:
     return None if found is None else found.text
 
 
-def _to_ranks(signum: int, frame: FrameType | None) -> None:
-    """Pass a signal on to this process's children: the ranks torch's launcher started
-    (Linux lists them in /proc; elsewhere nothing is passed on)."""
+def _children() -> list[int]:
+    """This process's children: the ranks torch's launcher started (Linux lists them in
+    /proc; elsewhere none are found)."""
+    found = []
     for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
         with contextlib.suppress(OSError, ValueError):
-            for pid in children.read_text().split():
-                os.kill(int(pid), signum)
+            found += [int(pid) for pid in children.read_text().split()]
+    return found
+
+
+def _to_ranks(signum: int, frame: FrameType | None) -> None:
+    """Pass a signal on to the ranks."""
+    for pid in _children():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signum)
+
+
+def _continue_stopped_ranks(records: Path, done: threading.Event) -> None:
+    """Once a rank has failed, continue the ranks that are stopped (SIGSTOP, a terminal's
+    Ctrl-Z). torch's launcher then stops every rank with SIGTERM, which a stopped process
+    does not act on until continued, and waits 30 s before it SIGKILLs it; continued, it
+    takes the SIGTERM (or finds its peers gone) and ends in seconds, with its own line."""
+    while not done.wait(_POLL_S):
+        with contextlib.suppress(OSError):
+            failed = any(r.read_text().strip() not in ("", "0") for r in records.glob("rank*"))
+            if not failed:
+                continue
+        for pid in _children():
+            with contextlib.suppress(OSError, IndexError):
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state == "T":
+                    os.kill(pid, signal.SIGCONT)
 
 
 def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
@@ -124,6 +152,10 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
     os.environ[EXIT_RECORDS_ENV] = str(records)
     # SIGUSR1 to the launcher asks every rank's hang doctor for a report.
     forwarding = signal.signal(signal.SIGUSR1, _to_ranks)
+    done = threading.Event()
+    threading.Thread(
+        target=_continue_stopped_ranks, args=(records, done), name="pipetrain-continue", daemon=True
+    ).start()
     try:
         elastic_launch(launch, sys.executable)(
             "-m", "pipetrain.launch.worker", entry, str(config_path)
@@ -165,6 +197,7 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
             f"{first}; {len(failures)} of {processes} processes failed", code
         ) from None
     finally:
+        done.set()
         signal.signal(signal.SIGUSR1, forwarding)
         if before is None:
             os.environ.pop(EXIT_RECORDS_ENV, None)

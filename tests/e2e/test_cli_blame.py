@@ -3,8 +3,9 @@ ranks 1 and 2 time out and exit, and the launcher's last line names rank 0, the 
 that stopped answering first, as the hang doctor's report in the run folder does; not
 rank 1, the first to exit (what it said before).
 
-Rank 0 gets SIGCONT once the other two have exited (sooner than torch's launcher's SIGKILL
-30 s after its SIGTERM); it then fails on its lost peers, last.
+Once the other two have exited, the launcher continues rank 0 (SIGCONT), which then takes
+torch's launcher's SIGTERM or fails on its lost peers, last: the run ends within seconds,
+not after the 30 s that torch's launcher waits before it SIGKILLs a rank.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def _ranks(launcher: int) -> dict[int, int]:
         with contextlib.suppress(OSError):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             env = dict(item.decode().split("=", 1) for item in environ if b"=" in item)
-            found[int(env["RANK"])] = int(pid)
+            if "RANK" in env:  # not a child caught between its fork and exec
+                found[int(env["RANK"])] = int(pid)
     return found
 
 
@@ -93,8 +95,7 @@ def test_the_launcher_blames_the_rank_that_stopped_answering(work: Path, tmp_pat
         while any(_state(ranks[r]) not in ("Z", "gone") for r in (1, 2)):
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        os.kill(ranks[0], signal.SIGCONT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=20)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
