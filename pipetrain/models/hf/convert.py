@@ -101,20 +101,27 @@ def load_hf_weights(target: Any, directory: Path | str, *, check: bool = True) -
     count = 0
     with torch.no_grad():
         for path, keys in sorted(by_file.items()):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in keys:
-                    raw = f.get_tensor(key)  # memory-mapped: only this tensor's pages
+            for key in keys:
+                # The file opened for each tensor: a tensor read is a view of the memory
+                # map, and the pages it touched stay resident until the file is closed,
+                # so one open file would hold this rank's whole part of the shard on top
+                # of its copy (BENCHMARKS.md, import memory); a header per tensor is cheap.
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    raw = f.get_tensor(key)
                     for tensor, source in wanted[key]:
-                        value = to_pipetrain(raw, source)
-                        if value.shape != tensor.shape:
-                            raise HFImportError(
-                                f"{path.name}: {key} gives a tensor of shape "
-                                f"{tuple(value.shape)} but the model's is "
-                                f"{tuple(tensor.shape)}: build the pipeline from its config.json"
-                            )
-                        tensor.copy_(value)
+                        _copy_checked(tensor, to_pipetrain(raw, source), path, key)
                         count += 1
+                    del raw
     return HFLoad(hf.architecture, hf.config, count, tuple(sorted(p.name for p in by_file)))
+
+
+def _copy_checked(tensor: torch.Tensor, value: torch.Tensor, path: Path, key: str) -> None:
+    if value.shape != tensor.shape:
+        raise HFImportError(
+            f"{path.name}: {key} gives a tensor of shape {tuple(value.shape)} but the "
+            f"model's is {tuple(tensor.shape)}: build the pipeline from its config.json"
+        )
+    tensor.copy_(value)
 
 
 def hf_state_dict(
