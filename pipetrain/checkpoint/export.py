@@ -132,22 +132,28 @@ def load_weights(modules: nn.Module | Iterable[nn.Module], file: Path | str) -> 
 
     index = state.index_parameters([modules] if isinstance(modules, nn.Module) else modules)
     try:
-        with safe_open(str(file), framework="pt", device="cpu") as f, torch.no_grad():
+        with safe_open(str(file), framework="pt", device="cpu") as f:  # the header only
             names = set(f.keys())
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in index.tensors if k in names}
+        for key, copies in index.tensors.items():
+            if key not in names:
+                raise CheckpointError(
+                    f"{file} has no tensor {key!r}: export a checkpoint of this model"
+                )
+            if shapes[key] != tuple(copies[0].shape):
+                raise CheckpointError(
+                    f"{file}: {key} has shape {shapes[key]}, the model "
+                    f"{tuple(copies[0].shape)}: export a checkpoint of this model"
+                )
+        # The file opened for each tensor: pages a read touched stay resident until the
+        # file closes (as in pipetrain.models.hf.convert).
+        with torch.no_grad():
             for key, copies in index.tensors.items():
-                if key not in names:
-                    raise CheckpointError(
-                        f"{file} has no tensor {key!r}: export a checkpoint of this model"
-                    )
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != tuple(copies[0].shape):
-                    raise CheckpointError(
-                        f"{file}: {key} has shape {shape}, the model "
-                        f"{tuple(copies[0].shape)}: export a checkpoint of this model"
-                    )
-                value = f.get_tensor(key)
-                for tensor in copies:
-                    tensor.copy_(value)
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    value = f.get_tensor(key)
+                    for tensor in copies:
+                        tensor.copy_(value)
+                    del value
     except (OSError, CheckpointError):
         raise
     except Exception as exc:  # the package's own error type for a damaged file
