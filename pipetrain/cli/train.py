@@ -298,6 +298,7 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
         sys.stdout.writelines(f"{note}\n" for note in notes)
         processes = config.pipeline.processes
         announce(config, sys.stdout, lock)
+        lock.hand_over()  # the ranks' locks, to rank 0: held until it is gone
         if processes == 1:
             train(config, ProcessRole(), announced=True)
             return 0

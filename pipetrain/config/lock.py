@@ -8,8 +8,13 @@ them before it writes anything, and holds the locks until the run ends.
 The lock is ``flock(2)``, which belongs to an open file: the kernel drops it when that
 process ends, however it ends (SIGKILL, a crash, the OOM killer), so a dead run never
 leaves a stale lock and nothing has to be cleaned up by hand. The lock file itself stays;
-it holds the holder's process id and host, so a refused run can name them. It is never
-removed: a process that removed it while another waited to lock it would let a third
+it holds the holder's process id and host, so a refused run can name them.
+
+The launcher of local ranks holds a second lock file, ``.pipetrain.ranks.lock``, only
+while it checks the folders, and hands it to rank 0 before the ranks start: a launcher
+killed with SIGKILL frees its own lock at once, but its ranks, stopped by the kernel's
+parent-death signal, still finish their step and save for a few seconds, and a new run
+must wait for them too. A new run takes both. Neither lock file is ever removed: a process that removed it while another waited to lock it would let a third
 lock a new file of the same name, and two runs would hold "the" lock at once.
 """
 
@@ -28,9 +33,18 @@ from types import TracebackType
 
 from pipetrain.config.errors import ConfigError
 
-__all__ = ["LOCK_NAME", "Holder", "LockedFolder", "RunLock", "RunLocked", "lock_folders"]
+__all__ = [
+    "LOCK_NAME",
+    "RANKS_LOCK_NAME",
+    "Holder",
+    "LockedFolder",
+    "RunLock",
+    "RunLocked",
+    "lock_folders",
+]
 
 LOCK_NAME = ".pipetrain.lock"
+RANKS_LOCK_NAME = ".pipetrain.ranks.lock"
 
 # A run that has just taken a lock writes its pid a moment later: a refused run waits this
 # long to read it before it says the holder is unknown.
@@ -51,6 +65,8 @@ class LockedFolder:
     # What the user calls it and the flag that changes it: "run folder", "--name".
     label: str
     flag: str
+    # The ranks' lock (``RANKS_LOCK_NAME``): a launcher hands it over to rank 0.
+    ranks: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,9 +88,13 @@ class Holder:
 class RunLock:
     """The locks of one run, held until ``release`` (or until this process ends)."""
 
-    def __init__(self, fds: Sequence[int] = (), unsupported: Sequence[Path] = ()) -> None:
-        """``fds``: the open lock files (none: a process that holds no lock)."""
+    def __init__(
+        self, fds: Sequence[int] = (), unsupported: Sequence[Path] = (), ranks: Sequence[int] = ()
+    ) -> None:
+        """``fds``: the open lock files (none: a process that holds no lock); ``ranks``:
+        those of them that are the ranks' locks."""
         self._fds = list(fds)
+        self._ranks = set(ranks)
         # Folders whose file system refused to lock (some network file systems): the run
         # goes on, unguarded there, and says so.
         self.unsupported = tuple(unsupported)
@@ -83,6 +103,13 @@ class RunLock:
         """Let go of every lock (again: nothing). Closing the file drops its flock."""
         fds, self._fds = self._fds, []
         for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def hand_over(self) -> None:
+        """Let go of the ranks' locks only: the launcher, just before rank 0 takes them."""
+        for fd in [fd for fd in self._fds if fd in self._ranks]:
+            self._fds.remove(fd)
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -104,6 +131,7 @@ def lock_folders(folders: Sequence[LockedFolder], *, resume: bool = False) -> Ru
     it), one that cannot be written a ``ConfigError``. The same lock file named twice (a
     checkpoint directory inside the run folder's path, say) is locked once."""
     fds: list[int] = []
+    ranks: list[int] = []
     unsupported: list[Path] = []
     seen: set[str] = set()
     try:
@@ -114,18 +142,21 @@ def lock_folders(folders: Sequence[LockedFolder], *, resume: bool = False) -> Ru
             seen.add(key)
             fd = _open(folder)
             fds.append(fd)
+            if folder.ranks:
+                ranks.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise _refusal(folder, fd, resume) from None
             except OSError:
-                unsupported.append(folder.target)  # ENOLCK, EOPNOTSUPP: no locks there
+                if not folder.ranks:  # ENOLCK, EOPNOTSUPP: no locks there (said once)
+                    unsupported.append(folder.target)
                 continue
             _write_holder(fd)
     except BaseException:
         RunLock(fds).release()
         raise
-    return RunLock(fds, unsupported)
+    return RunLock(fds, unsupported, ranks)
 
 
 def _open(folder: LockedFolder) -> int:

@@ -23,11 +23,24 @@ from typing import IO
 from pipetrain.checkpoint.directory import list_checkpoints
 from pipetrain.checkpoint.trainer import earlier_checkpoints_error
 from pipetrain.config.load import config_to_toml
-from pipetrain.config.lock import LOCK_NAME, LockedFolder, RunLock, lock_folders
+from pipetrain.config.lock import (
+    LOCK_NAME,
+    RANKS_LOCK_NAME,
+    LockedFolder,
+    RunLock,
+    lock_folders,
+)
 from pipetrain.config.schema import ConfigError, TrainConfig
 from pipetrain.errors import InputError
 
-__all__ = ["announce", "earlier_run_error", "free_name", "lock_run", "run_folders"]
+__all__ = [
+    "announce",
+    "earlier_run_error",
+    "free_name",
+    "lock_run",
+    "rank_zero_lock",
+    "run_folders",
+]
 
 
 def announce(config: TrainConfig, out: IO[str], lock: RunLock | None = None) -> RunLock:
@@ -65,27 +78,40 @@ def announce(config: TrainConfig, out: IO[str], lock: RunLock | None = None) -> 
 
 
 def lock_run(config: TrainConfig) -> RunLock:
-    """Lock the run's folders (``run_folders``) before anything reads or writes them: a
-    live run in any of them is refused, naming its pid and host."""
-    return lock_folders(run_folders(config), resume=config.run.resume)
+    """Lock the run's folders (``run_folders``), the launcher's locks and the ranks', before
+    anything reads or writes them: a live run in any of them is refused, naming its pid
+    and host. A launcher hands the ranks' locks over (``RunLock.hand_over``) just before
+    it starts them."""
+    folders = run_folders(config) + run_folders(config, ranks=True)
+    return lock_folders(folders, resume=config.run.resume)
 
 
-def run_folders(config: TrainConfig) -> list[LockedFolder]:
+def rank_zero_lock(config: TrainConfig, out: IO[str], *, announced: bool) -> RunLock:
+    """The locks rank 0 holds for the whole run: all of them, taken as it announces the
+    run (one process, torchrun), or the ranks' locks its launcher handed over."""
+    if not announced:
+        return announce(config, out)
+    return lock_folders(run_folders(config, ranks=True), resume=config.run.resume)
+
+
+def run_folders(config: TrainConfig, *, ranks: bool = False) -> list[LockedFolder]:
     """What one live run owns: its folder, its checkpoint directory, and its metrics file
-    where --metrics puts it outside the folder (its lock file beside it)."""
+    where --metrics puts it outside the folder (its lock file beside it); ``ranks``: the
+    ranks' lock files of them (``pipetrain.config.lock``)."""
+    name = RANKS_LOCK_NAME if ranks else LOCK_NAME
     run_dir = config.run_dir
-    folders = [LockedFolder(run_dir, run_dir / LOCK_NAME, "run folder", "--name")]
+    folders = [LockedFolder(run_dir, run_dir / name, "run folder", "--name", ranks)]
     if config.run.checkpoint_dir:
         directory = Path(config.run.checkpoint_dir)
         folders.append(
             LockedFolder(
-                directory, directory / LOCK_NAME, "checkpoint directory", "--checkpoint-dir"
+                directory, directory / name, "checkpoint directory", "--checkpoint-dir", ranks
             )
         )
     metrics = config.metrics_path
     if metrics.parent.resolve() != run_dir.resolve():
-        lock_path = metrics.with_name(f".{metrics.name}.lock")
-        folders.append(LockedFolder(metrics, lock_path, "metrics file", "--metrics"))
+        lock_path = metrics.with_name(f".{metrics.name}{name.removeprefix('.pipetrain')}")
+        folders.append(LockedFolder(metrics, lock_path, "metrics file", "--metrics", ranks))
     return folders
 
 

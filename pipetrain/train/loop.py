@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.config.lock import RunLock
-from pipetrain.config.run_folder import announce
+from pipetrain.config.run_folder import rank_zero_lock
 from pipetrain.config.schema import (
     ConfigError,
     TrainConfig,
@@ -123,7 +123,7 @@ def _set_up(
             torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
             # Activations live in the C heap: keep its freed pages for the next step.
             keep_heap()
-        lock = announce(config, out) if role.reporter and not announced else RunLock()
+        lock = rank_zero_lock(config, out, announced=announced) if role.reporter else RunLock()
     except Exception as exc:
         report_failure(role, exc)
         raise

@@ -17,8 +17,14 @@ from pathlib import Path
 import pytest
 
 from pipetrain.config import ConfigError, load_config
-from pipetrain.config.lock import LOCK_NAME, LockedFolder, RunLocked, lock_folders
-from pipetrain.config.run_folder import announce, run_folders
+from pipetrain.config.lock import (
+    LOCK_NAME,
+    RANKS_LOCK_NAME,
+    LockedFolder,
+    RunLocked,
+    lock_folders,
+)
+from pipetrain.config.run_folder import announce, lock_run, rank_zero_lock, run_folders
 
 
 def _folder(path: Path) -> LockedFolder:
@@ -132,6 +138,24 @@ def test_a_config_that_cannot_be_written_leaves_none_and_is_one_line(
         f"{config.run_dir / 'config.toml'} cannot be written (No space left on device): free "
         "space on its disk, or choose another --name (or --set run.out_dir=DIR)"
     )
-    assert sorted(p.name for p in config.run_dir.iterdir()) == [LOCK_NAME]
+    assert sorted(p.name for p in config.run_dir.iterdir()) == [LOCK_NAME, RANKS_LOCK_NAME]
     monkeypatch.undo()
     announce(config, io.StringIO()).release()  # the lock went with the failure
+
+
+def test_ranks_that_outlive_their_launcher_keep_the_folder_until_they_are_gone(
+    tmp_path: Path,
+) -> None:
+    config = _config(tmp_path, **{"run.checkpoint_dir": str(tmp_path / "ck")})
+    launcher = lock_run(config)
+    launcher.hand_over()  # the ranks start: rank 0 takes their locks
+    rank_zero = rank_zero_lock(config, io.StringIO(), announced=True)
+    launcher.release()  # the launcher is killed; its rank 0 still finishes and saves
+    with pytest.raises(RunLocked, match=f"the run folder .*process {os.getpid()} on this host"):
+        lock_run(config)
+    with pytest.raises(RunLocked, match="--resume into a run that is still alive"):
+        lock_run(
+            _config(tmp_path, **{"run.resume": True, "run.checkpoint_dir": str(tmp_path / "ck")})
+        )
+    rank_zero.release()
+    lock_run(config).release()
