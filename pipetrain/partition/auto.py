@@ -70,14 +70,13 @@ def search(
         (fitting if scored.fits else over).append(scored)
         if scored.fits:
             bisect.insort(times, scored.step_time)
-    pruned = len(bounded) - simulated
+    pruned = len(bounded) - simulated  # bounded out, or over the limit by state alone
     fitting.sort(key=_rank_key)
     for scored in list(fitting[: req.top]):
         lay = scored.layout
         if lay.pp == 1 or lay.pp * lay.microbatches * lay.chunks > _EARLY_MAX_ACTIONS:
             continue
         early = scorer.evaluate(replace(lay, early_grads=True))
-        simulated += 1
         if early is not None and early.fits and early.step_time < scored.step_time:
             fitting.append(early)
     fitting.sort(key=_rank_key)

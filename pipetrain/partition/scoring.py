@@ -62,9 +62,10 @@ class Scorer:
         """Lower bounds of the step time and of the fullest rank's static bytes.
 
         Time: a rank works through its share of the micro-batches after the first one has
-        come through the stages before its earliest (exact for the time-balanced split; a
-        split balanced under the memory limit can only be slower per rank, which the
-        bound of its time-balanced split does not see: that part is pruning).
+        come through the stages before its earliest, and the gradient of its last backward
+        still has to go back through them (1F1B's and GPipe's (m + p - 1)(f + b) exactly).
+        Exact for the time-balanced split; a split balanced under the memory limit, whose
+        bound this does not compute, is the pruned part.
         """
         costs = self.costs(layout.tp, layout.recompute)
         params = sum(c.param_bytes for c in costs) - sum(c.tied_param_bytes for c in costs)
@@ -74,13 +75,13 @@ class Scorer:
             partition = self.split_for_placement(layout, placement)
         except (PartitionError, ScheduleError):
             return math.inf, math.inf
-        # Every rank holds one micro-batch of its stages at some point: the fullest rank
-        # at least the mean of state plus one micro-batch's activations (Chimera holds
-        # every stage twice).
+        # Every stage holds one micro-batch at some point: the fullest rank at least the
+        # mean of state plus one micro-batch's activations (Chimera holds every stage's
+        # state twice).
         mb = self.req.batch_size // layout.dp // layout.microbatches
         acts = sum(c.activation_bytes_per_sample for c in costs) * mb
-        copies = placement.replicas
-        static = copies * ((4 + (layout.dp > 1)) * params + acts) / layout.pp
+        state = placement.replicas * (4 + (layout.dp > 1)) * params
+        static = (state + acts) / layout.pp
         m = layout.microbatches
         scale = m if get_spec(layout.schedule).whole_batch else 1
         per_layer = self.hw.per_layer
@@ -92,15 +93,33 @@ class Scorer:
             b * mb + 2 * per_layer * len(layers)
             for b, layers in zip(partition.backward, partition.stages, strict=True)
         ]
-        prefix = [0.0]
-        for f in forward:
+        split = get_spec(layout.schedule).splits_backward or layout.early_grads
+        # After a rank's last B the gradient still runs back through the stages before it;
+        # with split backwards its last I does, and Ws may follow that I.
+        back = [
+            (bi * mb + per_layer * len(layers)) if split else b
+            for bi, b, layers in zip(
+                partition.backward_input, backward, partition.stages, strict=True
+            )
+        ]
+        prefix, chain = [0.0], [0.0]
+        for f, b in zip(forward, back, strict=True):
             prefix.append(prefix[-1] + f)
+            chain.append(chain[-1] + b)
+        actions = 1 if scale > 1 else m  # naive: one action carries the whole batch
         best = 0.0
         for rank in range(placement.num_ranks):
             held = [placement.model_stage(v) for v in placement.stages_of(rank)]
-            actions = 1 if scale > 1 else m  # naive: one action carries the whole batch
-            work = sum(forward[j] + backward[j] for j in held) * actions / placement.replicas
-            best = max(best, (min(prefix[j] for j in held) + work) * scale)
+            share = actions / placement.replicas
+            work = sum(forward[j] + backward[j] for j in held) * share
+            tail = min(chain[j] for j in held)
+            if split:
+                weights = sum(
+                    w * mb + per_layer * len(partition.stages[j])
+                    for j, w in ((j, partition.backward_weight[j]) for j in held)
+                )
+                tail = max(0.0, tail - weights * share)
+            best = max(best, (min(prefix[j] for j in held) + work + tail) * scale)
         return best + update, static
 
     def placement(self, layout: Layout) -> Placement:
@@ -138,7 +157,7 @@ class Scorer:
         model cannot be split for it."""
         try:
             schedule = self.schedule(layout)
-            scored = self._score(layout, schedule, self.split(layout, schedule, None), False)
+            scored = self.score(layout, schedule, self.split(layout, schedule, None), False)
         except (PartitionError, ScheduleError):
             return None
         limit = self.req.memory_limit
@@ -155,7 +174,7 @@ class Scorer:
             partition = self.split(layout, schedule, memory)
         except PartitionError:
             return scored  # no split fits: the time-balanced one stands for the layout
-        return self._score(layout, schedule, partition, True)
+        return self.score(layout, schedule, partition, True)
 
     def _memory_model(
         self, layout: Layout, schedule: Schedule, scored: Scored, limit: float
@@ -185,7 +204,7 @@ class Scorer:
             whole_batch=spec.whole_batch,
         )
 
-    def _score(
+    def score(
         self, layout: Layout, schedule: Schedule, partition: Partition, balanced: bool
     ) -> Scored:
         hw, req = self.hw, self.req

@@ -46,6 +46,7 @@ from pipetrain.schedules.execution import Timeline
 from pipetrain.train.data import load_tokenizer
 from pipetrain.train.experts import ExpertStep, expert_summary
 from pipetrain.train.grad_report import gradient_report
+from pipetrain.train.memory_check import report_memory
 from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble
 from pipetrain.train.optim import StepOutcome
 from pipetrain.train.pipedream.loop import train_async
@@ -377,6 +378,7 @@ def _finish(session: Session, trained: Trained, started: float) -> RunSummary | 
     session.output.record(summary.to_json())
     if role.reporter:
         say(summary.format())
+    report_memory(session)  # predicted against measured peak per process (a collective)
     if records and records[0].moe is not None:  # a MoE model: its most imbalanced layer
         moe_record, moe_line = expert_summary([m.moe for m in records if m.moe is not None])
         session.output.record(moe_record)

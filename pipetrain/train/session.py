@@ -48,6 +48,7 @@ from pipetrain.train.data import (
     train_batch,
 )
 from pipetrain.train.experts import ExpertTracker
+from pipetrain.train.memory_check import memory_baseline
 from pipetrain.train.metrics import RunOutput
 from pipetrain.train.optim import GuardedUpdate, build_optimizer
 from pipetrain.train.plan import RunPlan
@@ -85,6 +86,8 @@ class Session:
     checkpoints: RunCheckpoints
     # The MoE layers' step records and balancing (None for a dense model).
     experts: ExpertTracker | None = None
+    # This process's memory once set up, before the steps (train.memory_check).
+    memory_baseline: int = 0
 
     @property
     def sharded(self) -> bool:
@@ -223,6 +226,7 @@ def open_session(
         grads=grads,
         output=output,
         checkpoints=checkpoints,
+        memory_baseline=memory_baseline(device),
         experts=(
             ExpertTracker(
                 plan.model,

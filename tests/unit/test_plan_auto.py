@@ -1,0 +1,140 @@
+"""plan --auto: the pruned search keeps the exact top, a budget drops what does not fit and
+says what it gave up, the winner's config loads, and llama3-70b on 64 ranks is fast."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli.plan_auto import HARDWARE, _write, auto_overrides
+from pipetrain.config import load_config
+from pipetrain.models.config import get_model_config
+from pipetrain.partition.auto import AutoRequest, search
+from pipetrain.partition.estimate import estimate_costs
+from pipetrain.partition.layouts import Hardware, enumerate_layouts
+from pipetrain.partition.scoring import Scorer
+
+CPU = HARDWARE["cpu"]
+
+
+def _costs_for(model: str, seq_len: int, hw: Hardware):  # noqa: ANN202
+    config = get_model_config(model)
+
+    def costs(tp: int):  # noqa: ANN202
+        bandwidth = hw.tp_bandwidth if tp > 1 else None
+        return estimate_costs(
+            config, seq_len, flops_per_second=hw.flops, tp=tp, tp_bandwidth=bandwidth
+        )
+
+    return config, costs
+
+
+def _exhaustive(model: str, req: AutoRequest, hw: Hardware) -> list[tuple[float, object]]:
+    config, costs = _costs_for(model, req.seq_len, hw)
+    scorer = Scorer(config, req, costs, hw)
+    out = []
+    for layout in enumerate_layouts(config, req):
+        scored = scorer.evaluate(layout)
+        if scored is not None and scored.fits:
+            out.append((scored.step_time, layout))
+    return sorted(out, key=lambda t: (t[0], str(t[1])))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pruning_keeps_the_exact_top_of_a_small_space(world: int) -> None:
+    req = AutoRequest(world, 8, 32, top=4)
+    config, costs = _costs_for("llama-tiny", 32, CPU)
+    plan = search(config, req, costs, CPU)
+    every = _exhaustive("llama-tiny", req, CPU)
+    plain = [s for s in plan.ranked if not s.layout.early_grads]
+    assert plan.pruned > 0  # the bound did cut the space
+    assert [round(s.step_time, 12) for s in plain[:4]] == [round(t, 12) for t, _ in every[:4]]
+    assert plain[0].layout == every[0][1] or plain[0].step_time == every[0][0]
+
+
+def test_a_budget_drops_what_does_not_fit_and_says_what_it_gave_up() -> None:
+    config, costs = _costs_for("llama-default", 128, CPU)
+    free = search(config, AutoRequest(4, 32, 128), costs, CPU).winner
+    assert free is not None
+    limit = free.peak_bytes * 0.99
+    plan = search(config, AutoRequest(4, 32, 128, memory_limit=limit), costs, CPU)
+    assert plan.winner is not None
+    assert all(s.peak_bytes <= limit for s in plan.ranked)
+    assert plan.winner.step_time >= free.step_time
+    given = plan.given_up
+    assert given is not None and given.layout == free.layout and given.peak_bytes > limit
+    # A budget no layout meets: none fits, and the search says so.
+    tight = search(config, AutoRequest(4, 32, 128, memory_limit=1e5), costs, CPU)
+    assert tight.winner is None and tight.ranked == ()
+
+
+def test_the_winner_round_trips_through_a_train_config(tmp_path: Path) -> None:
+    config, costs = _costs_for("llama-default", 128, CPU)
+    req = AutoRequest(4, 32, 128)
+    winner = search(config, req, costs, CPU).winner
+    assert winner is not None
+    path = tmp_path / "auto.toml"
+    _write(path, "llama-default", winner, req)
+    loaded = load_config(path, check_paths=False)
+    for key, value in auto_overrides(winner, req).items():
+        section, name = key.split(".")
+        assert getattr(getattr(loaded, section), name) == value, key
+    assert loaded.model.name == "llama-default"
+    assert loaded.pipeline.processes == 4
+
+
+def _formula_bytes(winner, config, seq_len: int, batch: int) -> float:  # noqa: ANN001
+    """docs/memory_model.md's per-process formula, from the model's sizes alone."""
+    d, f, kv, v = config.d_model, config.ffn_hidden, config.kv_dim, config.vocab_size
+    h, hd, t = config.n_heads, config.head_dim, winner.layout.tp
+    block_p = 2 * d + (2 * d * d + 2 * d * kv + 3 * d * f) // t
+    block_a = 4 * seq_len * (hd + 2 * d + (4 * d + 2) + (3 * d + 2 * kv + h + 4 * f) / t)
+    mb = batch // winner.layout.dp // winner.layout.microbatches
+    rank = winner.peak_rank
+    mem = winner.memory[rank]
+    blocks = winner.split[rank]  # one stage per rank in the layouts this test meets
+    assert winner.layout.chunks == 1 and 0 < rank < len(winner.split) - 1
+    state = (4 + (winner.layout.dp > 1)) * 4 * blocks * block_p
+    live = round(mem.activations / (mb * blocks * block_a))
+    message = 4 * mb * seq_len * d
+    transient = block_a * mb if winner.layout.recompute else 0.0
+    return state + live * mb * blocks * block_a + transient + 2 * 2 * message
+
+
+def test_llama3_70b_on_64_ranks_is_planned_fast_and_matches_the_formula() -> None:
+    hw = HARDWARE["h100"]
+    config, costs = _costs_for("llama3-70b", 4096, hw)
+    started = time.process_time()  # this process's CPU: other tests may share the cores
+    plan = search(config, AutoRequest(64, 64, 4096, memory_limit=80 * 2**30), costs, hw)
+    assert time.process_time() - started < 60
+    winner = plan.winner
+    assert winner is not None and winner.peak_bytes <= 80 * 2**30
+    assert winner.layout.pp * winner.layout.dp * winner.layout.tp == 64
+    if not winner.layout.recompute:
+        expected = _formula_bytes(winner, config, 4096, 64)
+        assert winner.memory[winner.peak_rank].total == pytest.approx(expected, rel=1e-9)
+
+
+def test_bad_input_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipetrain.cli import main
+
+    for argv, words in (
+        (["plan", "--auto", "--model", "llama-tiny"], "--world-size"),
+        (["plan", "--auto", "--model", "llama-tiny", "--world-size", "0"], "--world-size"),
+        (
+            ["plan", "--auto", "--model", "llama-tiny", "--world-size", "2", "--memory-limit", "x"],
+            "--memory-limit",
+        ),
+        (["plan", "--model", "llama-tiny"], "--pp"),
+        (
+            ["plan", "--auto", "--model", "llama-tiny", "--world-size", "2", "--set",
+             "n_layers=2", "--out", "x.toml"],
+            "--set",
+        ),
+    ):
+        code = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code == 2, argv
+        assert len(err.splitlines()) == 1 and words in err, err
