@@ -232,7 +232,11 @@ def test_an_expert_parallel_rank_reads_only_its_own_experts(
 
 
 def test_mixtral_options_pipetrain_does_not_compute_are_refused(tmp_path: Path) -> None:
-    _saved("mixtral", tmp_path)
+    theirs = _saved("mixtral", tmp_path)
+    with torch.no_grad():  # transformers' auxiliary loss goes to its loss, not its logits
+        with_aux = theirs(TOKENS, labels=TOKENS, output_router_logits=True)
+        assert with_aux.aux_loss is not None
+        assert torch.equal(with_aux.logits, _their_logits(theirs))
     config = read_hf_config(tmp_path).config
     assert (config.n_experts, config.top_k, config.expert_ffn) == (4, 2, 48)
     assert config.router == "softmax" and config.router_norm_topk and config.capacity_factor == 0
