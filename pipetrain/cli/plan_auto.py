@@ -137,6 +137,22 @@ def _costs_for(
             hw,
         )
     measured, source, per_layer = profile(args, config, seq_len)
+    cores = os.cpu_count() or 1
+    if hw.name == "cpu" and args.world_size > cores:
+        # Measured alone; in the run the processes take turns on the cores.
+        share = args.world_size / cores
+        source += f"; times x {share:g} for {args.world_size} processes on {cores} cores"
+        measured = [
+            dataclasses.replace(
+                c,
+                forward=c.forward * share,
+                backward=c.backward * share,
+                backward_input=c.backward_input * share,
+                backward_weight=c.backward_weight * share,
+            )
+            for c in measured
+        ]
+        per_layer *= share
     base = estimated(1)
 
     def scaled(tp: int) -> list[LayerCost]:
@@ -168,7 +184,9 @@ def run_auto(args: argparse.Namespace, config: ModelConfig, profile: ProfileCost
     use_profile = args.balance == "profile"
     if use_profile:
         # The profile measures at --batch-size / --microbatches samples (and at one).
-        args = argparse.Namespace(**{**vars(args), "tp": 1, "split": None})
+        # As the trainer: cores / processes threads each on a CPU.
+        threads = max(1, (os.cpu_count() or 1) // args.world_size)
+        args = argparse.Namespace(**{**vars(args), "tp": 1, "split": None, "threads": threads})
     costs_for, source, hw = _costs_for(args, config, seq_len, hw, profile if use_profile else None)
     request = AutoRequest(args.world_size, args.batch_size, seq_len, limit, top=args.top)
     plan = search(config, request, costs_for, hw)

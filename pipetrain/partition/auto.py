@@ -39,7 +39,7 @@ __all__ = ["AutoPlan", "AutoRequest", "Hardware", "Layout", "Scored", "search"]
 
 # Early input gradients replay the schedule once per split tried: beyond this many actions
 # (p x m x v) the choice takes seconds per layout, so it is not tried there.
-_EARLY_MAX_ACTIONS = 512
+_EARLY_MAX_ACTIONS = 256
 
 
 def _rank_key(s: Scored) -> tuple[float, float, Layout]:
@@ -57,17 +57,22 @@ def search(
     fitting: list[Scored] = []
     over: list[Scored] = []
     times: list[float] = []  # of the fitting ones, sorted: the top-th is the cutoff
+    fastest_over = math.inf  # the fastest simulated layout over the limit
     simulated = 0
     for (time_bound, static_bound), layout in bounded:
         if time_bound >= (times[req.top - 1] if len(times) >= req.top else math.inf):
             break
         if limit is not None and static_bound > limit:
             continue  # its weights and their state alone are over the limit
+        if time_bound >= fastest_over and (scorer.over_without_simulating(layout)):
+            continue  # over the limit, and not the fastest layout the limit rules out
         scored = scorer.evaluate(layout)
         simulated += 1
         if scored is None:
             continue
         (fitting if scored.fits else over).append(scored)
+        if not scored.fits:
+            fastest_over = min(fastest_over, scored.step_time)
         if scored.fits:
             bisect.insort(times, scored.step_time)
     pruned = len(bounded) - simulated  # bounded out, or over the limit by state alone

@@ -152,6 +152,35 @@ class Scorer:
             self._splits[key] = split_for("cost", costs, ranks, None, None)
         return replace(self._splits[key], stage_ranks=ranks)
 
+    def over_without_simulating(self, layout: Layout) -> bool:
+        """True when the layout's time-balanced split is over the limit and it has several
+        stages a rank (so it is not re-split): its live micro-batches follow from the order
+        of its actions alone, which is exactly the simulator's peak, without a replay."""
+        limit = self.req.memory_limit
+        if limit is None:
+            return False
+        try:
+            schedule = self.schedule(layout)
+        except ScheduleError:
+            return False
+        if schedule.placement.stages_per_rank == 1 or get_spec(layout.schedule).whole_batch:
+            return False
+        partition = self.split(layout, schedule, None)
+        mb = self.req.batch_size // layout.dp // layout.microbatches
+        state = 4 + (layout.dp > 1)
+        acts = [a * mb for a in partition.activation_bytes_per_sample]
+        static = [0.0] * schedule.num_ranks
+        for stage, holders in enumerate(partition.stage_ranks):
+            for rank in holders:
+                static[rank] += state * partition.param_bytes[stage]
+        for rank, points in enumerate(rank_live_points(schedule)):
+            peak = max(
+                (sum(n * a for n, a in zip(p, acts, strict=True)) for p in points), default=0
+            )
+            if static[rank] + peak > limit:
+                return True
+        return False
+
     def evaluate(self, layout: Layout) -> Scored | None:
         """The layout simulated, split under the limit where it must be; None when the
         model cannot be split for it."""

@@ -1,0 +1,186 @@
+"""Is ``plan --auto``'s choice right? Measure it against a sweep of layouts on this machine.
+
+    .venv/bin/python benchmarks/plan_auto.py [--models llama-default,llama-wide]
+        [--worlds 2,4] [--sweep 20] [--steps 6] [--budget 0.8] [--out runs/plan_auto]
+
+For each model and world size: per-layer costs are profiled once (``--balance profile``'s
+machinery), the planner searches, and then every layout of a sweep (the ``--sweep``
+layouts the planner predicts fastest, plus the default config's layout and the planner's
+choice) is trained for ``--steps`` steps through the real launcher. Printed, as markdown:
+each layout's predicted and measured step time and peak model memory per process, then
+the acceptance figures (the choice's measured tokens/s against the best measured and the
+default's; the predicted step time's error on the five predicted fastest; the predicted
+peak's error), and a budget run: a memory limit of ``--budget`` times the default
+layout's predicted peak, the planner's choice under it trained and its peak measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from pipetrain.cli.plan import _costs
+from pipetrain.cli.plan_auto import _costs_for, auto_overrides, explain, hardware_for
+from pipetrain.models.config import get_model_config
+from pipetrain.partition.auto import AutoRequest, Layout, Scored, search
+from pipetrain.partition.scoring import Scorer
+
+BATCH, SEQ = 32, 128
+
+
+def _profile_args(world: int) -> argparse.Namespace:
+    cores = os.cpu_count() or 1
+    return argparse.Namespace(
+        balance="profile", split=None, tp=1, batch_size=BATCH, microbatches=8, seq_len=SEQ,
+        device="cpu", threads=max(1, cores // world), repeats=3, seed=0, overhead_ms=0.05,
+        flops=1e11, set=[], world_size=world,
+    )  # fmt: skip
+
+
+def _train(
+    layout_fields: dict[str, Any], model: str, steps: int, out: Path, name: str
+) -> dict[str, Any]:
+    """Train a layout; its median step time after the first, tokens/s and memory check."""
+    sets = [
+        f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower()}"
+        for k, v in layout_fields.items()
+    ]
+    command = [sys.executable, "-m", "pipetrain.cli", "train", "--model", model, "--steps", str(steps),
+               "--name", name, "--set", f"run.out_dir={json.dumps(str(out))}",
+               "--set", "optim.warmup_steps=0", "--set", "run.evaluate=false",
+               "--set", "run.sample_tokens=0", "--set", "run.progress_bar=false"]  # fmt: skip
+    for text in sets:
+        command += ["--set", text]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        return {"error": result.stderr.strip().splitlines()[-1:] or ["failed"]}
+    records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    steps_s = [r["step_time_s"] for r in records if "step_time_s" in r][1:]
+    summary = next(r for r in records if r.get("summary"))
+    memory = next((r for r in records if r.get("memory_check")), {})
+    return {
+        "step_time": statistics.median(steps_s),
+        "tokens_per_s": summary["tokens_per_s"],
+        "measured_peak": memory.get("measured_peak", []),
+        "predicted_peak": memory.get("predicted_peak", []),
+    }
+
+
+def _default_layout(world: int) -> Layout:
+    """pipetrain train's defaults (1F1B, 8 micro-batches, early gradients) on the world."""
+    return Layout("1f1b", world, 1, 1, 1, 8, False, True)
+
+
+def _row(s: Scored, m: dict[str, Any]) -> str:
+    if "error" in m:
+        return f"| {s.layout.describe()} | {s.step_time * 1e3:.0f} | failed: {m['error'][0][:60]} | | | |"
+    pred_peak = max(m["predicted_peak"] or [s.peak_bytes])
+    meas_peak = max(m["measured_peak"] or [0])
+    return (
+        f"| {s.layout.describe()} | {s.step_time * 1e3:.0f} | {m['step_time'] * 1e3:.0f} | "
+        f"{m['tokens_per_s']:,.0f} | {pred_peak / 2**20:.1f} | {meas_peak / 2**20:.1f} |"
+    )
+
+
+def bench(model: str, world: int, args: argparse.Namespace) -> None:
+    config = get_model_config(model)
+    pargs = _profile_args(world)
+    hw = hardware_for("cpu", world)
+    costs_for, source, hw = _costs_for(pargs, config, SEQ, hw, _costs)
+    request = AutoRequest(world, BATCH, SEQ, top=max(5, args.sweep))
+    plan = search(config, request, costs_for, hw)
+    scorer = Scorer(config, request, costs_for, hw)
+    sweep = list(plan.ranked[: args.sweep])
+    default = scorer.evaluate(_default_layout(world))
+    if default is not None and default.layout not in {s.layout for s in sweep}:
+        sweep.append(default)
+    print(f"\n### {model}, {world} processes, batch {BATCH} x {SEQ}\n\ncosts {source}\n")
+    print("| layout | predicted ms | measured ms | tokens/s | predicted MiB | measured MiB |")
+    print("|---|---|---|---|---|---|")
+    measured: dict[Layout, dict[str, Any]] = {}
+    for i, s in enumerate(sweep):
+        measured[s.layout] = _train(
+            auto_overrides(s, request), model, args.steps, args.out, f"{model}-w{world}-{i}"
+        )
+        print(_row(s, measured[s.layout]), flush=True)
+    ok = {lay: m for lay, m in measured.items() if "error" not in m}
+    best = max(m["tokens_per_s"] for m in ok.values())
+    choice = ok.get(plan.ranked[0].layout)
+    if choice is not None:
+        print(f"\nchoice {plan.ranked[0].layout.describe()}: {choice['tokens_per_s']:,.0f} tokens/s = "
+              f"{choice['tokens_per_s'] / best:.3f} of the best measured ({best:,.0f})")  # fmt: skip
+        if default is not None and default.layout in ok:
+            d = ok[default.layout]["tokens_per_s"]
+            print(
+                f"default {default.layout.describe()}: {d:,.0f} tokens/s (choice / default {choice['tokens_per_s'] / d:.3f})"
+            )
+    errors = [
+        abs(s.step_time / ok[s.layout]["step_time"] - 1) for s in plan.ranked[:5] if s.layout in ok
+    ]
+    print(
+        f"predicted step time error, five predicted fastest: max {max(errors):.1%}, mean {statistics.mean(errors):.1%}"
+    )
+    mem = [
+        abs(p / m - 1)
+        for r in ok.values()
+        for p, m in zip(r["predicted_peak"], r["measured_peak"], strict=False)
+        if m > 0
+    ]
+    if mem:
+        print(
+            f"predicted peak memory error per process: max {max(mem):.1%}, mean {statistics.mean(mem):.1%}"
+        )
+    if default is not None:
+        _budget(config, model, world, request, costs_for, hw, default, args)
+
+
+def _budget(config: Any, model: str, world: int, request: AutoRequest, costs_for: Any, hw: Any,
+            default: Scored, args: argparse.Namespace) -> None:  # fmt: skip
+    limit = default.peak_bytes * args.budget
+    plan = search(config, replace(request, memory_limit=limit, top=5), costs_for, hw)
+    print(f"\nbudget {limit / 2**20:.1f} MiB ({args.budget} x the default's predicted peak):")
+    for line in explain(plan):
+        print(f"    {line}")
+    if plan.winner is None:
+        return
+    m = _train(
+        auto_overrides(plan.winner, request),
+        model,
+        args.steps,
+        args.out,
+        f"{model}-w{world}-budget",
+    )
+    if "error" not in m:
+        peak = max(m["measured_peak"])
+        print(f"    measured: {m['tokens_per_s']:,.0f} tokens/s, peak {peak / 2**20:.1f} MiB "
+              f"({'fits' if peak <= limit else 'OVER the budget'})")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="llama-default,llama-wide")
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--sweep", type=int, default=20)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--budget", type=float, default=0.8)
+    p.add_argument(
+        "--out", type=Path, default=Path("runs/plan_auto") / time.strftime("%Y%m%d-%H%M%S")
+    )
+    args = p.parse_args()
+    print(f"load: {os.getloadavg()[0]:.1f} (1 min) at start")
+    for model in args.models.split(","):
+        for world in (int(w) for w in args.worlds.split(",")):
+            bench(model, world, args)
+    print(f"\nload: {os.getloadavg()[0]:.1f} (1 min) at the end")
+
+
+if __name__ == "__main__":
+    main()

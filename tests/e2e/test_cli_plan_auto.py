@@ -1,0 +1,37 @@
+"""`pipetrain plan --auto --out x.toml` writes a config that `pipetrain train --config x.toml`
+runs unchanged (2 processes), and the run's summary prints the predicted and measured
+model memory per process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from run_records import read_records, train_run
+
+pytestmark = pytest.mark.e2e
+
+
+def test_plan_auto_writes_a_config_that_trains(work: Path) -> None:
+    config = work / "auto.toml"
+    planned = subprocess.run(
+        [
+            sys.executable, "-m", "pipetrain.cli", "plan", "--auto", "--model", "llama-tiny",
+            "--world-size", "2", "--batch-size", "8", "--seq-len", "16", "--out", str(config),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    assert "winner:" in planned.stdout and config.exists()
+    result = train_run(
+        work, "auto", "--config", str(config), "--steps", "2", "--data", str(work / "data"),
+        "--set", "optim.warmup_steps=0", "--set", "run.evaluate=false",
+        "--set", "run.sample_tokens=0", "--set", "data.max_bytes=100000",
+    )  # fmt: skip
+    assert "model memory per process (MiB): predicted" in result.stdout
+    records = read_records(work / "runs" / "auto")
+    check = next(r for r in records if r.get("memory_check"))
+    assert len(check["measured_peak"]) == 2 and len(check["predicted_peak"]) == 2
+    assert all(b > 0 for b in check["predicted_peak"])
