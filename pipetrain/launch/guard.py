@@ -108,6 +108,8 @@ class StopGrace:
         self._closed.set()
         if threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(self._previous)
+        with contextlib.suppress(OSError):
+            os.write(self._pipe[1], b"\0")  # wakes the thread at once
         if self._thread is not None:
             self._thread.join()
         for fd in self._pipe:
