@@ -127,13 +127,10 @@ def test_a_run_started_by_hand_on_the_local_launchers_port(work: Path, tmp_path:
     )
     with _ended([launcher]):
         _training(work, "local", [launcher])
-        (worker, *_) = [
-            int(pid)
-            for pid in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
-        ]
-        environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+        children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
+        environ = Path(f"/proc/{children.split()[0]}/environ").read_bytes().split(b"\0")
         env = dict(item.decode().split("=", 1) for item in environ if b"=" in item)
-        port = int(env["MASTER_PORT"])
+        port = int(env["MASTER_PORT"])  # the launcher's store, which its ranks joined
         rank0, rank1 = _second_run_refused(work, port, tmp_path)
         _still_training(work, "local", [launcher])
     assert rank0.startswith(f"pipetrain train: error: rank 0: port 127.0.0.1:{port} is already")
