@@ -7,7 +7,9 @@ split does not depend on the seed, the pipeline or the number of bytes read. A u
 corpus is a text file, a folder of text files, or JSONL with a ``"text"`` field; where a
 name-based split leaves either part too short (a single file) or holds out more than twice
 ``eval_fraction`` of the text (a few files), the last ``eval_fraction`` of the token stream
-is held out instead.
+is held out instead. Documents are packed into one stream, each ended by the tokenizer's
+end-of-text token (a tokenizer.json's; see ``_end_of_document``), or by a blank line with
+byte tokens, whose 256 values leave no id for it.
 
 Batch ``step`` of a run is a pure function of (seed, step): random windows of
 ``seq_len + 1`` tokens, so any rank, any split and a resumed run see the same batches.
@@ -22,7 +24,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -41,8 +43,13 @@ __all__ = [
     "train_batch",
 ]
 
-# Between two documents of the byte stream.
+# Between two documents of the byte stream (256 byte values leave no id for an end of
+# document), and of a tokenizer's stream when it names no end-of-text token.
 _SEPARATOR = b"\n\n"
+# Special tokens that end a document in the usual tokenizers, when no tokenizer_config.json
+# or config.json beside the tokenizer names one (GPT-2, Llama 1-2 and Mistral, Llama 3,
+# Qwen2's documents).
+_EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 # Hash buckets for the held-out split: a document is held out when crc32(name) % 10_000
 # falls below eval_fraction * 10_000.
 _BUCKETS = 10_000
@@ -97,6 +104,8 @@ class _HFTokenizer:
                 f"data.tokenizer {path!r} is not a readable tokenizer.json ({exc})"
             ) from None
 
+        self.eod_id = _end_of_document(Path(path), self._tokenizer)
+
     @property
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size())
@@ -106,6 +115,31 @@ class _HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode([int(i) for i in ids]))
+
+
+def _end_of_document(path: Path, tokenizer: Any) -> int | None:
+    """The id of the tokenizer's end-of-text token: the ``eos_token`` of a
+    tokenizer_config.json beside it, else config.json's ``eos_token_id``, else a special
+    token with a usual name; None when there is none (documents then join with a blank
+    line)."""
+    for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
+        try:
+            value = json.loads((path.parent / name).read_text(encoding="utf-8")).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, dict):  # {"content": "</s>", ...}
+            value = value.get("content")
+        if isinstance(value, list):  # several end tokens (Llama 3.1): the first
+            value = value[0] if value else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and tokenizer.token_to_id(value) is not None:
+            return int(tokenizer.token_to_id(value))
+    for name in _EOD_NAMES:
+        found = tokenizer.token_to_id(name)
+        if found is not None:
+            return int(found)
+    return None
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -295,7 +329,9 @@ def _encode(parts: list[str], tokenizer: Tokenizer) -> np.ndarray:
         # Bytes need no tokenizer pass: one join and a view (uint8 keeps 8 MB as 8 MB).
         return np.frombuffer(_SEPARATOR.join(p.encode("utf-8") for p in parts), dtype=np.uint8)
     ids: list[int] = []
-    separator = tokenizer.encode(_SEPARATOR.decode())
+    # Packed documents end with the tokenizer's end-of-text token, as they were trained.
+    eod = getattr(tokenizer, "eod_id", None)
+    separator = [eod] if eod is not None else tokenizer.encode(_SEPARATOR.decode())
     for i, part in enumerate(parts):
         if i:
             ids.extend(separator)

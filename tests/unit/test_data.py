@@ -174,3 +174,39 @@ def test_a_few_files_are_not_mostly_held_out_nor_dropped(tmp_path: Path, max_byt
     everything = ByteTokenizer().decode(corpus.train.tolist() + corpus.eval.tolist())
     for i in (1, 2, 3):
         assert f"file {i} line 0\n" in everything and f"file {i} line 1499\n" in everything
+
+
+def _word_tokenizer(folder: Path, eos_config: str | None) -> Path:
+    """A word-level tokenizer.json with an end-of-text token, and optionally the
+    tokenizer_config.json that names it, as a Hugging Face model directory holds them."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, "<|endoftext|>": 1, "<eot>": 2, "alpha": 3, "beta": 4, "gamma": 5}
+    tokenizer = HFTokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens(["<|endoftext|>", "<eot>"])
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    if eos_config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_config}))
+    return folder / "tokenizer.json"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
+@pytest.mark.parametrize(("eos_config", "eod"), [(None, 1), ("<eot>", 2)])
+def test_documents_are_packed_with_the_end_of_text_token(
+    tmp_path: Path, eos_config: str | None, eod: int
+) -> None:
+    path = _word_tokenizer(tmp_path / "tok", eos_config)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["alpha beta", "gamma"] * 40))
+    config = DataConfig(path=str(data), tokenizer=str(path), seq_len=4, max_bytes=10_000)
+    corpus = load_corpus(config)
+    stream = corpus.train.tolist()
+    # Documents "alpha beta" and "gamma" (3 4 and 5), each ended by the end-of-text token.
+    assert set(stream) == {3, 4, 5, eod}  # no blank line or unknown token between them
+    ends = [i for i, t in enumerate(stream[:-1]) if t in (4, 5)]
+    assert ends and all(stream[i + 1] == eod for i in ends)
+    assert all(stream[i + 1] in (3, 5) for i, t in enumerate(stream[:-1]) if t == eod)
