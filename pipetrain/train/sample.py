@@ -46,26 +46,23 @@ def gather_state_dict(
     parallelism, the ep group whose ranks hold the other experts (each of them calls it;
     its first rank goes on with the others' experts).
     """
-    local = _local_state(modules)
-    if experts_group is not None:
-        merged = _merge_on_first(local, experts_group)
-        if merged is None:
-            return None
-        local = merged
-    if group is None:
-        return local
-    return _merge_on_first(local, group)
+    state: dict[str, torch.Tensor] | None = _local_state(modules)
+    # First the experts of the ep group, then the stages of the pipeline: each merged on
+    # the group's first rank (a rank that is not first has nothing more to do).
+    for over in (experts_group, group):
+        if over is None or state is None:
+            continue
+        gathered: list[dict[str, torch.Tensor] | None] | None = (
+            [None] * dist.get_world_size(over) if dist.get_rank(over) == 0 else None
+        )
+        dist.gather_object(state, gathered, dst=dist.get_global_rank(over, 0), group=over)
+        state = None if gathered is None else _merged(gathered)
+    return state
 
 
-def _merge_on_first(local: dict[str, torch.Tensor], group: Any) -> dict[str, torch.Tensor] | None:
-    gathered: list[dict[str, torch.Tensor] | None] | None = (
-        [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    )
-    dist.gather_object(local, gathered, dst=dist.get_global_rank(group, 0), group=group)
-    if gathered is None:
-        return None
+def _merged(parts: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor]:
     merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
+    for part in parts:
         for name, tensor in (part or {}).items():
             merged.setdefault(name, tensor)
     return merged
