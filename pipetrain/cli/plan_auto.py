@@ -28,6 +28,7 @@ from pipetrain.models.config import ModelConfig
 from pipetrain.partition.auto import AutoPlan, AutoRequest, Hardware, Scored, search
 from pipetrain.partition.balance import LayerCost, format_bytes
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
+from pipetrain.schedules.registry import get_spec
 
 __all__ = [
     "HARDWARE",
@@ -205,7 +206,8 @@ def auto_overrides(scored: Scored, request: AutoRequest) -> dict[str, Any]:
         "pipeline.pp": lay.pp,
         "pipeline.dp": lay.dp,
         "pipeline.tp": lay.tp,
-        "pipeline.chunks": lay.chunks,
+        # Schedules with a fixed number of stages a rank take none (train refuses one).
+        "pipeline.chunks": lay.chunks if get_spec(lay.schedule).uses_chunks else 1,
         "pipeline.microbatches": lay.microbatches,
         "pipeline.split": ",".join(str(n) for n in scored.split) if lay.pp > 1 else "",
         "pipeline.balance": "uniform",
@@ -222,8 +224,14 @@ def _write(path: Path, model: str, scored: Scored, request: AutoRequest) -> None
 
     overrides = {"model.name": model, **auto_overrides(scored, request)}
     config = load_config(None, overrides, check_paths=False)
+    text = config_to_toml(config)
+    if not get_spec(scored.layout.schedule).uses_chunks:
+        # A chunks line is a request train checks against the schedule; one with a fixed
+        # number of stages a rank (Chimera, the V schedules) accepts none but its own
+        # default, which a line of 1 would contradict: leave the field out.
+        text = text.replace("\nchunks = 1\n", "\n", 1)
     try:
-        path.write_text(config_to_toml(config), encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise UsageError(
             f"--out {path}: cannot write it ({exc.strerror}): give a writable path"

@@ -4,7 +4,8 @@ Predicted: the planner's memory model in bytes (``pipetrain.partition.memory``, 
 of docs/memory_model.md) for this run's schedule, split, micro-batches, dp, tp and
 recomputation, from the model's sizes. Measured: on a CPU the process's peak resident
 size over the steps less its resident size when the session was ready (data, tokenizer
-and torch are not the model's), plus the weights that were resident already; on CUDA the
+and torch are not the model's) and less the library code paged in meanwhile (file-backed
+pages), plus the weights that were resident already; on CUDA the
 allocator's peak over the steps less what it held then, plus the weights. Runs that the
 model does not describe (a schedule file, an asynchronous schedule, --shard, --ep,
 --sequence-parallel, the single-process mode) report the measurement alone.
@@ -37,18 +38,31 @@ __all__ = ["MemoryCheck", "current_bytes", "memory_baseline", "predicted_bytes",
 _ESTIMATE = Hardware("estimate", DEFAULT_FLOPS, 0.0, 0.0, 1e12, 1e12, 1e12)
 
 
-def current_bytes(device: torch.device) -> int:
-    """What this process holds now: resident set (CPU) or allocated (CUDA)."""
-    if device.type == "cuda":
-        return int(torch.cuda.memory_allocated(device))
+def _status(field: str) -> int:
+    """A byte count of /proc/self/status ("VmRSS:   325484 kB"); 0 where there is none."""
     try:
         status = Path("/proc/self/status").read_text(encoding="ascii")
     except OSError:
         return 0
     for line in status.splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def current_bytes(device: torch.device) -> int:
+    """What this process holds now that is not library code: on a CPU the resident set less
+    its file-backed pages (torch's kernels page their code in on first use, tens of MB
+    that are no model's), on CUDA the allocator's bytes."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return _status("VmRSS") - _status("RssFile")
+
+
+def _peak_bytes(device: torch.device) -> int:
+    """The peak since the baseline, less the library code paged in since (CPU)."""
+    peak = peak_memory_bytes(str(device))
+    return peak if device.type == "cuda" else peak - _status("RssFile")
 
 
 def memory_baseline(device: torch.device) -> int:
@@ -120,7 +134,7 @@ def report_memory(session: Any) -> MemoryCheck:
     """Every process measures and gathers (a collective); rank 0 records and says it."""
     config, role, plan = session.config, session.role, session.plan
     weights = sum(local_tensor(t).numel() * t.element_size() for t in session.pipeline.parameters())
-    mine = peak_memory_bytes(str(session.device)) - session.memory_baseline + weights
+    mine = _peak_bytes(session.device) - session.memory_baseline + weights
     measured = [mine]
     if role.distributed:
         everyone: list[Any] = [None] * role.world_size

@@ -31,7 +31,7 @@ def test_plan_auto_writes_a_config_that_trains(work: Path) -> None:
         "--set", "run.sample_tokens=0", "--set", "data.max_bytes=100000",
     )  # fmt: skip
     assert "model memory per process (MiB): predicted" in result.stdout
-    records = read_records(work / "runs" / "auto")
+    records = read_records(work / "auto")
     check = next(r for r in records if r.get("memory_check"))
     assert len(check["measured_peak"]) == 2 and len(check["predicted_peak"]) == 2
     assert all(b > 0 for b in check["predicted_peak"])
