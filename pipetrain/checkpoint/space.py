@@ -42,8 +42,9 @@ __all__ = [
 # The errors of a full disk (or of a full quota, which reads the same to the user).
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
-# DCP's header per tensor and a save's own files (metadata, manifest): measured at about
-# 1.3 KB per tensor and a few KB per save on the CPU (docs in the README's fault table).
+# What a save writes besides the tensors' bytes: measured on the CPU (llama-tiny, 198
+# tensors, and llama-default, 558), torch.save's header of 1.57 KB per tensor in the data
+# files and 0.22 KB per tensor in DCP's .metadata; the manifest and marker are under 1 KB.
 _PER_TENSOR = 2048
 _PER_SAVE = 64 * 1024
 
