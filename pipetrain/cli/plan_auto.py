@@ -201,13 +201,12 @@ def run_auto(args: argparse.Namespace, config: ModelConfig, profile: ProfileCost
 def auto_overrides(scored: Scored, request: AutoRequest) -> dict[str, Any]:
     """The config fields of a layout (``--set`` keys)."""
     lay = scored.layout
-    return {
+    fields = {
         "pipeline.schedule": lay.schedule,
         "pipeline.pp": lay.pp,
         "pipeline.dp": lay.dp,
         "pipeline.tp": lay.tp,
-        # Schedules with a fixed number of stages a rank take none (train refuses one).
-        "pipeline.chunks": lay.chunks if get_spec(lay.schedule).uses_chunks else 1,
+        "pipeline.chunks": lay.chunks,
         "pipeline.microbatches": lay.microbatches,
         "pipeline.split": ",".join(str(n) for n in scored.split) if lay.pp > 1 else "",
         "pipeline.balance": "uniform",
@@ -216,6 +215,11 @@ def auto_overrides(scored: Scored, request: AutoRequest) -> dict[str, Any]:
         "data.batch_size": request.batch_size,
         "data.seq_len": request.seq_len,
     }
+    if not get_spec(lay.schedule).uses_chunks:
+        # A schedule with a fixed number of stages a rank (Chimera, the V schedules) takes
+        # no chunks: train refuses any given for it, 1 included.
+        del fields["pipeline.chunks"]
+    return fields
 
 
 def _write(path: Path, model: str, scored: Scored, request: AutoRequest) -> None:
@@ -367,4 +371,5 @@ def auto_config(config: Any, args: argparse.Namespace) -> Any:
         )
     fields = auto_overrides(plan.winner, request)
     pipeline = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("pipeline.")}
+    pipeline.setdefault("chunks", 1)  # the schedule's own number
     return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, **pipeline))
