@@ -72,7 +72,7 @@ def test_a_second_run_on_a_live_runs_folders_is_refused_and_the_first_keeps_its_
         assert live.poll() is None
     finally:
         os.killpg(live.pid, signal.SIGTERM)  # finishes its step, saves and exits 0
-        out, err = live.communicate(timeout=120)
+        _, err = live.communicate(timeout=120)
     assert live.returncode == 0, err[-3000:]
 
     # The live run's files: its config, one trajectory of whole lines, valid checkpoints.
