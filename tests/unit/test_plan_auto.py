@@ -162,3 +162,17 @@ def test_bad_input_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) 
         err = capsys.readouterr().err.strip()
         assert code == 2, argv
         assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_train_auto_replaces_the_layout_of_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from argparse import Namespace
+
+    from pipetrain.cli.plan_auto import auto_config
+
+    overrides = {"model.name": "llama-tiny", "data.batch_size": 8, "data.seq_len": 32}
+    config = load_config(None, overrides, check_paths=False)
+    args = Namespace(auto=True, world_size=2, memory_limit=None, hardware="cpu")
+    chosen = auto_config(config, args)
+    assert "winner:" in capsys.readouterr().out
+    assert chosen.pipeline.processes == 2
+    assert (chosen.data, chosen.model, chosen.run) == (config.data, config.model, config.run)
