@@ -261,7 +261,9 @@ def _chunks_given(args: argparse.Namespace) -> bool:
             table = tomllib.load(file).get("pipeline", {})
     except (OSError, tomllib.TOMLDecodeError):
         return False  # load_config read it a moment ago; nothing to add here
-    return isinstance(table, dict) and "chunks" in table
+    # A config that pipetrain wrote (runs/<name>/config.toml, plan --auto --out) holds every
+    # field, chunks = 1 included: in a file, 1 keeps its meaning of "the schedule's own".
+    return isinstance(table, dict) and table.get("chunks", 1) != 1
 
 
 def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:

@@ -154,3 +154,21 @@ def test_under_torchrun_bad_data_is_one_line_in_the_log(tmp_path: Path) -> None:
     ], done.stderr[-3000:]
     # torchrun ends in a traceback of its own; none comes from a rank's code.
     assert f"{os.sep}pipetrain{os.sep}" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v", "v-half", "chimera"])
+def test_a_config_pipetrain_wrote_is_not_taken_for_a_chunks_request(
+    schedule: str, tmp_path: Path
+) -> None:
+    """runs/<name>/config.toml holds every field, chunks = 1 included: training from it
+    again must not be refused as if --chunks 1 were asked for."""
+    from pipetrain.cli import build_parser
+    from pipetrain.cli.train import _chunks_given
+    from pipetrain.config import config_to_toml, load_config
+
+    saved = tmp_path / "config.toml"
+    saved.write_text(config_to_toml(load_config(None, {"pipeline.schedule": schedule})))
+    assert "chunks = 1" in saved.read_text()
+    assert not _chunks_given(build_parser().parse_args(["train", "--config", str(saved)]))
+    saved.write_text(saved.read_text().replace("chunks = 1", "chunks = 3"))
+    assert _chunks_given(build_parser().parse_args(["train", "--config", str(saved)]))
