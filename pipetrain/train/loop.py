@@ -374,15 +374,15 @@ def _finish(session: Session, trained: Trained, started: float) -> RunSummary | 
     r = config.run
     records = trained.records
     summary = _summary(session, trained, started)
-    # Recorded first: a picture or a sample that fails must not lose the run's summary.
-    session.output.record(summary.to_json())
-    if role.reporter:
-        say(summary.format())
     report_memory(session)  # predicted against measured peak per process (a collective)
     if records and records[0].moe is not None:  # a MoE model: its most imbalanced layer
         moe_record, moe_line = expert_summary([m.moe for m in records if m.moe is not None])
         session.output.record(moe_record)
         say(moe_line)
+    # The summary closes the run's records; before a picture or a sample that might fail.
+    session.output.record(summary.to_json())
+    if role.reporter:
+        say(summary.format())
     replicas = session.replicas
     dp_stats = (
         replicas.stats(

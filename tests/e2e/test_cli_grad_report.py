@@ -127,7 +127,9 @@ def test_an_unused_and_a_frozen_parameter_are_named(
     import pipetrain.train.session as session
 
     real = session.model_spec
-    monkeypatch.setattr(session, "model_spec", lambda config: _with_mistakes(real(config)))
+    monkeypatch.setattr(
+        session, "model_spec", lambda config, **kw: _with_mistakes(real(config, **kw))
+    )
     argv = [
         "train", *TINY, "--steps", "2", "--pp", "2", "--single-process", "--grad-report", "1",
         "--name", "mistakes", "--set", f"run.out_dir={json.dumps(str(tmp_path))}",
