@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 
 def read_records(run: Path) -> list[dict[str, Any]]:
     """The JSON records of a run's ``metrics.jsonl`` (``run``: the run directory or the file)."""
@@ -32,3 +34,12 @@ def train_run(out: Path, name: str, *args: str) -> subprocess.CompletedProcess[s
     result = subprocess.run(command, capture_output=True, text=True, timeout=280, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def assert_same_steps(
+    got: dict[int, float], want: dict[int, float], steps: list[int], what: str
+) -> None:
+    """``got`` holds exactly ``steps``, each equal to ``want``'s to 1e-5 relative."""
+    assert sorted(got) == steps, what
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), f"{what}: step {step}"

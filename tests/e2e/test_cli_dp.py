@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from run_records import assert_same_steps as _assert_losses
 from run_records import losses as _losses
 from run_records import read_records, train_run
 
@@ -84,14 +85,6 @@ def pp2_dp2(out: Path) -> subprocess.CompletedProcess[str]:
         "--checkpoint-every",
         "2",
     )
-
-
-def _assert_losses(
-    got: dict[int, float], want: dict[int, float], steps: list[int], what: str
-) -> None:
-    assert sorted(got) == steps, what
-    for step in steps:
-        assert got[step] == pytest.approx(want[step], rel=1e-5), f"{what}: step {step}"
 
 
 def test_pp2_dp2_starts_4_processes_and_equals_one_process(

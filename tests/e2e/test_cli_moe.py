@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_records import assert_same_steps as _assert_same
 from run_records import losses as _losses
 from run_records import read_records, train_run
 
@@ -36,14 +37,6 @@ MB2 = ["--microbatches", "2"]
 
 def _aux(run: Path) -> dict[int, float]:
     return {r["step"]: r["aux_loss"] for r in read_records(run) if "aux_loss" in r}
-
-
-def _assert_same(
-    got: dict[int, float], want: dict[int, float], steps: list[int], what: str
-) -> None:
-    assert sorted(got) == steps, what
-    for step in steps:
-        assert got[step] == pytest.approx(want[step], rel=1e-5), f"{what}: step {step}"
 
 
 @pytest.fixture(scope="module")

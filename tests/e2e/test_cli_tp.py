@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_records import assert_same_steps as _assert_losses
 from run_records import losses as _losses
 from run_records import read_records, train_run
 
@@ -36,14 +37,6 @@ TINY = [
 
 def _train(out: Path, name: str, *flags: str) -> subprocess.CompletedProcess[str]:
     return train_run(out, name, *TINY, *flags)
-
-
-def _assert_losses(
-    got: dict[int, float], want: dict[int, float], steps: list[int], what: str
-) -> None:
-    assert sorted(got) == steps, what
-    for step in steps:
-        assert got[step] == pytest.approx(want[step], rel=1e-5), f"{what}: step {step}"
 
 
 @pytest.fixture(scope="module")
