@@ -57,6 +57,7 @@ from pipetrain.runtime.executor import RankExecutor
 from pipetrain.runtime.extras import split_extras
 from pipetrain.runtime.hang import watch_pipeline
 from pipetrain.runtime.inputs import (
+    batch_rows,
     check_class_targets,
     check_token_ids,
     count_targets,
@@ -66,8 +67,8 @@ from pipetrain.runtime.inputs import (
 )
 from pipetrain.runtime.result import StepResult
 from pipetrain.runtime.state import load_stage_state, stage_state
-from pipetrain.runtime.timeline import merge_timelines, rank_events
-from pipetrain.runtime.wiring import Wiring
+from pipetrain.runtime.timeline import gathered_timeline, merge_timelines, rank_events
+from pipetrain.runtime.wiring import Wiring, retrain
 from pipetrain.schedules import Kind, Schedule
 from pipetrain.tensors import local_tensor
 
@@ -108,6 +109,7 @@ class Pipeline:
         self._started = False
         self._partial: str | None = None
         self._stage_modules = stage_modules
+        self._wiring = wiring
         self._group = wiring.group
         self._transport = wiring.transport
         self._reducer = wiring.reducer
@@ -128,6 +130,22 @@ class Pipeline:
         # The hang doctor's side of this process (pipetrain.runtime.hang): None in one
         # process; ``hang_watch.report_dir`` is where the report it collects is saved.
         self.hang_watch = watch_pipeline(self, self._group, schedule, [*self._train, *self._eval])
+
+    def reschedule(self, schedule: Schedule) -> None:
+        """Train with ``schedule`` (lowered, as ``resolve_schedule`` returns it) from the
+        next step: the same stages, placement and transport, another micro-batch count
+        (``pipetrain train --microbatches auto``). Every rank must switch before the same
+        step; evaluation keeps the program the pipeline was built with."""
+        if schedule.placement != self.schedule.placement or schedule.asynchronous:
+            raise PipelineInputError(
+                f"reschedule: {schedule.name!r} is asynchronous or places its stages unlike "
+                f"{self.schedule.name!r}: give a synchronous schedule of the same placement"
+            )
+        self._wiring = retrain(self._wiring, schedule)
+        self._train = self._wiring.train
+        self.schedule = schedule
+        if self.hang_watch is not None:  # the doctor reads the actions that run now
+            self.hang_watch.follow([*self._train, *self._eval])
 
     # ----------------------------------------------------------------- parameters
     @property
@@ -340,13 +358,13 @@ class Pipeline:
         extras: Mapping[str, torch.Tensor] | None,
     ) -> StepResult:
         """One pass: ``step`` numbers its messages on the wire, ``where`` names it in errors."""
-        device = self.device
-        rows = _rows(inputs, targets)
-        side = split_extras(extras, self.spec, self._extra_names, rows, self.schedule, device)
-        input_mbs = split_batch("inputs", inputs, self._has_first, self.schedule, device)
+        device, program = self.device, executors[0].schedule  # evaluation's may differ
+        rows = batch_rows(inputs, targets)
+        side = split_extras(extras, self.spec, self._extra_names, rows, program, device)
+        input_mbs = split_batch("inputs", inputs, self._has_first, program, device)
         if self._vocab is not None and inputs is not None:
             check_token_ids(inputs, self._vocab)
-        target_mbs = split_batch("targets", targets, self._has_last, self.schedule, device)
+        target_mbs = split_batch("targets", targets, self._has_last, program, device)
         if self._class_targets and targets is not None:
             check_class_targets(targets)
         tokens = count_targets(inputs, targets, self._has_last, denominator)
@@ -401,7 +419,8 @@ class Pipeline:
         self._transport.end_step()
         if training:
             self._reducer.finish(where)
-        width = 2 + 2 * max(len(row) for row in self.schedule.actions)
+        program = ex.schedule
+        width = 2 + 2 * max(len(row) for row in program.actions)
         row = [ex.loss_sum(), float(tokens), *map(float, ex.clock.relative())]
         rows = dist_step_summary(
             self._group, ex.rank, where, row, width, self._timeout_s, self.device
@@ -412,22 +431,8 @@ class Pipeline:
         for r in rows:
             loss += r[0]
         elapsed = (time.perf_counter_ns() - origin) * 1e-9
-        per_rank = [
-            rank_events(
-                r, self.schedule.actions[r], rows[r][2 : 2 + 2 * len(self.schedule.actions[r])]
-            )
-            for r in range(self.schedule.num_ranks)
-        ]
-        timeline = merge_timelines(self.schedule.name, self.schedule.num_ranks, per_rank)
+        timeline = gathered_timeline(program, rows, skip=2)
         return StepResult(loss, int(max(r[1] for r in rows)), timeline, elapsed)
-
-
-def _rows(*batches: object) -> int | None:
-    """The batch size of the first of ``batches`` that is a batch (None: none is)."""
-    for t in batches:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return int(t.shape[0])
-    return None
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:

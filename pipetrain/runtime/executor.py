@@ -157,6 +157,11 @@ class RankExecutor:
         self._training = True
 
     @property
+    def schedule(self) -> Schedule:
+        """The (lowered) schedule whose program of this rank runs here."""
+        return self._schedule
+
+    @property
     def wire(self) -> PeerOrders:
         """This program's messages with each peer rank in wire order (pipetrain.schedules.wire).
 

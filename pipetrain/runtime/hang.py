@@ -133,6 +133,10 @@ class HangWatch:
         self._main = threading.main_thread().ident
         self._thread: threading.Thread | None = None
 
+    def follow(self, executors: Sequence[RankExecutor]) -> None:
+        """Read these executors from now on (``Pipeline.reschedule``'s new program)."""
+        self._executors = tuple(executors)
+
     # ----------------------------------------------------------------- the state
     def snapshot(self) -> dict[str, Any]:
         """This rank's state from its executors' clocks (module doc), JSON-ready."""

@@ -27,6 +27,7 @@ __all__ = [
     "CLASS_DTYPES",
     "as_spec",
     "as_split",
+    "batch_rows",
     "check_class_targets",
     "check_counts",
     "check_token_ids",
@@ -120,6 +121,14 @@ def as_spec(model: PipelineSpec | Sequence[Any]) -> PipelineSpec:
                 f"only its own layers with seeded weights"
             )
     return spec
+
+
+def batch_rows(*batches: object) -> int | None:
+    """The batch size of the first of ``batches`` that is a batch (None: none is)."""
+    for t in batches:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return None
 
 
 def _describe(value: Any) -> str:

@@ -403,6 +403,13 @@ class StageRunner:
             if t.requires_grad
         )
 
+    def split_as(self, split_backward: bool, split_only: frozenset[int] | None) -> None:
+        """Split the backwards another schedule of this stage splits (another micro-batch
+        count: ``Pipeline.reschedule``); a stage split before keeps its queue, unused."""
+        if split_backward and self.queue is None:
+            self.queue = install_split_backward(self.module)
+        self._split_only = split_only if split_backward else frozenset()
+
     def _record(self, microbatch: int, training: bool) -> None:
         # Evaluation runs natively on every stage: it has no backward to split.
         if self.queue is not None:

@@ -29,6 +29,7 @@ __all__ = [
     "SimComparison",
     "clock_shifts",
     "compare_with_simulation",
+    "gathered_timeline",
     "measured_costs",
     "merge_timelines",
     "rank_events",
@@ -61,6 +62,16 @@ def rank_events(
         Event(rank, action, relative_ns[2 * i] * _NS, relative_ns[2 * i + 1] * _NS)
         for i, action in enumerate(actions)
     )
+
+
+def gathered_timeline(schedule: Schedule, rows: Sequence[Sequence[float]], skip: int) -> Timeline:
+    """The step's timeline from every rank's row of a step summary: ``skip`` values, then
+    the rank's (start, end) readings of its actions of ``schedule``."""
+    per_rank = [
+        rank_events(r, schedule.actions[r], rows[r][skip : skip + 2 * len(schedule.actions[r])])
+        for r in range(schedule.num_ranks)
+    ]
+    return merge_timelines(schedule.name, schedule.num_ranks, per_rank)
 
 
 def merge_timelines(name: str, num_ranks: int, per_rank: Sequence[tuple[Event, ...]]) -> Timeline:

@@ -10,6 +10,7 @@ program, and the note that maps the group's ranks to global ranks in errors.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from pipetrain.runtime.stage import LossFn, StageRunner
 from pipetrain.runtime.transport import DistTransport
 from pipetrain.schedules import Kind, Placement, Schedule
 
-__all__ = ["Wiring", "forward_only", "wire"]
+__all__ = ["Wiring", "forward_only", "retrain", "wire"]
 
 # (tied key, stage) -> that stage's copy of the tied weight.
 TiedParams = dict[tuple[str, int], nn.Parameter]
@@ -52,6 +53,11 @@ class Wiring:
     tied_names: dict[str, str]
     # Appended to errors where the group's ranks are not the global ranks.
     rank_map: str
+    # What ``retrain`` builds another training program from: each stage's runner, the
+    # ranks whose programs run here, and the caller's hooks.
+    runners: dict[int, StageRunner]
+    ranks: tuple[int, ...]
+    hooks: PipelineHooks
 
 
 def wire(
@@ -94,32 +100,56 @@ def wire(
             group, ranks[0], replica_groups, replica_params, tied_groups, tied_params, timeout_s
         )
 
-    def executors(program: Schedule, grads: bool) -> list[RankExecutor]:
-        return [
-            RankExecutor(
-                program,
-                r,
-                {s: runners[s] for s in placement.stages_of(r)},
-                transport,
-                reducer,
-                hooks.step_hook,
-                hooks.compute_hook,
-                hooks.grads_hook if grads else None,
-            )
-            for r in ranks
-        ]
-
-    return Wiring(
+    wiring = Wiring(
         group=group,
         transport=transport,
         reducer=reducer,
-        train=executors(schedule, grads=True),
-        eval=executors(forward_only(schedule), grads=False),
+        train=[],
+        eval=[],
         tied_params=tied_params,
         replica_params=replica_params,
         tied_names=_tied_names(stage_modules),
         rank_map=_rank_map(group),
+        runners=runners,
+        ranks=ranks,
+        hooks=hooks,
     )
+    return dataclasses.replace(
+        wiring,
+        train=_executors(wiring, schedule, grads=True),
+        eval=_executors(wiring, forward_only(schedule), grads=False),
+    )
+
+
+def retrain(wiring: Wiring, schedule: Schedule) -> Wiring:
+    """``wiring`` with the training program of ``schedule``: the same placement on the
+    same stages, transport and reducer, another micro-batch count (``pipetrain train
+    --microbatches auto``). The stages split the backwards the new program splits; the
+    evaluation program stays. The transport keeps each program's wire orders, and with
+    them the shapes it guessed for that program's messages."""
+    split = _split_microbatches(schedule)
+    for stage, runner in wiring.runners.items():
+        runner.split_as(stage in split, split.get(stage))
+    return dataclasses.replace(wiring, train=_executors(wiring, schedule, grads=True))
+
+
+def _executors(wiring: Wiring, program: Schedule, *, grads: bool) -> list[RankExecutor]:
+    """An executor of ``program`` per local rank; ``grads``: with the caller's hook that
+    runs once a stage's gradients are final (training)."""
+    hooks, placement = wiring.hooks, program.placement
+    return [
+        RankExecutor(
+            program,
+            r,
+            {s: wiring.runners[s] for s in placement.stages_of(r)},
+            wiring.transport,
+            wiring.reducer,
+            hooks.step_hook,
+            hooks.compute_hook,
+            hooks.grads_hook if grads else None,
+        )
+        for r in wiring.ranks
+    ]
 
 
 def forward_only(schedule: Schedule) -> Schedule:
