@@ -17,11 +17,8 @@ layout's predicted peak, the planner's choice under it trained and its peak meas
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +26,7 @@ from typing import Any
 
 from pipetrain.cli.plan import _costs
 from pipetrain.cli.plan_auto import _costs_for, auto_overrides, explain, hardware_for
+from pipetrain.cli.plan_measure import measure_layout
 from pipetrain.models.config import get_model_config
 from pipetrain.partition.auto import AutoRequest, Layout, Scored, search
 from pipetrain.partition.scoring import Scorer
@@ -46,31 +44,20 @@ def _profile_args(world: int) -> argparse.Namespace:
 
 
 def _train(
-    layout_fields: dict[str, Any], model: str, steps: int, out: Path, name: str
+    scored: Scored, request: AutoRequest, model: str, steps: int, out: Path, name: str
 ) -> dict[str, Any]:
-    """Train a layout; its median step time after the first, tokens/s and memory check."""
-    sets = [
-        f"{k}={json.dumps(v) if isinstance(v, str) else str(v).lower()}"
-        for k, v in layout_fields.items()
-    ]
-    command = [sys.executable, "-m", "pipetrain.cli", "train", "--model", model, "--steps", str(steps),
-               "--name", name, "--set", f"run.out_dir={json.dumps(str(out))}",
-               "--set", "optim.warmup_steps=0", "--set", "run.evaluate=false",
-               "--set", "run.sample_tokens=0", "--set", "run.progress_bar=false"]  # fmt: skip
-    for text in sets:
-        command += ["--set", text]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        return {"error": result.stderr.strip().splitlines()[-1:] or ["failed"]}
-    records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
-    steps_s = [r["step_time_s"] for r in records if "step_time_s" in r][1:]
-    summary = next(r for r in records if r.get("summary"))
-    memory = next((r for r in records if r.get("memory_check")), {})
+    """Train a layout as ``plan --auto --measure`` does; its median step time after the
+    first, tokens/s and memory check."""
+    m = measure_layout(
+        scored, auto_overrides(scored, request), model=model, steps=steps, out_dir=out, name=name
+    )
+    if not m.ok:
+        return {"error": [m.error]}
     return {
-        "step_time": statistics.median(steps_s),
-        "tokens_per_s": summary["tokens_per_s"],
-        "measured_peak": memory.get("measured_peak", []),
-        "predicted_peak": memory.get("predicted_peak", []),
+        "step_time": m.step_time,
+        "tokens_per_s": m.tokens_per_s,
+        "measured_peak": list(m.measured_peak),
+        "predicted_peak": list(m.predicted_peak),
     }
 
 
@@ -108,7 +95,7 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     measured: dict[Layout, dict[str, Any]] = {}
     for i, s in enumerate(sweep):
         measured[s.layout] = _train(
-            auto_overrides(s, request), model, args.steps, args.out, f"{model}-w{world}-{i}"
+            s, request, model, args.steps, args.out, f"{model}-w{world}-{i}"
         )
         print(_row(s, measured[s.layout]), flush=True)
     ok = {lay: m for lay, m in measured.items() if "error" not in m}
@@ -122,6 +109,13 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
             print(
                 f"default {default.layout.describe()}: {d:,.0f} tokens/s (choice / default {choice['tokens_per_s'] / d:.3f})"
             )
+    # plan --auto --measure 5 trains the five predicted fastest and keeps the fastest of
+    # them: the same runs as the sweep's first five.
+    top5 = [ok[s.layout] | {"layout": s.layout} for s in plan.ranked[:5] if s.layout in ok]
+    if top5:
+        pick = max(top5, key=lambda m: m["tokens_per_s"])
+        print(f"with --measure 5: {pick['layout'].describe()}, {pick['tokens_per_s']:,.0f} tokens/s = "
+              f"{pick['tokens_per_s'] / best:.3f} of the best measured")  # fmt: skip
     errors = [
         abs(s.step_time / ok[s.layout]["step_time"] - 1) for s in plan.ranked[:5] if s.layout in ok
     ]
@@ -152,7 +146,8 @@ def _budget(config: Any, model: str, world: int, request: AutoRequest, costs_for
     if plan.winner is None:
         return
     m = _train(
-        auto_overrides(plan.winner, request),
+        plan.winner,
+        request,
         model,
         args.steps,
         args.out,

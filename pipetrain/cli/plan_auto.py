@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -77,6 +78,25 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", metavar="FILE", help="with --auto: write the winner as a train config (TOML)"
     )
+    _add_measure_flags(p)
+
+
+def _add_measure_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--measure",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --auto: train the K fastest layouts for --measure-steps steps each on this "
+        "machine and keep the fastest measured one that fits (default 0: predict only)",
+    )
+    p.add_argument(
+        "--measure-steps",
+        type=int,
+        default=6,
+        metavar="S",
+        help="with --measure: steps each candidate trains (the first is not timed; default 6)",
+    )
 
 
 def hardware_for(name: str, world_size: int) -> Hardware:
@@ -96,6 +116,7 @@ def _check(args: argparse.Namespace, config: ModelConfig) -> int:
     for flag, value in (("--world-size", args.world_size), ("--top", args.top)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    _check_measure(args)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     seq_len: int = args.seq_len if args.seq_len is not None else config.max_seq_len
@@ -110,6 +131,42 @@ def _check(args: argparse.Namespace, config: ModelConfig) -> int:
             "drop --set, or drop --out and pass the layout to pipetrain train yourself"
         )
     return seq_len
+
+
+def _check_measure(args: argparse.Namespace) -> None:
+    if args.measure < 0:
+        raise UsageError(f"--measure must be >= 0 (candidates to train), got {args.measure}")
+    if args.measure_steps < 2:
+        raise UsageError(
+            f"--measure-steps must be >= 2 (the first step is not timed), got {args.measure_steps}"
+        )
+
+
+def _measured_winner(
+    plan: AutoPlan, args: argparse.Namespace, model: str, extra: Sequence[str] = ()
+) -> Scored | None:
+    """The predicted winner, or with ``--measure K`` the fastest measured of the K fastest."""
+    if not args.measure or plan.winner is None:
+        return plan.winner
+    from pipetrain.cli.plan_measure import best_measured, measure_top, render_measured
+
+    def say(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    request = plan.request
+    measured = measure_top(
+        plan.ranked[: args.measure],
+        request,
+        auto_overrides,
+        model=model,
+        steps=args.measure_steps,
+        say=say,
+        extra=extra,
+    )
+    sys.stdout.write(render_measured(measured, request.memory_limit))
+    best = best_measured(measured, request.memory_limit)
+    return best.scored if best is not None else plan.winner
 
 
 def _costs_for(
@@ -192,10 +249,11 @@ def run_auto(args: argparse.Namespace, config: ModelConfig, profile: ProfileCost
     request = AutoRequest(args.world_size, args.batch_size, seq_len, limit, top=args.top)
     plan = search(config, request, costs_for, hw)
     sys.stdout.write(render(plan, config.name, source))
-    if args.out is not None and plan.winner is not None:
-        _write(Path(args.out), config.name, plan.winner, request)
+    winner = _measured_winner(plan, args, config.name)
+    if args.out is not None and winner is not None:
+        _write(Path(args.out), config.name, winner, request)
         sys.stdout.write(f"wrote {args.out}: pipetrain train --config {args.out}\n")
-    return 0 if plan.winner is not None else 2
+    return 0 if winner is not None else 2
 
 
 def auto_overrides(scored: Scored, request: AutoRequest) -> dict[str, Any]:
@@ -346,6 +404,7 @@ def add_train_auto_flags(p: argparse.ArgumentParser) -> None:
         default="cpu",
         help="with --auto: the device the estimated costs are for (default cpu)",
     )
+    _add_measure_flags(p)
 
 
 def auto_config(config: Any, args: argparse.Namespace) -> Any:
@@ -357,6 +416,7 @@ def auto_config(config: Any, args: argparse.Namespace) -> Any:
     world = args.world_size if args.world_size is not None else config.pipeline.processes
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
+    _check_measure(args)
     limit = parse_size(args.memory_limit) if args.memory_limit is not None else None
     model = get_model_config(config.model.name)
     hw = hardware_for(args.hardware, world)
@@ -369,7 +429,19 @@ def auto_config(config: Any, args: argparse.Namespace) -> Any:
             f"--auto found no layout of {world} processes that fits: raise --memory-limit, "
             "add processes (--world-size), or use a smaller --batch-size or --seq-len"
         )
-    fields = auto_overrides(plan.winner, request)
+    # The candidates train on the run's data and device, not the defaults.
+    extra = [
+        text
+        for key, value in (
+            ("data.path", config.data.path),
+            ("data.tokenizer", config.data.tokenizer),
+            ("pipeline.device", config.pipeline.device),
+            ("pipeline.precision", config.pipeline.precision),
+        )
+        for text in ("--set", f"{key}={json.dumps(value)}")
+    ]
+    winner = _measured_winner(plan, args, model.name, extra) or plan.winner
+    fields = auto_overrides(winner, request)
     pipeline = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("pipeline.")}
     pipeline.setdefault("chunks", 1)  # the schedule's own number
     return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline, **pipeline))

@@ -1,6 +1,7 @@
-"""`pipetrain plan --auto --out x.toml` writes a config that `pipetrain train --config x.toml`
-runs unchanged (2 processes), and the run's summary prints the predicted and measured
-model memory per process."""
+"""`pipetrain plan --auto --measure 2 --out x.toml` trains its two fastest layouts, keeps
+the faster measured one and writes a config that `pipetrain train --config x.toml` runs
+unchanged (2 processes); the run's summary prints the predicted and measured model memory
+per process."""
 
 from __future__ import annotations
 
@@ -20,11 +21,20 @@ def test_plan_auto_writes_a_config_that_trains(work: Path) -> None:
         [
             sys.executable, "-m", "pipetrain.cli", "plan", "--auto", "--model", "llama-tiny",
             "--world-size", "2", "--batch-size", "8", "--seq-len", "16", "--out", str(config),
+            "--measure", "2", "--measure-steps", "2",
         ],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert planned.returncode == 0, planned.stderr
     assert "winner:" in planned.stdout and config.exists()
+    rows = [line for line in planned.stdout.splitlines() if line[:3] in (" 1 ", " 2 ")]
+    measured = rows[-2:]  # the predicted table's rows come first
+    assert all("failed" not in row and "MiB" in row for row in measured), planned.stdout
+    # The config written is the measured winner: the faster of the two measured rows.
+    speeds = [float(row.split()[-5].replace(",", "")) for row in measured]
+    layout = measured[speeds.index(max(speeds))].split()[1:4]  # schedule pp=.. dp=..
+    text = config.read_text()
+    assert f'schedule = "{layout[0]}"' in text and f"pp = {layout[1][3:]}" in text, text
     result = train_run(
         work, "auto", "--config", str(config), "--steps", "2", "--data", str(work / "data"),
         "--set", "optim.warmup_steps=0", "--set", "run.evaluate=false",

@@ -171,7 +171,9 @@ def test_train_auto_replaces_the_layout_of_the_config(capsys: pytest.CaptureFixt
 
     overrides = {"model.name": "llama-tiny", "data.batch_size": 8, "data.seq_len": 32}
     config = load_config(None, overrides, check_paths=False)
-    args = Namespace(auto=True, world_size=2, memory_limit=None, hardware="cpu")
+    args = Namespace(
+        auto=True, world_size=2, memory_limit=None, hardware="cpu", measure=0, measure_steps=6
+    )
     chosen = auto_config(config, args)
     assert "winner:" in capsys.readouterr().out
     assert chosen.pipeline.processes == 2
