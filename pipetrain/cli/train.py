@@ -25,6 +25,17 @@ from pipetrain.config.docs import config_fields
 
 __all__ = ["FLAGS", "add_config_flags", "add_parser", "config_from_args", "fields_help", "run"]
 
+
+def count_or_auto(text: str) -> int | str:
+    """An integer, or "auto" (``--microbatches auto``; ``load_config`` maps it)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number or auto") from None
+
+
 # Flag -> (config key, type, help). A flag that is not given leaves the file's value.
 FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model.name", str, "model preset (llama-default, llama-tiny, gpt2-tiny, ...)"),
@@ -57,7 +68,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         "schedule name (1f1b, gpipe, interleaved-1f1b, zb-h1, zb-v, ...) or a .csv/.json "
         "schedule file (simulate --save writes one)",
     ),
-    "--microbatches": ("pipeline.microbatches", int, "micro-batches per pipeline step"),
+    "--microbatches": (
+        "pipeline.microbatches",
+        count_or_auto,
+        "micro-batches per pipeline step, or auto: the first steps try counts near the "
+        "configured one and the run keeps the fastest (pipeline.microbatches_auto)",
+    ),
     "--split": ("pipeline.split", str, "blocks per stage, e.g. 4,3,5 (default: by --balance)"),
     "--balance": (
         "pipeline.balance",

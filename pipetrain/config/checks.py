@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from pipetrain.config.errors import ConfigError
-from pipetrain.config.schema import TrainConfig, run_name_error
+from pipetrain.config.schema import TrainConfig
+from pipetrain.config.values import run_name_error
 
 __all__ = ["ConfigError", "validate"]
 

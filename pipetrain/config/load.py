@@ -92,6 +92,7 @@ def load_config(
         _merge_tables(values, _read_toml(Path(path)), source=str(path))
     for key, value in (overrides or {}).items():
         section, name = _split_key(key)
+        name, value = _auto_field(section, name, value)
         values[section][name] = value
     _fit_default_warmup(values, notes)
     # Every type is checked before any section checks its values as it is built, so an
@@ -224,7 +225,17 @@ def _merge_tables(
             )
         for name, value in content.items():
             _check_field(section, name)
+            name, value = _auto_field(section, name, value)
             values[section][name] = value
+
+
+def _auto_field(section: str, name: str, value: Any) -> tuple[str, Any]:
+    """pipeline.microbatches = "auto" (in a file, by --set or --microbatches auto) is the
+    switch pipeline.microbatches_auto: the count, where the probe starts, stays an int
+    that every reader of the field can use, and the config saved holds both."""
+    if (section, name, value) == ("pipeline", "microbatches", "auto"):
+        return "microbatches_auto", True
+    return name, value
 
 
 def _split_key(key: str) -> tuple[str, str]:

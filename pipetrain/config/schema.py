@@ -20,6 +20,7 @@ from pipetrain.config.steps import parse_steps
 from pipetrain.config.values import at_least as _at_least
 from pipetrain.config.values import check_values as _check_values
 from pipetrain.config.values import one_of as _one_of
+from pipetrain.config.values import run_name_error
 from pipetrain.models.config import PRESETS
 
 __all__ = [
@@ -102,6 +103,10 @@ class PipelineConfig:
     (pipetrain.schedules.io; `pipetrain simulate --save` writes one), read on every rank."""
     microbatches: int = 8
     """Micro-batches per pipeline step; data.batch_size must be a multiple of it."""
+    microbatches_auto: bool = False
+    """`--microbatches auto` (microbatches = "auto" in a file): the first steps try up to 5
+    counts near `microbatches` that the schedule and batch allow, 2 steps each; the run
+    trains on with the fastest (pipetrain.train.microbatch_probe; logged in the metrics)."""
     split: str = ""
     """Blocks per model stage, e.g. "4,3,5" (the embedding goes with the first stage, the
     head with the last; `pipetrain plan` prints a balanced one). Empty: by `balance`."""
@@ -441,8 +446,3 @@ class TrainConfig:
     @property
     def metrics_path(self) -> Path:
         return Path(self.run.metrics) if self.run.metrics else self.run_dir / "metrics.jsonl"
-
-
-def run_name_error(name: str) -> str:
-    """The message for a run name that is not a plain folder name."""
-    return f"run.name {name!r} is not a plain folder name: use letters, digits, '.', '_' and '-'"

@@ -11,7 +11,7 @@ from typing import Any
 
 from pipetrain.config.errors import ConfigError
 
-__all__ = ["at_least", "check_values", "one_of"]
+__all__ = ["at_least", "check_values", "one_of", "run_name_error"]
 
 
 def check_values(section: str, table: Any) -> None:
@@ -46,3 +46,8 @@ def at_least(key: str, value: int, low: int) -> None:
 def one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key} is {value!r}: use one of {', '.join(choices)}")
+
+
+def run_name_error(name: str) -> str:
+    """The message for a run name that is not a plain folder name."""
+    return f"run.name {name!r} is not a plain folder name: use letters, digits, '.', '_' and '-'"

@@ -34,12 +34,10 @@ from pipetrain.config.schema import (
     TrainConfig,
 )
 from pipetrain.diagnose.profile import open_profiler, profiled_step
-from pipetrain.errors import InputError
 from pipetrain.heap import keep_heap
 from pipetrain.launch.rendezvous import join_process_group, report_failure
 from pipetrain.launch.role import ProcessRole
 from pipetrain.parallel import Mesh, build_mesh, replica_mean, state_bytes
-from pipetrain.runtime import Pipeline
 from pipetrain.runtime.device import gpu_identity, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
@@ -48,6 +46,7 @@ from pipetrain.train.experts import ExpertStep, expert_summary
 from pipetrain.train.grad_report import gradient_report
 from pipetrain.train.memory_check import report_memory
 from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble
+from pipetrain.train.microbatch_probe import MicrobatchProbe
 from pipetrain.train.optim import StepOutcome
 from pipetrain.train.pipedream.loop import train_async
 from pipetrain.train.plan import (
@@ -58,7 +57,7 @@ from pipetrain.train.plan import (
 from pipetrain.train.sample import gather_state_dict, sample_text
 from pipetrain.train.session import Session, open_session
 from pipetrain.train.shared import check_same_settings, peak_memory_per_rank, per_rank
-from pipetrain.train.stage_options import StageOptionError
+from pipetrain.train.stage_options import first_step_guard
 
 __all__ = ["resolve_device", "train"]
 
@@ -85,7 +84,7 @@ def train(
         session = open_session(config, role, plan, device, group, out, mesh)
         try:
             trained = _step_loop(session)
-            return None if trained is None else _finish(session, trained, started)
+            return None if trained is None else _finish(trained.session, trained, started)
         finally:
             session.output.close()  # also when the run fails: TensorBoard buffers its events
 
@@ -183,6 +182,7 @@ class Trained:
     records: list[StepRecord]  # one per step this session trained
     first_eval: float  # before the first step (NaN when evaluation is off)
     final_eval: float
+    session: Session  # as the steps left it: --microbatches auto's count in its plan
 
 
 def _step_loop(session: Session) -> Trained | None:
@@ -212,9 +212,12 @@ def _step_loop(session: Session) -> Trained | None:
         schedule=session.plan.schedule,
         say=session.output.say,
     )
+    probe = MicrobatchProbe(session, start)  # --microbatches auto: the first steps try counts
     for step in range(start, run.steps):
+        probe.before(step)
         with profiled_step(profiler, step + 1) as ranges:  # --profile: ranges on those steps
             records.append(_step(session, step, loop_started, ranges=ranges))
+        probe.after(step, records[-1].elapsed)
         done = step + 1
         if run.eval_every and done % run.eval_every == 0 and done < run.steps:
             session.evaluate(done)
@@ -222,7 +225,7 @@ def _step_loop(session: Session) -> Trained | None:
             break
     session.checkpoints.close()
     final_eval = session.evaluate(done if session.checkpoints.stopped else run.steps)
-    return Trained(records, first_eval, final_eval)
+    return Trained(records, first_eval, final_eval, probe.settled())
 
 
 # ----------------------------------------------------------------------------- a step
@@ -240,6 +243,7 @@ class StepRecord:
     outcome: StepOutcome
     stage_norms: dict[str, float | None]  # each stage's gradient norm, as the update saw it
     moe: ExpertStep | None = None  # a MoE model's aux loss and expert loads
+    microbatches: int = 0  # the count the step ran (--microbatches auto changes it)
 
 
 def _step(session: Session, step: int, loop_started: float, *, ranges: bool = False) -> StepRecord:
@@ -257,7 +261,7 @@ def _step(session: Session, step: int, loop_started: float, *, ranges: bool = Fa
         inputs, targets, denominator = session.micro_batch(step * accum + micro)
         if replicas is not None:
             replicas.begin(sync=micro == accum - 1)
-        result = _first_step_guard(
+        result = first_step_guard(
             pipeline,
             inputs,
             targets,
@@ -285,7 +289,10 @@ def _step(session: Session, step: int, loop_started: float, *, ranges: bool = Fa
     assert timeline is not None
     # In one process the ranks take turns: their idle time says nothing of a pipeline.
     bubble = measured_bubble(timeline) if session.role.distributed else math.nan
-    record = StepRecord(loss, tokens, elapsed, timeline, bubble, outcome, stage_norms, moe)
+    record = StepRecord(
+        loss, tokens, elapsed, timeline, bubble, outcome, stage_norms, moe,
+        microbatches=pipeline.schedule.microbatches,
+    )  # fmt: skip
     _report(session, step, record, loop_started)
     return record
 
@@ -306,6 +313,7 @@ def _report(session: Session, step: int, record: StepRecord, loop_started: float
             "tokens_per_s": tokens_per_s,
             "step_time_s": record.elapsed,
             "bubble": record.bubble,
+            "microbatches": record.microbatches,
             "grad_norm_stage": record.stage_norms,
             **(record.moe.metrics() if record.moe is not None else {}),
         }
@@ -324,45 +332,6 @@ def _report(session: Session, step: int, record: StepRecord, loop_started: float
             elapsed_s=time.perf_counter() - loop_started,
             note=note,
         )
-
-
-def _run_step(
-    pipeline: Pipeline,
-    inputs: Any,
-    targets: Any,
-    denominator: float | None,
-    label: str | None,
-    ranges: bool,
-) -> Any:
-    # Only profiled steps pass ``ranges``: a step without them calls what any pipeline has.
-    if ranges:
-        return pipeline.step(inputs, targets, denominator=denominator, label=label, ranges=True)
-    return pipeline.step(inputs, targets, denominator=denominator, label=label)
-
-
-def _first_step_guard(
-    pipeline: Pipeline,
-    inputs: Any,
-    targets: Any,
-    *,
-    compiled: bool,
-    denominator: float | None = None,
-    label: str | None = None,
-    ranges: bool = False,
-) -> Any:
-    """Run a step; a failure of torch.compile (it compiles on the first call) becomes one line."""
-    if not compiled:
-        return _run_step(pipeline, inputs, targets, denominator, label, ranges)
-    try:
-        return _run_step(pipeline, inputs, targets, denominator, label, ranges)
-    except InputError:
-        raise
-    except Exception as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise StageOptionError(
-            f"pipeline.compile: torch.compile failed on this machine ({type(exc).__name__}: {first_line}): "
-            f"drop --compile"
-        ) from None
 
 
 # ----------------------------------------------------------------------------- the finish
@@ -419,6 +388,9 @@ def _summary(session: Session, trained: Trained, started: float) -> RunSummary:
     # Timing leaves out the warm-up steps, unless there is nothing else.
     timed = records[_WARMUP_STEPS:] or records
     train_time = sum(m.elapsed for m in timed)
+    # The simulator replays the schedule the run ended with, on the steps that ran it.
+    count = session.pipeline.schedule.microbatches
+    replayed = [m.timeline for m in timed if m.microbatches == count]
     return RunSummary(
         steps=len(records),
         wall_s=time.perf_counter() - started,
@@ -427,7 +399,7 @@ def _summary(session: Session, trained: Trained, started: float) -> RunSummary:
         measured_bubble=statistics.mean(m.bubble for m in timed)
         if role.distributed and timed
         else None,
-        simulated_bubble=simulated_bubble([m.timeline for m in timed], session.plan.schedule)
+        simulated_bubble=simulated_bubble(replayed, session.plan.schedule)
         if session.config.pipeline.pp > 1
         else None,
         first_eval_loss=trained.first_eval,
@@ -436,6 +408,7 @@ def _summary(session: Session, trained: Trained, started: float) -> RunSummary:
         state_bytes=held,
         skipped_steps=sum(int(m.outcome.skipped) for m in records),
         untimed_steps=len(records) - len(timed),
+        microbatches=count,
     )
 
 

@@ -323,6 +323,8 @@ class RunSummary:
     # Bytes of parameters and optimizer state each rank holds (its shards where sharded:
     # --shard, --tp), in rank order; empty where not measured.
     state_bytes: tuple[int, ...] = ()
+    # Micro-batches per pipeline step at the end (--microbatches auto's choice); 0: not given.
+    microbatches: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -19,6 +19,7 @@ from pipetrain.errors import InputError
 from pipetrain.models.config import ModelConfig, get_model_config
 from pipetrain.schedules import Schedule
 from pipetrain.schedules.prepare import PreparedSchedule, is_schedule_file, prepare_schedule
+from pipetrain.train.microbatch_counts import auto_candidates
 
 __all__ = [
     "RunPlan",
@@ -42,6 +43,9 @@ class RunPlan:
     # Layer indices of each model stage: blocks spread evenly, the embedding on the first
     # stage and the head on the last.
     split: tuple[tuple[int, ...], ...]
+    # pipeline.microbatches_auto: the schedules of the counts the first steps try, the
+    # configured one (``prepared``) first (``pipetrain.train.microbatch_counts``).
+    candidates: tuple[PreparedSchedule, ...] = ()
 
     @property
     def schedule(self) -> Schedule:
@@ -145,6 +149,15 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
             f"schedule {p.schedule!r} on {p.pp} ranks has {stages} model stages but model {model.name} "
             f"has {model.n_layers} blocks: use fewer --pp/--chunks or a model with more blocks"
         )
+    candidates = (
+        auto_candidates(
+            config,
+            prepared,
+            lambda c: _prepare_schedule(c, tied_embeddings=model.tie_embeddings),
+        )
+        if p.microbatches_auto
+        else ()
+    )
     _check_optional_packages(config, reporter)
     if p.device == "cuda":
         import torch
@@ -153,7 +166,7 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
             raise ConfigError(
                 "pipeline.device is 'cuda' but no CUDA device is available: use --device cpu or auto"
             )
-    return RunPlan(model, prepared, _stage_layers(config, model, schedule))
+    return RunPlan(model, prepared, _stage_layers(config, model, schedule), candidates)
 
 
 def _imported_model(directory: str, vocab_size: int) -> ModelConfig:

@@ -2,7 +2,8 @@
 
 They wrap each layer's ``forward`` on the instance, so parameters keep their global names
 and the runtime runs the stage unchanged. Recomputation is per layer: a block keeps only
-its input for backward and runs its forward again when the gradient arrives.
+its input for backward and runs its forward again when the gradient arrives. torch.compile
+compiles at a stage's first call: ``first_step_guard`` makes its failure there one line.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipetrain.config.schema import ConfigError
+from pipetrain.errors import InputError
 from pipetrain.models import StageModule
+from pipetrain.runtime import Pipeline
 
-__all__ = ["StageOptionError", "apply_stage_options", "autocast_dtype"]
+__all__ = ["StageOptionError", "apply_stage_options", "autocast_dtype", "first_step_guard"]
 
 
 class StageOptionError(ConfigError):
@@ -83,3 +86,42 @@ def apply_stage_options(
                 "pipeline.compile needs torch.compile (torch >= 2.0): drop --compile"
             )
         module.compile()
+
+
+def _run_step(
+    pipeline: Pipeline,
+    inputs: Any,
+    targets: Any,
+    denominator: float | None,
+    label: str | None,
+    ranges: bool,
+) -> Any:
+    # Only profiled steps pass ``ranges``: a step without them calls what any pipeline has.
+    if ranges:
+        return pipeline.step(inputs, targets, denominator=denominator, label=label, ranges=True)
+    return pipeline.step(inputs, targets, denominator=denominator, label=label)
+
+
+def first_step_guard(
+    pipeline: Pipeline,
+    inputs: Any,
+    targets: Any,
+    *,
+    compiled: bool,
+    denominator: float | None = None,
+    label: str | None = None,
+    ranges: bool = False,
+) -> Any:
+    """Run a step; a failure of torch.compile (it compiles on the first call) becomes one line."""
+    if not compiled:
+        return _run_step(pipeline, inputs, targets, denominator, label, ranges)
+    try:
+        return _run_step(pipeline, inputs, targets, denominator, label, ranges)
+    except InputError:
+        raise
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise StageOptionError(
+            f"pipeline.compile: torch.compile failed on this machine ({type(exc).__name__}: {first_line}): "
+            f"drop --compile"
+        ) from None

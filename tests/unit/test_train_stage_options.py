@@ -7,8 +7,7 @@ import torch
 
 from pipetrain.config import load_config
 from pipetrain.models import build_stage, get_model_config, model_spec
-from pipetrain.train.loop import _first_step_guard
-from pipetrain.train.stage_options import StageOptionError, apply_stage_options
+from pipetrain.train.stage_options import StageOptionError, apply_stage_options, first_step_guard
 
 CPU = torch.device("cpu")
 
@@ -84,7 +83,7 @@ class _FailingPipeline:
 
 def test_a_failing_compile_is_one_line_that_says_what_to_do() -> None:
     with pytest.raises(StageOptionError) as info:
-        _first_step_guard(_FailingPipeline(), None, None, compiled=True)  # type: ignore[arg-type]
+        first_step_guard(_FailingPipeline(), None, None, compiled=True)  # type: ignore[arg-type]
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(
@@ -92,7 +91,7 @@ def test_a_failing_compile_is_one_line_that_says_what_to_do() -> None:
     )
     assert message.endswith("drop --compile")
     with pytest.raises(RuntimeError):
-        _first_step_guard(_FailingPipeline(), None, None, compiled=False)  # type: ignore[arg-type]
+        first_step_guard(_FailingPipeline(), None, None, compiled=False)  # type: ignore[arg-type]
 
 
 def test_recompute_and_autocast_pass_a_layer_its_side_inputs_by_name() -> None:
