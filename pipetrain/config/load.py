@@ -117,8 +117,26 @@ def load_config(
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         default_name = "-".join((*(_UNSAFE_NAME_CHARS.sub("_", part) for part in parts), stamp))
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=default_name))
+    config = _fit_auto_start(config, notes)
     validate(config, check_paths=check_paths)
     return config
+
+
+def _fit_auto_start(config: TrainConfig, notes: list[str] | None) -> TrainConfig:
+    """Under pipeline.microbatches_auto the count is where the probe starts, not a
+    request: one that does not divide the per-replica batch (the default 8 of a batch of
+    4) starts from the largest that does, noted."""
+    p, batch = config.pipeline, config.data.batch_size
+    if not p.microbatches_auto or batch % p.dp or (batch // p.dp) % p.microbatches == 0:
+        return config  # a batch that dp does not split is validate's to report
+    rows = batch // p.dp
+    start = max(n for n in range(1, min(rows, p.microbatches) + 1) if rows % n == 0)
+    if notes is not None:
+        notes.append(
+            f"note: --microbatches auto starts from {start} micro-batches: "
+            f"{p.microbatches} does not divide the per-replica batch of {rows}"
+        )
+    return dataclasses.replace(config, pipeline=dataclasses.replace(p, microbatches=start))
 
 
 def _fit_default_warmup(values: dict[str, dict[str, Any]], notes: list[str] | None) -> None:

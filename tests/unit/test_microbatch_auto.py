@@ -44,7 +44,7 @@ def test_the_fastest_count_wins_ties_keep_the_configured_one() -> None:
         ({"pipeline.pp": 2, "data.batch_size": 128}, [8, 2, 4, 16, 32]),
         # Each replica splits its own 16 rows.
         ({"pipeline.pp": 2, "pipeline.dp": 2, "pipeline.microbatches": 4}, [4, 2, 8, 16]),
-        # zb-h2's own rule (m >= 2 x pp) comes from its own check: 4 and 6 are not tried.
+        # zb-h2's own rule (m >= 2 x pp - 1) comes from its own check: 4 and 6 are not tried.
         (
             {"pipeline.pp": 4, "pipeline.schedule": "zb-h2", "data.batch_size": 48},
             [8, 12, 16, 24, 48],
@@ -100,6 +100,15 @@ def test_auto_in_a_config_file_keeps_the_count_an_int(tmp_path: Path) -> None:
     path.write_text("[pipeline]\nmicrobatches = 4\n")
     config = load_config(path, {"pipeline.microbatches": "auto"}, check_paths=False)
     assert (config.pipeline.microbatches, config.pipeline.microbatches_auto) == (4, True)
+    # A start that does not divide the per-replica batch (the default 8 of 8 rows over 2
+    # replicas) is where the probe starts, not a request: the largest count that fits.
+    notes: list[str] = []
+    auto = {**AUTO, "pipeline.dp": 2, "data.batch_size": 8}
+    assert load_config(None, auto, check_paths=False, notes=notes).pipeline.microbatches == 4
+    assert notes == [
+        "note: --microbatches auto starts from 4 micro-batches: 8 does not divide the "
+        "per-replica batch of 4"
+    ]
 
 
 def _train(tmp_path: Path, name: str, **overrides: Any) -> tuple[list[dict[str, Any]], str]:
