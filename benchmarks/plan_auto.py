@@ -24,7 +24,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipetrain.cli.plan import _costs
 from pipetrain.cli.plan_auto import _costs_for, auto_overrides, explain, hardware_for
 from pipetrain.cli.plan_measure import measure_layout
 from pipetrain.models.config import get_model_config
@@ -35,12 +34,7 @@ BATCH, SEQ = 32, 128
 
 
 def _profile_args(world: int) -> argparse.Namespace:
-    cores = os.cpu_count() or 1
-    return argparse.Namespace(
-        balance="profile", split=None, tp=1, batch_size=BATCH, microbatches=8, seq_len=SEQ,
-        device="cpu", threads=max(1, cores // world), repeats=3, seed=0, overhead_ms=0.05,
-        flops=1e11, set=[], world_size=world,
-    )  # fmt: skip
+    return argparse.Namespace(device="cpu", repeats=3, seed=0, world_size=world)
 
 
 def _train(
@@ -81,8 +75,8 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     config = get_model_config(model)
     pargs = _profile_args(world)
     hw = hardware_for("cpu", world)
-    costs_for, source, hw = _costs_for(pargs, config, SEQ, hw, _costs)
     request = AutoRequest(world, BATCH, SEQ, top=max(5, args.sweep))
+    costs_for, source, hw = _costs_for(pargs, config, SEQ, hw, request)
     plan = search(config, request, costs_for, hw)
     scorer = Scorer(config, request, costs_for, hw)
     sweep = list(plan.ranked[: args.sweep])

@@ -26,6 +26,7 @@ from typing import Any
 from pipetrain.cli.errors import UsageError
 from pipetrain.cli.plan_auto import add_auto_flags, run_auto
 from pipetrain.cli.plan_moe import add_ep_flags, check_ep_args, moe_report
+from pipetrain.cli.plan_profile import profile_device
 from pipetrain.cli.plan_text import TpReport, render
 from pipetrain.cli.ranks import add_rank_flags, compare_equal, parse_size, rank_options
 from pipetrain.models.config import ModelConfig, get_model_config, parse_overrides
@@ -226,35 +227,6 @@ def _check_args(args: argparse.Namespace, config: ModelConfig) -> int:
     return seq_len
 
 
-def _profile_device(args: argparse.Namespace) -> Any:
-    """The torch device ``--balance profile`` times layers on, checked usable."""
-    import torch
-
-    from pipetrain.partition.profile import default_device
-
-    try:
-        device = torch.device(args.device) if args.device else default_device()
-    except RuntimeError:
-        raise UsageError(
-            f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(
-            f"--device {args.device} but this machine has no CUDA device: use --device cpu"
-        )
-    if device.type == "meta":
-        # Meta tensors have shapes but no data: every "measured" time would be noise.
-        raise UsageError("--device meta runs no kernels, so it cannot time layers: use cpu or cuda")
-    try:
-        torch.zeros(1, device=device)
-    except Exception as exc:  # torch raises RuntimeError, AssertionError or ImportError here
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0].split(". ")[0]
-        raise UsageError(
-            f"--device {args.device} cannot be used on this machine ({first_line}): use cpu or cuda"
-        ) from None
-    return device
-
-
 def _costs(
     args: argparse.Namespace, config: ModelConfig, seq_len: int
 ) -> tuple[Sequence[LayerCost], str, float]:
@@ -295,7 +267,7 @@ def _costs(
             f"--batch-size {args.batch_size} is not a multiple of --microbatches {args.microbatches}"
         )
     mb = args.batch_size // args.microbatches
-    device = _profile_device(args)
+    device = profile_device(args)
     # A real size can need more than the machine has: refuse it before the kernel kills us.
     need, layer = profile_bytes(estimate_costs(config, seq_len), mb)
     free = available_bytes(device)
@@ -333,7 +305,7 @@ def _costs(
 def run(args: argparse.Namespace) -> int:
     config = get_model_config(args.model, **parse_overrides(args.set))
     if args.auto:
-        return run_auto(args, config, _costs)
+        return run_auto(args, config)
     if args.pp is None:
         raise UsageError("plan needs --pp P, or --auto --world-size N to search the layouts")
     seq_len = _check_args(args, config)

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from pipetrain.models.config import ModelConfig
 from pipetrain.partition.auto import AutoPlan, AutoRequest, Hardware, Scored, search
 from pipetrain.partition.balance import LayerCost, format_bytes
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
+from pipetrain.partition.layouts import CostsFor, enumerate_layouts
 from pipetrain.schedules.registry import get_spec
 
 __all__ = [
@@ -50,11 +51,6 @@ HARDWARE: dict[str, Hardware] = {
     "a100": Hardware("a100", 1.0e14, 2e-5, 1e-5, 2.5e10, 2.4e11, 1.5e12),
     "h100": Hardware("h100", 2.5e14, 2e-5, 1e-5, 5e10, 4.5e11, 2.5e12),
 }
-
-# Profile / estimate hook: (args, config, seq_len) -> (tp-1 layer costs, source, per_layer s).
-ProfileCosts = Callable[
-    [argparse.Namespace, ModelConfig, int], tuple[Sequence[LayerCost], str, float]
-]
 
 
 def add_auto_flags(p: argparse.ArgumentParser) -> None:
@@ -174,12 +170,13 @@ def _costs_for(
     config: ModelConfig,
     seq_len: int,
     hw: Hardware,
-    profile: ProfileCosts | None,
-) -> tuple[Callable[[int], Sequence[LayerCost]], str, Hardware]:
-    """tp degree -> one tp rank's layer costs; where they came from; the hardware with the
-    measured fixed cost per layer where measured."""
+    profile: AutoRequest | None,
+) -> tuple[CostsFor, str, Hardware]:
+    """(tp degree, micro-batch size) -> one tp rank's per-sample layer costs; where they
+    came from; the hardware they go with. ``profile``: measure on this machine at every
+    micro-batch size of that request's space (``--balance profile``), else estimate."""
 
-    def estimated(tp: int) -> list[LayerCost]:
+    def estimated(tp: int, mb: int = 1) -> list[LayerCost]:
         return estimate_costs(
             config,
             seq_len,
@@ -194,28 +191,19 @@ def _costs_for(
             f"estimated from FLOPs for {hw.name} at {hw.flops:.3g} FLOP/s a process",
             hw,
         )
-    measured, source, per_layer = profile(args, config, seq_len)
-    cores = os.cpu_count() or 1
-    if hw.name == "cpu" and args.world_size > cores:
-        # Measured alone; in the run the processes take turns on the cores.
-        share = args.world_size / cores
-        source += f"; times x {share:g} for {args.world_size} processes on {cores} cores"
-        measured = [
-            dataclasses.replace(
-                c,
-                forward=c.forward * share,
-                backward=c.backward * share,
-                backward_input=c.backward_input * share,
-                backward_weight=c.backward_weight * share,
-            )
-            for c in measured
-        ]
-        per_layer *= share
+    from pipetrain.cli.plan_profile import auto_curve
+
+    sizes = {
+        profile.batch_size // lay.dp // lay.microbatches
+        for lay in enumerate_layouts(config, profile)
+    }
+    curve, source = auto_curve(args, config, seq_len, sorted(sizes))
     base = estimated(1)
 
-    def scaled(tp: int) -> list[LayerCost]:
+    def scaled(tp: int, mb: int) -> list[LayerCost]:
+        measured = curve.at(mb)
         if tp == 1:
-            return list(measured)
+            return measured
         # A tp rank's share of a measured layer: the estimate's ratio, tp's collectives included.
         out = []
         for m, b, t in zip(measured, base, estimated(tp), strict=True):
@@ -231,22 +219,18 @@ def _costs_for(
             )
         return out
 
-    return scaled, source, dataclasses.replace(hw, per_layer=per_layer)
+    # The curve's per-sample figures hold the per-call part: no fixed cost on top.
+    return scaled, source, dataclasses.replace(hw, per_layer=0.0)
 
 
-def run_auto(args: argparse.Namespace, config: ModelConfig, profile: ProfileCosts) -> int:
+def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
     """``plan --auto``: the table, the winner's reasons, and ``--out``'s config."""
     seq_len = _check(args, config)
     limit = parse_size(args.memory_limit) if args.memory_limit is not None else None
     hw = hardware_for(args.hardware, args.world_size)
-    use_profile = args.balance == "profile"
-    if use_profile:
-        # The profile measures at --batch-size / --microbatches samples (and at one).
-        # As the trainer: cores / processes threads each on a CPU.
-        threads = max(1, (os.cpu_count() or 1) // args.world_size)
-        args = argparse.Namespace(**{**vars(args), "tp": 1, "split": None, "threads": threads})
-    costs_for, source, hw = _costs_for(args, config, seq_len, hw, profile if use_profile else None)
     request = AutoRequest(args.world_size, args.batch_size, seq_len, limit, top=args.top)
+    profile = request if args.balance == "profile" else None
+    costs_for, source, hw = _costs_for(args, config, seq_len, hw, profile)
     plan = search(config, request, costs_for, hw)
     sys.stdout.write(render(plan, config.name, source))
     winner = _measured_winner(plan, args, config.name)

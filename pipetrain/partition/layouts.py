@@ -23,7 +23,8 @@ __all__ = [
     "enumerate_layouts",
 ]
 
-CostsFor = Callable[[int], Sequence[LayerCost]]  # tp degree -> one tp rank's layer costs
+# (tp degree, micro-batch size) -> one tp rank's per-sample layer costs at that size.
+CostsFor = Callable[[int, int], Sequence[LayerCost]]
 
 
 @dataclass(frozen=True)

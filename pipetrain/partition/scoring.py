@@ -35,16 +35,23 @@ class Scorer:
     ) -> None:
         self.config, self.req, self.hw = config, req, hw
         self._costs_for = costs_for
-        self._costs: dict[tuple[int, bool], list[LayerCost]] = {}
+        self._costs: dict[tuple[int, bool, int], list[LayerCost]] = {}
         self._schedules: dict[tuple[str, int, int, int, bool], Schedule] = {}
-        self._splits: dict[tuple[int, bool, int], Partition] = {}
+        self._splits: dict[tuple[int, bool, int, int], Partition] = {}
 
-    def costs(self, tp: int, recompute: bool) -> list[LayerCost]:
-        key = (tp, recompute)
+    def microbatch_size(self, layout: Layout) -> int:
+        return self.req.batch_size // layout.dp // layout.microbatches
+
+    def costs(self, tp: int, recompute: bool, mb: int) -> list[LayerCost]:
+        """One tp rank's per-sample layer costs at micro-batch size ``mb``."""
+        key = (tp, recompute, mb)
         if key not in self._costs:
-            plain = list(self._costs_for(tp))
+            plain = list(self._costs_for(tp, mb))
             self._costs[key] = recompute_costs(plain, self.message_bytes(1)) if recompute else plain
         return self._costs[key]
+
+    def layout_costs(self, layout: Layout) -> list[LayerCost]:
+        return self.costs(layout.tp, layout.recompute, self.microbatch_size(layout))
 
     def message_bytes(self, mb: int) -> float:
         """One micro-batch's (mb, T, d) activation between stages, as every tp rank sends it."""
@@ -67,7 +74,7 @@ class Scorer:
         Exact for the time-balanced split; a split balanced under the memory limit, whose
         bound this does not compute, is the pruned part.
         """
-        costs = self.costs(layout.tp, layout.recompute)
+        costs = self.layout_costs(layout)
         params = sum(c.param_bytes for c in costs) - sum(c.tied_param_bytes for c in costs)
         update = _UPDATE_BYTES_PER_PARAM_BYTE * params / layout.pp / self.hw.update_bandwidth
         try:
@@ -139,15 +146,15 @@ class Scorer:
     def split(self, layout: Layout, schedule: Schedule, memory: MemoryModel | None) -> Partition:
         if memory is None:
             return self.split_for_placement(layout, schedule.placement)
-        costs = self.costs(layout.tp, layout.recompute)
+        costs = self.layout_costs(layout)
         return split_for("cost", costs, stage_ranks_of(schedule.placement), None, memory)
 
     def split_for_placement(self, layout: Layout, placement: Placement) -> Partition:
         """The time-balanced split (no limit) of ``placement``'s model stages."""
         ranks = stage_ranks_of(placement)
-        costs = self.costs(layout.tp, layout.recompute)
+        costs = self.layout_costs(layout)
         # Without a limit the split depends on the number of stages only, not their ranks.
-        key = (layout.tp, layout.recompute, len(ranks))
+        key = (layout.tp, layout.recompute, self.microbatch_size(layout), len(ranks))
         if key not in self._splits:
             self._splits[key] = split_for("cost", costs, ranks, None, None)
         return replace(self._splits[key], stage_ranks=ranks)
@@ -253,11 +260,11 @@ class Scorer:
             dp_time = cost.exposed
         weights = sim.weight_bytes or tuple(0.0 for _ in range(layout.pp))
         update = max(weights) * _UPDATE_BYTES_PER_PARAM_BYTE / hw.update_bandwidth
-        costs = self.costs(layout.tp, layout.recompute)
+        costs = self.layout_costs(layout)
         full_block = max(
             (
                 c.activation_bytes_per_sample
-                for c in self.costs(layout.tp, False)
+                for c in self.costs(layout.tp, False, mb)
                 if c.kind == "block"
             ),
             default=0.0,

@@ -90,12 +90,12 @@ def predicted_bytes(
     seq_len, batch = config.data.seq_len, config.data.batch_size
     request = AutoRequest(p.processes, batch, seq_len)
 
-    def costs_for(tp: int) -> Any:
+    def costs_for(tp: int, mb: int) -> Any:
         return estimate_costs(model, seq_len, tp=tp)
 
     scorer = Scorer(model, request, costs_for, _ESTIMATE)
     layout = Layout(p.schedule, p.pp, p.dp, p.tp, p.chunks, p.microbatches, p.recompute, False)
-    costs = scorer.costs(p.tp, p.recompute)
+    costs = scorer.costs(p.tp, p.recompute, batch // p.dp // p.microbatches)
     bounds = [(stage[0], stage[-1] + 1) for stage in split]
     partition = make_partition("explicit", costs, bounds, stage_ranks_of(schedule.placement))
     scored = scorer.score(layout, schedule, partition, False)

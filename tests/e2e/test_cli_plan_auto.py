@@ -45,3 +45,18 @@ def test_plan_auto_writes_a_config_that_trains(work: Path) -> None:
     check = next(r for r in records if r.get("memory_check"))
     assert len(check["measured_peak"]) == 2 and len(check["predicted_peak"]) == 2
     assert all(b > 0 for b in check["predicted_peak"])
+
+
+def test_plan_auto_profiles_every_microbatch_size_on_as_many_processes() -> None:
+    planned = subprocess.run(
+        [
+            sys.executable, "-m", "pipetrain.cli", "plan", "--auto", "--model", "llama-tiny",
+            "--world-size", "2", "--batch-size", "4", "--seq-len", "16", "--balance", "profile",
+            "--repeats", "1",
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    # batch 4 over dp 1 or 2 and 1..4 micro-batches: sizes 1, 2 and 4, each measured.
+    assert "measured on cpu at micro-batch 1,2,4 x 16, 2 processes at once" in planned.stdout
+    assert "winner:" in planned.stdout

@@ -25,7 +25,7 @@ CPU = HARDWARE["cpu"]
 def _costs_for(model: str, seq_len: int, hw: Hardware):
     config = get_model_config(model)
 
-    def costs(tp: int):
+    def costs(tp: int, mb: int = 1):
         bandwidth = hw.tp_bandwidth if tp > 1 else None
         return estimate_costs(
             config, seq_len, flops_per_second=hw.flops, tp=tp, tp_bandwidth=bandwidth

@@ -1,0 +1,42 @@
+"""CostCurve: layer costs measured at several micro-batch sizes, read at any size."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipetrain.partition.balance import LayerCost
+from pipetrain.partition.cost_curve import CostCurve
+
+
+def _layer(per_call_f: float, per_call_b: float, size: int) -> LayerCost:
+    return LayerCost(
+        name="layers.0",
+        kind="block",
+        forward=per_call_f / size,
+        backward=per_call_b / size,
+        backward_input=per_call_b / 2 / size,
+        backward_weight=per_call_b / 2 / size,
+        params=10,
+        param_bytes=40,
+        activation_bytes_per_sample=100.0,
+    )
+
+
+def test_measured_sizes_are_read_as_measured_and_others_on_the_line_between() -> None:
+    curve = CostCurve({2: [_layer(4.0, 8.0, 2)], 8: [_layer(10.0, 26.0, 8)]})
+    assert curve.at(2)[0].forward == 2.0 and curve.at(8)[0].backward == 26.0 / 8
+    four = curve.at(4)[0]  # a third of the way from 2 to 8: per call 6 and 14
+    assert four.forward == pytest.approx(6.0 / 4) and four.backward == pytest.approx(14.0 / 4)
+    assert four.backward_input + four.backward_weight == pytest.approx(four.backward)
+    # Beyond the largest and below the smallest: the nearest two sizes' line, extended.
+    assert curve.at(14)[0].forward == pytest.approx(16.0 / 14)
+    assert curve.at(1)[0].forward == pytest.approx(3.0)
+
+
+def test_a_curve_refuses_no_sizes_mixed_layer_counts_and_size_zero() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        CostCurve({})
+    with pytest.raises(ValueError, match="layer counts"):
+        CostCurve({1: [_layer(1, 1, 1)], 2: [_layer(1, 1, 2)] * 2})
+    with pytest.raises(ValueError, match=">= 1"):
+        CostCurve({1: [_layer(1, 1, 1)]}).at(0)
