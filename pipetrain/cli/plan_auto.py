@@ -31,6 +31,7 @@ from pipetrain.partition.balance import LayerCost, format_bytes
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
 from pipetrain.partition.layouts import CostsFor, enumerate_layouts
 from pipetrain.schedules.registry import get_spec
+from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
 
 __all__ = [
     "HARDWARE",
@@ -197,23 +198,38 @@ def _costs_for(
         profile.batch_size // lay.dp // lay.microbatches
         for lay in enumerate_layouts(config, profile)
     }
-    curve, source = auto_curve(args, config, seq_len, sorted(sizes))
+    curve, links, source = auto_curve(args, config, seq_len, sorted(sizes))
+    if links is not None:
+        hw = dataclasses.replace(
+            hw,
+            latency=links.p2p_latency,
+            link_bandwidth=links.p2p_bandwidth,
+            allreduce=links.allreduce,
+            overlap_comm=False,  # links measured here: the processes share this machine's cores
+        )
     base = estimated(1)
+    message = float(seq_len * config.d_model * 4)  # one sample's (T, d) activation, fp32
 
     def scaled(tp: int, mb: int) -> list[LayerCost]:
         measured = curve.at(mb)
         if tp == 1:
             return measured
-        # A tp rank's share of a measured layer: the estimate's ratio, tp's collectives included.
+        # A tp rank's share of a measured layer's compute as the estimate shrinks it, plus
+        # its all-reduces at the measured (or the preset's) link, latency per call.
+        latency, bandwidth = hw.allreduce_link(tp, tp=True)
+        plain = estimate_costs(config, seq_len, flops_per_second=hw.flops, tp=tp)
         out = []
-        for m, b, t in zip(measured, base, estimated(tp), strict=True):
+        for m, b, t in zip(measured, base, plain, strict=True):
             ratio = t.time / b.time if b.time > 0 else 1.0
+            comm = layer_collectives(t.kind)
+            c_fwd = tp_time(comm.forward, message, tp, bandwidth) + latency * comm.forward / mb
+            c_in = tp_time(comm.backward, message, tp, bandwidth) + latency * comm.backward / mb
             out.append(
                 dataclasses.replace(
                     t,
-                    forward=m.forward * ratio,
-                    backward=m.backward * ratio,
-                    backward_input=m.backward_input * ratio,
+                    forward=m.forward * ratio + c_fwd,
+                    backward=m.backward * ratio + c_in,
+                    backward_input=m.backward_input * ratio + c_in,
                     backward_weight=m.backward_weight * ratio,
                 )
             )

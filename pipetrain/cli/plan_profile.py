@@ -9,13 +9,16 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import format_bytes
 from pipetrain.partition.cost_curve import CostCurve
 from pipetrain.partition.estimate import estimate_costs
+
+if TYPE_CHECKING:
+    from pipetrain.partition.profile_run import Links
 
 __all__ = ["auto_curve", "profile_device"]
 
@@ -51,9 +54,10 @@ def profile_device(args: argparse.Namespace) -> Any:
 
 def auto_curve(
     args: argparse.Namespace, config: ModelConfig, seq_len: int, sizes: Sequence[int]
-) -> tuple[CostCurve, str]:
+) -> tuple[CostCurve, Links | None, str]:
     """Layer costs measured at each micro-batch size of ``sizes`` that this machine can
-    hold (the others are read off the curve), and a line saying how they were measured."""
+    hold (the others are read off the curve), the links between the processes where they
+    profiled together, and a line saying how all was measured."""
     from pipetrain.partition.profile import available_bytes, profile_bytes
     from pipetrain.partition.profile_run import profile_curve
 
@@ -76,7 +80,7 @@ def auto_curve(
             f"{format_bytes(free or 0)} free on {device}: use a smaller --seq-len or "
             "estimated costs (drop --balance profile)"
         )
-    curve = profile_curve(
+    curve, links = profile_curve(
         config,
         seq_len,
         fits,
@@ -90,4 +94,13 @@ def auto_curve(
     sizes_text = ",".join(map(str, fits))
     left = sorted(set(sizes) - set(fits))
     skipped = f" (sizes {','.join(map(str, left))} read off the curve)" if left else ""
-    return curve, f"measured on {device} at micro-batch {sizes_text} x {seq_len}{how}{skipped}"
+    said = f"measured on {device} at micro-batch {sizes_text} x {seq_len}{how}{skipped}"
+    if links is not None:
+        reduces = "; ".join(
+            f"{g} ranks {lat * 1e3:.2f} ms + {bw / 1e9:.2f} GB/s" for g, lat, bw in links.allreduce
+        )
+        said += (
+            f"; links measured: send/recv {links.p2p_latency * 1e3:.2f} ms + "
+            f"{links.p2p_bandwidth / 1e9:.2f} GB/s, all-reduce {reduces} (ring terms)"
+        )
+    return curve, links, said

@@ -38,6 +38,23 @@ class Hardware:
     link_bandwidth: float  # bytes/s between pipeline ranks and of the dp all-reduce
     tp_bandwidth: float  # bytes/s of a tensor-parallel link
     update_bandwidth: float  # bytes/s the optimizer update streams its state through
+    # Measured all-reduces, (group size, seconds per call, bytes/s in ring terms: a ring
+    # all-reduce of n bytes over g ranks takes latency + 2 (g - 1) / g * n / bandwidth);
+    # () = link_bandwidth (dp) and tp_bandwidth (tp) without latency.
+    allreduce: tuple[tuple[int, float, float], ...] = ()
+    # False where the processes share the cores that compute (a CPU): a collective then
+    # runs on the cores the backward needs and hides behind nothing.
+    overlap_comm: bool = True
+
+    def allreduce_link(self, group: int, tp: bool = False) -> tuple[float, float]:
+        """(latency, ring bandwidth) of an all-reduce over ``group`` ranks: the measured
+        group size nearest below it (the largest measured beyond), else the preset."""
+        if not self.allreduce:
+            return 0.0, self.tp_bandwidth if tp else self.link_bandwidth
+        measured = sorted(self.allreduce)
+        below = [m for m in measured if m[0] <= group] or measured[:1]
+        _, latency, bandwidth = below[-1]
+        return latency, bandwidth
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,21 @@ spawned processes at once, each with the threads the trainer will give it, which
 each size together (a barrier) and measure the same layers; each figure is the median
 over the processes. On a GPU each process of the run has its own device, so one process
 profiles alone.
+
+The same processes first time the run's collectives over gloo (a send/recv ping-pong and
+all-reduces over two ranks and over all, at 64 KiB, 1 MiB and 8 MiB; a straight line
+through each gives the latency and the bandwidth), while no layer runs: ``Links``.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import socket
 import statistics
+import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,11 +30,13 @@ from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost
 from pipetrain.partition.cost_curve import CostCurve
 
-__all__ = ["profile_curve"]
+__all__ = ["Links", "profile_curve"]
 
 _TIMES = ("forward", "backward", "backward_input", "backward_weight")
 # Seconds a spawned profile may take to import torch and measure every size.
 _TIMEOUT_S = 900.0
+# Message sizes the links are timed at: latency-bound to bandwidth-bound.
+_LINK_BYTES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 
 
 def _measure_sizes(
@@ -52,18 +61,152 @@ def _measure_sizes(
     for size in sizes:
         if barrier is not None:
             barrier.wait(timeout=_TIMEOUT_S)
-        out[size] = profile_layers(
+        layers = profile_layers(
             spec, ids[:size], seed=seed, device=device, threads=threads, repeats=repeats
         )
+        if barrier is not None:
+            barrier.wait(timeout=_TIMEOUT_S)
+        chain = _chain_time(spec, ids[:size], device, threads, repeats, seed)
+        out[size] = _scaled_to_chain(layers, chain, size)
     return out
 
 
-def _child(queue: Any, barrier: Any, args: tuple[Any, ...]) -> None:
+def _chain_time(
+    spec: Any, ids: torch.Tensor, device: str, threads: int, repeats: int, seed: int
+) -> float | None:
+    """Median seconds of the whole model's forward, loss and backward on one micro-batch,
+    as a step runs them (None where the model does not fit here)."""
+    import torch.nn.functional as F
+
+    from pipetrain.models.stage import build_stage
+
+    dev = torch.device(device)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        queue.put(("ok", _measure_sizes(*args, barrier=barrier)))
+        model = build_stage(spec, list(range(len(spec.layers))), seed=seed, device=dev)
+        x = ids.to(dev)
+        targets = torch.randint(0, 2, ids.shape, generator=torch.Generator().manual_seed(seed))
+        targets = targets.to(dev)
+        samples = []
+        # A whole step varies more than one layer: at least 5 timed, the median kept.
+        for _ in range(max(repeats, 5) + 1):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            start = time.perf_counter()
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), targets.flatten())
+            torch.autograd.backward(loss)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            samples.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    except (RuntimeError, MemoryError):  # out of memory: the layers alone stand
+        return None
+    finally:
+        torch.set_num_threads(previous)
+    return statistics.median(samples[1:])  # the first allocates
+
+
+def _scaled_to_chain(layers: list[LayerCost], chain: float | None, size: int) -> list[LayerCost]:
+    """Each layer's times scaled so that their sum is the whole chain's time per sample:
+    a layer timed alone keeps its data in the caches, one in a step finds the others'
+    there (measured here: 15-25% slower with two processes holding a step's activations)."""
+    per_sample = sum(c.forward + c.backward for c in layers)
+    if chain is None or per_sample <= 0:
+        return layers
+    ratio = chain / size / per_sample
+    return [replace(c, **{name: getattr(c, name) * ratio for name in _TIMES}) for c in layers]
+
+
+@dataclass(frozen=True)
+class Links:
+    """The run's collectives measured between the profile's processes (gloo on a CPU)."""
+
+    p2p_latency: float  # seconds of one send/recv, whatever its size
+    p2p_bandwidth: float  # bytes/s of one send/recv beyond its latency
+    # (group size, seconds per call, bytes/s in ring terms): Hardware.allreduce's form.
+    allreduce: tuple[tuple[int, float, float], ...]
+
+
+def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares t = a + b * n over (n, t); a kept >= 0, b > 0."""
+    n_mean = statistics.fmean(n for n, _ in points)
+    t_mean = statistics.fmean(t for _, t in points)
+    spread = sum((n - n_mean) ** 2 for n, _ in points)
+    slope = sum((n - n_mean) * (t - t_mean) for n, t in points) / spread if spread else 0.0
+    slope = max(slope, 1e-15)
+    return max(0.0, t_mean - slope * n_mean), slope
+
+
+def _timed_median(fn: Any, repeats: int = 5) -> float:
+    import torch.distributed as dist
+
+    fn()  # the first call sets up the connection's buffers
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _ping(buffer: torch.Tensor, rank: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send(buffer, 1)
+        dist.recv(buffer, 1)
+    elif rank == 1:
+        dist.recv(buffer, 0)
+        dist.send(buffer, 0)
+
+
+def _measure_links(rank: int, world: int) -> Links:
+    """All-reduces over 2 ranks and over all, and a send/recv ping-pong between ranks 0 and 1."""
+    import torch.distributed as dist
+
+    pairs = dist.new_group([0, 1])  # every rank takes part in making it
+    groups = {2: pairs, world: None} if world > 2 else {2: None}
+    reduce_points: dict[int, list[tuple[float, float]]] = {g: [] for g in groups}
+    p2p_points: list[tuple[float, float]] = []
+    for nbytes in _LINK_BYTES:
+        buffer = torch.ones(nbytes // 4)
+        for size, group in groups.items():
+            if group is None or rank < 2:
+                took = _timed_median(partial(dist.all_reduce, buffer, group=group))
+            else:
+                took = 0.0  # not in the pair: it only meets the others' barriers
+                _timed_median(lambda: None)
+            reduce_points[size].append((2.0 * (size - 1) / size * nbytes, took))
+        p2p_points.append((float(nbytes), _timed_median(partial(_ping, buffer, rank)) / 2))
+    p2p_latency, p2p_slope = _fit(p2p_points)
+    allreduce = []
+    for size, points in sorted(reduce_points.items()):
+        latency, slope = _fit(points)
+        allreduce.append((size, latency, 1.0 / slope))
+    return Links(p2p_latency, 1.0 / p2p_slope, tuple(allreduce))
+
+
+def _child(
+    queue: Any, barrier: Any, args: tuple[Any, ...], rank: int, world: int, port: int
+) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        links = _measure_links(rank, world)
+        dist.barrier()
+        costs = _measure_sizes(*args, barrier=barrier)
+        queue.put(("ok", (rank, costs, links)))
     except BaseException as exc:  # reported by the parent, which names the profile
         barrier.abort()
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _median_costs(runs: Sequence[Sequence[LayerCost]]) -> list[LayerCost]:
@@ -84,17 +227,22 @@ def profile_curve(
     threads: int,
     repeats: int = 3,
     seed: int = 0,
-) -> CostCurve:
-    """Per-sample layer costs at each of ``sizes``; on a CPU measured by ``processes``
-    processes at once (see the module doc)."""
+) -> tuple[CostCurve, Links | None]:
+    """Per-sample layer costs at each of ``sizes``, and the links between the processes;
+    on a CPU measured by ``processes`` processes at once (see the module doc), elsewhere
+    by this one alone (links None: the run's devices are not here to measure)."""
     sizes = sorted(set(sizes))
     args = (config, seq_len, sizes, str(device), threads, repeats, seed)
     if device.type != "cpu" or processes <= 1:
-        return CostCurve(_measure_sizes(*args))
+        return CostCurve(_measure_sizes(*args)), None
     ctx = multiprocessing.get_context("spawn")  # a forked torch can hang in its thread pools
     queue = ctx.Queue()
     barrier = ctx.Barrier(processes)
-    children = [ctx.Process(target=_child, args=(queue, barrier, args)) for _ in range(processes)]
+    port = _free_port()
+    children = [
+        ctx.Process(target=_child, args=(queue, barrier, args, rank, processes, port))
+        for rank in range(processes)
+    ]
     for child in children:
         child.start()
     try:
@@ -107,4 +255,14 @@ def profile_curve(
     errors = [text for status, text in results if status == "error"]
     if errors:
         raise RuntimeError(f"the profile failed in a spawned process: {errors[0]}")
-    return CostCurve({size: _median_costs([r[size] for _, r in results]) for size in sizes})
+    runs = [costs for _, (_rank, costs, _links) in results]
+    curve = CostCurve({size: _median_costs([r[size] for r in runs]) for size in sizes})
+    # Rank 0 takes part in every link timed (the others may wait at the barriers).
+    links = next(links for _, (rank, _costs, links) in results if rank == 0)
+    return curve, links
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

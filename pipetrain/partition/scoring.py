@@ -17,7 +17,7 @@ from pipetrain.schedules.execution import Costs
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.registry import get_spec
 from pipetrain.schedules.schedule import Schedule, ScheduleError
-from pipetrain.sim.data_parallel import data_parallel_cost
+from pipetrain.sim.data_parallel import data_parallel_cost, ring_allreduce_time
 from pipetrain.sim.simulator import SimResult, simulate
 
 __all__ = ["Scorer"]
@@ -248,16 +248,7 @@ class Scorer:
         mb = local // layout.microbatches
         whole = get_spec(layout.schedule).whole_batch
         sim = self._simulate(schedule, partition, mb, whole, layout.microbatches)
-        dp_time = 0.0
-        if layout.dp > 1:
-            cost = data_parallel_cost(
-                sim.timeline,
-                schedule.placement,
-                partition.param_bytes,
-                replicas=layout.dp,
-                bandwidth=hw.link_bandwidth,
-            )
-            dp_time = cost.exposed
+        dp_time = self._reduce_time(layout, schedule, partition, sim)
         weights = sim.weight_bytes or tuple(0.0 for _ in range(layout.pp))
         update = max(weights) * _UPDATE_BYTES_PER_PARAM_BYTE / hw.update_bandwidth
         costs = self.layout_costs(layout)
@@ -292,6 +283,37 @@ class Scorer:
             memory,
             fits,
             req.batch_size * req.seq_len,
+        )
+
+    def _reduce_time(
+        self, layout: Layout, schedule: Schedule, partition: Partition, sim: SimResult
+    ) -> float:
+        """The gradient all-reduce after the pipeline: over the dp replicas, and between the
+        ranks that hold the same model stage (Chimera's two pipelines) too."""
+        placement = schedule.placement
+        group = layout.dp * placement.replicas
+        if group == 1:
+            return 0.0
+        latency, bandwidth = self.hw.allreduce_link(group)
+        if self.hw.overlap_comm:
+            cost = data_parallel_cost(
+                sim.timeline,
+                placement,
+                partition.param_bytes,
+                replicas=group,
+                bandwidth=bandwidth,
+            )
+            return cost.exposed + latency * placement.stages_per_rank
+        # Nothing to hide behind: every rank's all-reduces, one after the other.
+        return max(
+            sum(
+                latency
+                + ring_allreduce_time(
+                    partition.param_bytes[placement.model_stage(v)], group, bandwidth
+                )
+                for v in placement.stages_of(rank)
+            )
+            for rank in range(placement.num_ranks)
         )
 
     def _simulate(
