@@ -24,8 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipetrain.cli.plan_auto import _costs_for, auto_overrides, explain, hardware_for
+from pipetrain.cli.plan_auto import auto_overrides, explain, hardware_for
 from pipetrain.cli.plan_measure import measure_layout
+from pipetrain.cli.plan_profile import auto_costs
 from pipetrain.models.config import get_model_config
 from pipetrain.partition.auto import AutoRequest, Layout, Scored, search
 from pipetrain.partition.scoring import Scorer
@@ -60,10 +61,17 @@ def _default_layout(world: int) -> Layout:
     return Layout("1f1b", world, 1, 1, 1, 8, False, True)
 
 
+def _planned_peaks(s: Scored) -> list[float]:
+    """The planner's peak per process, in the launcher's rank order (tp, then dp, inside
+    each pipeline rank), as the run's memory check lists its measurements."""
+    group = s.layout.dp * s.layout.tp
+    return [s.memory[r // group].total for r in range(s.layout.pp * group)]
+
+
 def _row(s: Scored, m: dict[str, Any]) -> str:
     if "error" in m:
         return f"| {s.layout.describe()} | {s.step_time * 1e3:.0f} | failed: {m['error'][0][:60]} | | | |"
-    pred_peak = max(m["predicted_peak"] or [s.peak_bytes])
+    pred_peak = max(_planned_peaks(s))
     meas_peak = max(m["measured_peak"] or [0])
     return (
         f"| {s.layout.describe()} | {s.step_time * 1e3:.0f} | {m['step_time'] * 1e3:.0f} | "
@@ -76,7 +84,7 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     pargs = _profile_args(world)
     hw = hardware_for("cpu", world)
     request = AutoRequest(world, BATCH, SEQ, top=max(5, args.sweep))
-    costs_for, source, hw = _costs_for(pargs, config, SEQ, hw, request)
+    costs_for, source, hw = auto_costs(pargs, config, SEQ, hw, request)
     plan = search(config, request, costs_for, hw)
     scorer = Scorer(config, request, costs_for, hw)
     sweep = list(plan.ranked[: args.sweep])
@@ -116,10 +124,11 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     print(
         f"predicted step time error, five predicted fastest: max {max(errors):.1%}, mean {statistics.mean(errors):.1%}"
     )
+    planned = {s.layout: s for s in sweep}
     mem = [
         abs(p / m - 1)
-        for r in ok.values()
-        for p, m in zip(r["predicted_peak"], r["measured_peak"], strict=False)
+        for lay, r in ok.items()
+        for p, m in zip(_planned_peaks(planned[lay]), r["measured_peak"], strict=False)
         if m > 0
     ]
     if mem:

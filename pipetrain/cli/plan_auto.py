@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.plan_profile import auto_costs
 from pipetrain.cli.ranks import parse_size
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.auto import AutoPlan, AutoRequest, Hardware, Scored, search
-from pipetrain.partition.balance import LayerCost, format_bytes
-from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
-from pipetrain.partition.layouts import CostsFor, enumerate_layouts
+from pipetrain.partition.balance import format_bytes
+from pipetrain.partition.estimate import DEFAULT_FLOPS
 from pipetrain.schedules.registry import get_spec
-from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
 
 __all__ = [
     "HARDWARE",
@@ -166,79 +165,6 @@ def _measured_winner(
     return best.scored if best is not None else plan.winner
 
 
-def _costs_for(
-    args: argparse.Namespace,
-    config: ModelConfig,
-    seq_len: int,
-    hw: Hardware,
-    profile: AutoRequest | None,
-) -> tuple[CostsFor, str, Hardware]:
-    """(tp degree, micro-batch size) -> one tp rank's per-sample layer costs; where they
-    came from; the hardware they go with. ``profile``: measure on this machine at every
-    micro-batch size of that request's space (``--balance profile``), else estimate."""
-
-    def estimated(tp: int, mb: int = 1) -> list[LayerCost]:
-        return estimate_costs(
-            config,
-            seq_len,
-            flops_per_second=hw.flops,
-            tp=tp,
-            tp_bandwidth=hw.tp_bandwidth if tp > 1 else None,
-        )
-
-    if profile is None:
-        return (
-            estimated,
-            f"estimated from FLOPs for {hw.name} at {hw.flops:.3g} FLOP/s a process",
-            hw,
-        )
-    from pipetrain.cli.plan_profile import auto_curve
-
-    sizes = {
-        profile.batch_size // lay.dp // lay.microbatches
-        for lay in enumerate_layouts(config, profile)
-    }
-    curve, links, source = auto_curve(args, config, seq_len, sorted(sizes))
-    if links is not None:
-        hw = dataclasses.replace(
-            hw,
-            latency=links.p2p_latency,
-            link_bandwidth=links.p2p_bandwidth,
-            allreduce=links.allreduce,
-            overlap_comm=False,  # links measured here: the processes share this machine's cores
-        )
-    base = estimated(1)
-    message = float(seq_len * config.d_model * 4)  # one sample's (T, d) activation, fp32
-
-    def scaled(tp: int, mb: int) -> list[LayerCost]:
-        measured = curve.at(mb)
-        if tp == 1:
-            return measured
-        # A tp rank's share of a measured layer's compute as the estimate shrinks it, plus
-        # its all-reduces at the measured (or the preset's) link, latency per call.
-        latency, bandwidth = hw.allreduce_link(tp, tp=True)
-        plain = estimate_costs(config, seq_len, flops_per_second=hw.flops, tp=tp)
-        out = []
-        for m, b, t in zip(measured, base, plain, strict=True):
-            ratio = t.time / b.time if b.time > 0 else 1.0
-            comm = layer_collectives(t.kind)
-            c_fwd = tp_time(comm.forward, message, tp, bandwidth) + latency * comm.forward / mb
-            c_in = tp_time(comm.backward, message, tp, bandwidth) + latency * comm.backward / mb
-            out.append(
-                dataclasses.replace(
-                    t,
-                    forward=m.forward * ratio + c_fwd,
-                    backward=m.backward * ratio + c_in,
-                    backward_input=m.backward_input * ratio + c_in,
-                    backward_weight=m.backward_weight * ratio,
-                )
-            )
-        return out
-
-    # The curve's per-sample figures hold the per-call part: no fixed cost on top.
-    return scaled, source, dataclasses.replace(hw, per_layer=0.0)
-
-
 def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
     """``plan --auto``: the table, the winner's reasons, and ``--out``'s config."""
     seq_len = _check(args, config)
@@ -246,7 +172,7 @@ def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
     hw = hardware_for(args.hardware, args.world_size)
     request = AutoRequest(args.world_size, args.batch_size, seq_len, limit, top=args.top)
     profile = request if args.balance == "profile" else None
-    costs_for, source, hw = _costs_for(args, config, seq_len, hw, profile)
+    costs_for, source, hw = auto_costs(args, config, seq_len, hw, profile)
     plan = search(config, request, costs_for, hw)
     sys.stdout.write(render(plan, config.name, source))
     winner = _measured_winner(plan, args, config.name)
@@ -420,7 +346,7 @@ def auto_config(config: Any, args: argparse.Namespace) -> Any:
     limit = parse_size(args.memory_limit) if args.memory_limit is not None else None
     model = get_model_config(config.model.name)
     hw = hardware_for(args.hardware, world)
-    costs_for, source, hw = _costs_for(args, model, config.data.seq_len, hw, None)
+    costs_for, source, hw = auto_costs(args, model, config.data.seq_len, hw, None)
     request = AutoRequest(world, config.data.batch_size, config.data.seq_len, limit)
     plan = search(model, request, costs_for, hw)
     sys.stdout.write(render(plan, model.name, source))

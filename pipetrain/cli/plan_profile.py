@@ -1,5 +1,6 @@
 """Measure layer costs for ``plan``: the device to time them on, and ``plan --auto``'s
-profile at every micro-batch size its search reads (``pipetrain.partition.profile_run``).
+costs: estimated, or profiled at every micro-batch size its search reads with the links
+and a step's memory (``pipetrain.partition.profile_run``).
 
 torch is imported only here, and only when a profile is asked for.
 """
@@ -7,20 +8,23 @@ torch is imported only here, and only when a profile is asked for.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.models.config import ModelConfig
-from pipetrain.partition.balance import format_bytes
-from pipetrain.partition.cost_curve import CostCurve
+from pipetrain.partition.balance import LayerCost, format_bytes
 from pipetrain.partition.estimate import estimate_costs
+from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, enumerate_layouts
+from pipetrain.partition.memory import fit_overhead
+from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
 
 if TYPE_CHECKING:
-    from pipetrain.partition.profile_run import Links
+    from pipetrain.partition.profile_run import Profile
 
-__all__ = ["auto_curve", "profile_device"]
+__all__ = ["auto_costs", "auto_curve", "profile_device"]
 
 
 def profile_device(args: argparse.Namespace) -> Any:
@@ -54,10 +58,10 @@ def profile_device(args: argparse.Namespace) -> Any:
 
 def auto_curve(
     args: argparse.Namespace, config: ModelConfig, seq_len: int, sizes: Sequence[int]
-) -> tuple[CostCurve, Links | None, str]:
+) -> tuple[Profile, str]:
     """Layer costs measured at each micro-batch size of ``sizes`` that this machine can
     hold (the others are read off the curve), the links between the processes where they
-    profiled together, and a line saying how all was measured."""
+    profiled together, a step's bytes, and a line saying how all was measured."""
     from pipetrain.partition.profile import available_bytes, profile_bytes
     from pipetrain.partition.profile_run import profile_curve
 
@@ -80,7 +84,7 @@ def auto_curve(
             f"{format_bytes(free or 0)} free on {device}: use a smaller --seq-len or "
             "estimated costs (drop --balance profile)"
         )
-    curve, links = profile_curve(
+    profile = profile_curve(
         config,
         seq_len,
         fits,
@@ -95,6 +99,7 @@ def auto_curve(
     left = sorted(set(sizes) - set(fits))
     skipped = f" (sizes {','.join(map(str, left))} read off the curve)" if left else ""
     said = f"measured on {device} at micro-batch {sizes_text} x {seq_len}{how}{skipped}"
+    links = profile.links
     if links is not None:
         reduces = "; ".join(
             f"{g} ranks {lat * 1e3:.2f} ms + {bw / 1e9:.2f} GB/s" for g, lat, bw in links.allreduce
@@ -103,4 +108,88 @@ def auto_curve(
             f"; links measured: send/recv {links.p2p_latency * 1e3:.2f} ms + "
             f"{links.p2p_bandwidth / 1e9:.2f} GB/s, all-reduce {reduces} (ring terms)"
         )
-    return curve, links, said
+    return profile, said
+
+
+def auto_costs(
+    args: argparse.Namespace,
+    config: ModelConfig,
+    seq_len: int,
+    hw: Hardware,
+    profile: AutoRequest | None,
+) -> tuple[CostsFor, str, Hardware]:
+    """(tp degree, micro-batch size) -> one tp rank's per-sample layer costs; where they
+    came from; the hardware they go with. ``profile``: measure on this machine at every
+    micro-batch size of that request's space (``--balance profile``), else estimate."""
+
+    def estimated(tp: int, mb: int = 1) -> list[LayerCost]:
+        return estimate_costs(
+            config,
+            seq_len,
+            flops_per_second=hw.flops,
+            tp=tp,
+            tp_bandwidth=hw.tp_bandwidth if tp > 1 else None,
+        )
+
+    if profile is None:
+        return (
+            estimated,
+            f"estimated from FLOPs for {hw.name} at {hw.flops:.3g} FLOP/s a process",
+            hw,
+        )
+    sizes = {
+        profile.batch_size // lay.dp // lay.microbatches
+        for lay in enumerate_layouts(config, profile)
+    }
+    measured, source = auto_curve(args, config, seq_len, sorted(sizes))
+    curve, links = measured.curve, measured.links
+    if links is not None:
+        hw = dataclasses.replace(
+            hw,
+            latency=links.p2p_latency,
+            link_bandwidth=links.p2p_bandwidth,
+            allreduce=links.allreduce,
+            overlap_comm=False,  # links measured here: the processes share this machine's cores
+        )
+    layers = curve.at(curve.sizes[0])
+    overhead = fit_overhead(
+        measured.step_bytes,
+        sum(c.activation_bytes_per_sample for c in layers),
+        sum(c.param_bytes - c.tied_param_bytes for c in layers),
+    )
+    if overhead != (0.0, 0.0):
+        hw = dataclasses.replace(hw, memory_overhead=overhead)
+        source += (
+            f"; a step's memory measured: {overhead[0]:.0%} of the activations and "
+            f"{format_bytes(overhead[1])} a process beyond the model's count"
+        )
+    base = estimated(1)
+    message = float(seq_len * config.d_model * 4)  # one sample's (T, d) activation, fp32
+
+    def scaled(tp: int, mb: int) -> list[LayerCost]:
+        measured = curve.at(mb)
+        if tp == 1:
+            return measured
+        # A tp rank's share of a measured layer's compute as the estimate shrinks it, plus
+        # its all-reduces at the measured (or the preset's) link, latency per call.
+        latency, bandwidth = hw.allreduce_link(tp, tp=True)
+        plain = estimate_costs(config, seq_len, flops_per_second=hw.flops, tp=tp)
+        out = []
+        for m, b, t in zip(measured, base, plain, strict=True):
+            ratio = t.time / b.time if b.time > 0 else 1.0
+            comm = layer_collectives(t.kind)
+            c_fwd = tp_time(comm.forward, message, tp, bandwidth) + latency * comm.forward / mb
+            c_in = tp_time(comm.backward, message, tp, bandwidth) + latency * comm.backward / mb
+            out.append(
+                dataclasses.replace(
+                    t,
+                    forward=m.forward * ratio + c_fwd,
+                    backward=m.backward * ratio + c_in,
+                    backward_input=m.backward_input * ratio + c_in,
+                    backward_weight=m.backward_weight * ratio,
+                )
+            )
+        return out
+
+    # The curve's per-sample figures hold the per-call part: no fixed cost on top.
+    return scaled, source, dataclasses.replace(hw, per_layer=0.0)

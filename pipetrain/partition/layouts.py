@@ -45,6 +45,9 @@ class Hardware:
     # False where the processes share the cores that compute (a CPU): a collective then
     # runs on the cores the backward needs and hides behind nothing.
     overlap_comm: bool = True
+    # What a step holds beyond the model's count, measured by the profile (fit_overhead):
+    # a fraction of the activations and bytes per process; (0, 0) unmeasured.
+    memory_overhead: tuple[float, float] = (0.0, 0.0)
 
     def allreduce_link(self, group: int, tp: bool = False) -> tuple[float, float]:
         """(latency, ring bandwidth) of an all-reduce over ``group`` ranks: the measured

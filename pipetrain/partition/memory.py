@@ -25,6 +25,7 @@ from pipetrain.partition.balance import LayerCost, Partition
 __all__ = [
     "OPTIMIZER_FACTOR",
     "RankMemory",
+    "fit_overhead",
     "rank_memory",
     "recompute_costs",
 ]
@@ -43,6 +44,10 @@ class RankMemory:
     activations: float  # the schedule's peak of live micro-batches' saved tensors
     transient: float  # recomputation: one block's full activations for one micro-batch
     buffers: float  # pipeline messages in flight
+    # Measured on this machine where profiled (``fit_overhead``), else 0: what a step holds
+    # beyond the saved tensors (the backward's gradients in flight, the optimizer's
+    # temporaries, the allocator's slack) and the process's own (communicators, caches).
+    workspace: float = 0.0
 
     @property
     def static(self) -> float:
@@ -51,7 +56,36 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.static + self.activations + self.transient + self.buffers
+        return self.static + self.activations + self.transient + self.buffers + self.workspace
+
+
+def fit_overhead(
+    step_bytes: dict[int, float], activation_bytes_per_sample: float, param_bytes: float
+) -> tuple[float, float]:
+    """(fraction of the activations, bytes per process) that a measured step holds beyond
+    this model's count, fitted over the micro-batch sizes measured.
+
+    ``step_bytes``: size -> the peak of a whole-model step in one process (the profile's
+    ``step_memory``, which counts as the trainer's memory check counts), 0 where not
+    measured. The model counts 16 bytes a parameter (4 x ``param_bytes``, its fp32 bytes)
+    and the saved activations; what is
+    left grows with the activations (the fraction) or does not (the bytes per process):
+    a least-squares line, both kept >= 0. (0, 0) when fewer than two sizes were measured.
+    """
+    points = [
+        (activation_bytes_per_sample * size, measured - 4.0 * param_bytes
+         - activation_bytes_per_sample * size)
+        for size, measured in sorted(step_bytes.items())
+        if measured > 0
+    ]  # fmt: skip
+    if len(points) < 2:
+        return 0.0, 0.0
+    x_mean = sum(x for x, _ in points) / len(points)
+    y_mean = sum(y for _, y in points) / len(points)
+    spread = sum((x - x_mean) ** 2 for x, _ in points)
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in points) / spread if spread else 0.0
+    slope = max(0.0, slope)
+    return slope, max(0.0, y_mean - slope * x_mean)
 
 
 def recompute_costs(costs: Sequence[LayerCost], block_input_bytes: float) -> list[LayerCost]:
@@ -84,11 +118,12 @@ def rank_memory(
     message_bytes: float,
     dp: int,
     recompute_block_bytes: float = 0.0,
+    overhead: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[RankMemory, ...]:
     """Each rank's bytes: ``weight_bytes`` and ``peak_activation_bytes`` are the simulator's
     per rank; ``message_bytes`` one micro-batch's activation between stages;
     ``recompute_block_bytes`` one block's full activations per sample when recomputing
-    (0 without recomputation)."""
+    (0 without recomputation); ``overhead``: ``fit_overhead``'s (fraction, bytes)."""
     ranks = partition.num_ranks
     grads = [0.0] * ranks
     has_block = [False] * ranks
@@ -109,6 +144,7 @@ def rank_memory(
             activations=peak_activation_bytes[r],
             transient=recompute_block_bytes * microbatch_size if has_block[r] else 0.0,
             buffers=2.0 * neighbours[r] * message_bytes,
+            workspace=overhead[0] * peak_activation_bytes[r] + overhead[1],
         )
         for r in range(ranks)
     )

@@ -40,3 +40,16 @@ def test_a_curve_refuses_no_sizes_mixed_layer_counts_and_size_zero() -> None:
         CostCurve({1: [_layer(1, 1, 1)], 2: [_layer(1, 1, 2)] * 2})
     with pytest.raises(ValueError, match=">= 1"):
         CostCurve({1: [_layer(1, 1, 1)]}).at(0)
+
+
+def test_the_memory_overhead_is_the_line_through_what_a_step_holds_beyond_the_count() -> None:
+    from pipetrain.partition.memory import fit_overhead
+
+    acts, params = 1000.0, 50.0  # per sample; fp32 bytes of the weights
+    # Measured: the count (4 x params + acts x size) plus 20% of the activations and 300.
+    measured = {s: 4 * params + acts * s * 1.2 + 300 for s in (1, 2, 4, 8)}
+    fraction, per_process = fit_overhead({**measured, 16: 0.0}, acts, params)  # 0: unmeasured
+    assert fraction == pytest.approx(0.2) and per_process == pytest.approx(300)
+    assert fit_overhead({4: measured[4]}, acts, params) == (0.0, 0.0)  # one size: no line
+    # Less than the count is no negative overhead.
+    assert fit_overhead({1: 10.0, 2: 20.0}, acts, params) == (0.0, 0.0)
