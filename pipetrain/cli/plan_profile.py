@@ -18,7 +18,7 @@ from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost, format_bytes
 from pipetrain.partition.estimate import estimate_costs
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, enumerate_layouts
-from pipetrain.partition.memory import fit_overhead
+from pipetrain.partition.memory import fit_overhead, recompute_costs
 from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
 
 if TYPE_CHECKING:
@@ -157,11 +157,20 @@ def auto_costs(
         sum(c.activation_bytes_per_sample for c in layers),
         sum(c.param_bytes - c.tied_param_bytes for c in layers),
     )
-    if overhead != (0.0, 0.0):
-        hw = dataclasses.replace(hw, memory_overhead=overhead)
+    # Recomputing, a step keeps each block's input and re-runs one block's forward.
+    kept = recompute_costs(layers, float(4 * seq_len * config.d_model))
+    block = max((c.activation_bytes_per_sample for c in layers if c.kind == "block"), default=0.0)
+    recomputed = fit_overhead(
+        measured.recompute_step_bytes,
+        sum(c.activation_bytes_per_sample for c in kept) + block,
+        sum(c.param_bytes - c.tied_param_bytes for c in layers),
+    )
+    if overhead != (0.0, 0.0) or recomputed != (0.0, 0.0):
+        hw = dataclasses.replace(hw, memory_overhead=overhead, recompute_overhead=recomputed)
         source += (
             f"; a step's memory measured: {overhead[0]:.0%} of the activations and "
-            f"{format_bytes(overhead[1])} a process beyond the model's count"
+            f"{format_bytes(overhead[1])} a process beyond the model's count "
+            f"({recomputed[0]:.0%} and {format_bytes(recomputed[1])} recomputing)"
         )
     base = estimated(1)
     message = float(seq_len * config.d_model * 4)  # one sample's (T, d) activation, fp32

@@ -48,6 +48,8 @@ class Hardware:
     # What a step holds beyond the model's count, measured by the profile (fit_overhead):
     # a fraction of the activations and bytes per process; (0, 0) unmeasured.
     memory_overhead: tuple[float, float] = (0.0, 0.0)
+    # The same for layouts that recompute every block (of their saved and recomputed bytes).
+    recompute_overhead: tuple[float, float] = (0.0, 0.0)
 
     def allreduce_link(self, group: int, tp: bool = False) -> tuple[float, float]:
         """(latency, ring bandwidth) of an all-reduce over ``group`` ranks: the measured

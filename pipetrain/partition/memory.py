@@ -136,15 +136,18 @@ def rank_memory(
         # Linear and looped placements both talk to the ranks either side of this one.
         neighbours[rank] = (rank > 0) + (rank < ranks - 1)
     bucket = 2 if dp > 1 else 1
+    transient = [
+        recompute_block_bytes * microbatch_size if has_block[r] else 0.0 for r in range(ranks)
+    ]
     return tuple(
         RankMemory(
             weights=weight_bytes[r],
             gradients=bucket * grads[r],
             optimizer=OPTIMIZER_FACTOR * grads[r],
             activations=peak_activation_bytes[r],
-            transient=recompute_block_bytes * microbatch_size if has_block[r] else 0.0,
+            transient=transient[r],
             buffers=2.0 * neighbours[r] * message_bytes,
-            workspace=overhead[0] * peak_activation_bytes[r] + overhead[1],
+            workspace=overhead[0] * (peak_activation_bytes[r] + transient[r]) + overhead[1],
         )
         for r in range(ranks)
     )

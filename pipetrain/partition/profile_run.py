@@ -50,8 +50,9 @@ def _measure_sizes(
     seed: int,
     *,
     barrier: Any = None,
-) -> tuple[dict[int, list[LayerCost]], dict[int, float]]:
-    """Per size: the layers' per-sample costs, and a whole step's peak bytes in one process."""
+) -> tuple[dict[int, list[LayerCost]], tuple[dict[int, float], dict[int, float]]]:
+    """Per size: the layers' per-sample costs, and a whole step's peak bytes in one
+    process, without and with recomputation."""
     from pipetrain.models.spec import model_spec
     from pipetrain.partition.profile import profile_layers
 
@@ -63,6 +64,9 @@ def _measure_sizes(
     # Memory first, smallest size first, in a process that has run nothing else: the
     # heap that the other measurements leave behind would count in a later peak.
     memory = {size: step_memory(spec, ids[:size], device, seed) for size in sizes}
+    recomputed = {
+        size: step_memory(spec, ids[:size], device, seed, recompute=True) for size in sizes
+    }
     for size in sizes:
         if barrier is not None:
             barrier.wait(timeout=_TIMEOUT_S)
@@ -73,7 +77,7 @@ def _measure_sizes(
             barrier.wait(timeout=_TIMEOUT_S)
         chain = _chain_time(spec, ids[:size], device, threads, repeats, seed)
         out[size] = _scaled_to_chain(layers, chain, size)
-    return out, memory
+    return out, (memory, recomputed)
 
 
 def _chain_time(
@@ -121,14 +125,17 @@ def _status_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024 if line else 0
 
 
-def step_memory(spec: Any, ids: torch.Tensor, device: str, seed: int, steps: int = 3) -> float:
+def step_memory(
+    spec: Any, ids: torch.Tensor, device: str, seed: int, steps: int = 3, recompute: bool = False
+) -> float:
     """Peak bytes of ``steps`` training steps of the whole model on one micro-batch, run by
     the trainer's own pipeline (one stage) with AdamW, measured as the trainer's memory
     check measures a run: on a CPU the peak resident size less the library code, from a
     baseline taken with the model built, plus the weights; on CUDA the allocator's peak
     over its bytes then, plus the weights. In a process group (the profile's processes)
     the gradients are all-reduced as data parallelism's are, whose buffers a run holds
-    too. 0.0 where it cannot be measured (no /proc; the model does not fit)."""
+    too. ``recompute``: every block recomputed in its backward, as ``pipeline.recompute``.
+    0.0 where it cannot be measured (no /proc; the model does not fit)."""
     import torch.distributed as dist
 
     from pipetrain.heap import keep_heap, release_free_heap
@@ -140,6 +147,13 @@ def step_memory(spec: Any, ids: torch.Tensor, device: str, seed: int, steps: int
         pipeline = build_pipeline(
             spec, schedule="1f1b", microbatches=1, ranks=1, device=dev, seed=seed
         )
+        if recompute:
+            from pipetrain.train.stage_options import apply_stage_options
+
+            for module in pipeline.modules:
+                apply_stage_options(
+                    module, device=dev, precision="fp32", recompute=True, compile_stage=False
+                )
         optimizer = torch.optim.AdamW(pipeline.parameters(), lr=1e-4)
         x = ids.to(dev)
         targets = torch.randint(0, 2, ids.shape, generator=torch.Generator().manual_seed(seed))
@@ -198,6 +212,7 @@ class Profile:
     curve: CostCurve
     links: Links | None
     step_bytes: dict[int, float]  # size -> a whole-model step's peak bytes (0: unmeasured)
+    recompute_step_bytes: dict[int, float]  # the same with every block recomputed
 
 
 def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -306,8 +321,8 @@ def profile_curve(
     sizes = sorted(set(sizes))
     args = (config, seq_len, sizes, str(device), threads, repeats, seed)
     if device.type != "cpu" or processes <= 1:
-        costs, memory = _measure_sizes(*args)
-        return Profile(CostCurve(costs), None, memory)
+        costs, (memory, recomputed) = _measure_sizes(*args)
+        return Profile(CostCurve(costs), None, memory, recomputed)
     ctx = multiprocessing.get_context("spawn")  # a forked torch can hang in its thread pools
     queue = ctx.Queue()
     barrier = ctx.Barrier(processes)
@@ -330,12 +345,14 @@ def profile_curve(
         raise RuntimeError(f"the profile failed in a spawned process: {errors[0]}")
     runs = [costs for _, (_rank, (costs, _memory), _links) in results]
     curve = CostCurve({size: _median_costs([r[size] for r in runs]) for size in sizes})
-    memory = {
-        size: statistics.median(m[size] for _, (_rank, (_c, m), _l) in results) for size in sizes
-    }
+    memories = [m for _, (_rank, (_c, m), _l) in results]
+    memory, recomputed = (
+        {size: statistics.median(m[which][size] for m in memories) for size in sizes}
+        for which in (0, 1)
+    )
     # Rank 0 takes part in every link timed (the others may wait at the barriers).
     links = next(links for _, (rank, _costs, links) in results if rank == 0)
-    return Profile(curve, links, memory)
+    return Profile(curve, links, memory, recomputed)
 
 
 def _free_port() -> int:

@@ -217,7 +217,8 @@ class Scorer:
     ) -> MemoryModel | None:
         """The balancer's limit: the budget less what the split does not change."""
         spare = max(m.transient + m.buffers for m in scored.memory)
-        fraction, per_process = self.hw.memory_overhead
+        hw = self.hw
+        fraction, per_process = hw.recompute_overhead if layout.recompute else hw.memory_overhead
         spare += per_process
         spec = get_spec(layout.schedule)
         mb = self.req.batch_size // layout.dp // layout.microbatches
@@ -272,7 +273,7 @@ class Scorer:
             message_bytes=self.message_bytes(mb) if layout.pp > 1 else 0.0,
             dp=layout.dp,
             recompute_block_bytes=full_block if layout.recompute else 0.0,
-            overhead=hw.memory_overhead,
+            overhead=hw.recompute_overhead if layout.recompute else hw.memory_overhead,
         )
         limit = req.memory_limit
         fits = limit is None or all(m.total <= limit for m in memory)
