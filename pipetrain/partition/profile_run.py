@@ -22,7 +22,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +29,9 @@ import torch
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost
 from pipetrain.partition.cost_curve import CostCurve
+from pipetrain.partition.profile_step import StepMeasure, measure_step
 
-__all__ = ["Links", "Profile", "profile_curve", "step_memory"]
+__all__ = ["Links", "Profile", "profile_curve"]
 
 _TIMES = ("forward", "backward", "backward_input", "backward_weight")
 # Seconds a spawned profile may take to import torch and measure every size.
@@ -50,7 +50,7 @@ def _measure_sizes(
     seed: int,
     *,
     barrier: Any = None,
-) -> tuple[dict[int, list[LayerCost]], tuple[dict[int, float], dict[int, float]]]:
+) -> tuple[dict[int, list[LayerCost]], tuple[dict[int, StepMeasure], dict[int, float]]]:
     """Per size: the layers' per-sample costs, and a whole step's peak bytes in one
     process, without and with recomputation."""
     from pipetrain.models.spec import model_spec
@@ -63,9 +63,10 @@ def _measure_sizes(
     out: dict[int, list[LayerCost]] = {}
     # Memory first, smallest size first, in a process that has run nothing else: the
     # heap that the other measurements leave behind would count in a later peak.
-    memory = {size: step_memory(spec, ids[:size], device, seed) for size in sizes}
+    steps = {size: measure_step(spec, ids[:size], device, seed) for size in sizes}
     recomputed = {
-        size: step_memory(spec, ids[:size], device, seed, recompute=True) for size in sizes
+        size: measure_step(spec, ids[:size], device, seed, recompute=True).peak_bytes
+        for size in sizes
     }
     for size in sizes:
         if barrier is not None:
@@ -77,7 +78,7 @@ def _measure_sizes(
             barrier.wait(timeout=_TIMEOUT_S)
         chain = _chain_time(spec, ids[:size], device, threads, repeats, seed)
         out[size] = _scaled_to_chain(layers, chain, size)
-    return out, (memory, recomputed)
+    return out, (steps, recomputed)
 
 
 def _chain_time(
@@ -116,74 +117,6 @@ def _chain_time(
     return statistics.median(samples[1:])  # the first allocates
 
 
-def _status_bytes(field: str) -> int:
-    try:
-        status = Path("/proc/self/status").read_text(encoding="ascii")
-    except OSError:
-        return 0
-    line = next((line for line in status.splitlines() if line.startswith(f"{field}:")), "")
-    return int(line.split()[1]) * 1024 if line else 0
-
-
-def step_memory(
-    spec: Any, ids: torch.Tensor, device: str, seed: int, steps: int = 3, recompute: bool = False
-) -> float:
-    """Peak bytes of ``steps`` training steps of the whole model on one micro-batch, run by
-    the trainer's own pipeline (one stage) with AdamW, measured as the trainer's memory
-    check measures a run: on a CPU the peak resident size less the library code, from a
-    baseline taken with the model built, plus the weights; on CUDA the allocator's peak
-    over its bytes then, plus the weights. In a process group (the profile's processes)
-    the gradients are all-reduced as data parallelism's are, whose buffers a run holds
-    too. ``recompute``: every block recomputed in its backward, as ``pipeline.recompute``.
-    0.0 where it cannot be measured (no /proc; the model does not fit)."""
-    import torch.distributed as dist
-
-    from pipetrain.heap import keep_heap, release_free_heap
-    from pipetrain.runtime import build_pipeline
-
-    dev = torch.device(device)
-    keep_heap()  # as the trainer's processes: the heap keeps what a step frees
-    try:
-        pipeline = build_pipeline(
-            spec, schedule="1f1b", microbatches=1, ranks=1, device=dev, seed=seed
-        )
-        if recompute:
-            from pipetrain.train.stage_options import apply_stage_options
-
-            for module in pipeline.modules:
-                apply_stage_options(
-                    module, device=dev, precision="fp32", recompute=True, compile_stage=False
-                )
-        optimizer = torch.optim.AdamW(pipeline.parameters(), lr=1e-4)
-        x = ids.to(dev)
-        targets = torch.randint(0, 2, ids.shape, generator=torch.Generator().manual_seed(seed))
-        targets = targets.to(dev)
-        weights = sum(p.numel() * p.element_size() for p in pipeline.parameters())
-        release_free_heap()
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-            base = torch.cuda.memory_allocated(dev)
-        else:
-            Path("/proc/self/clear_refs").write_text("5", encoding="ascii")
-            base = _status_bytes("VmRSS") - _status_bytes("RssFile")
-        reduce = dist.is_available() and dist.is_initialized()
-        for _ in range(steps):
-            pipeline.step(x, targets)
-            if reduce:  # the profile's processes: their gradients summed as replicas' are
-                for p in pipeline.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)  # as the trainer
-        if dev.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(dev)
-        else:
-            peak = _status_bytes("VmHWM") - _status_bytes("RssFile")
-    except (RuntimeError, MemoryError, OSError):
-        return 0.0
-    return float(peak - base + weights) if peak else 0.0
-
-
 def _scaled_to_chain(layers: list[LayerCost], chain: float | None, size: int) -> list[LayerCost]:
     """Each layer's times scaled so that their sum is the whole chain's time per sample:
     a layer timed alone keeps its data in the caches, one in a step finds the others'
@@ -211,8 +144,12 @@ class Profile:
 
     curve: CostCurve
     links: Links | None
-    step_bytes: dict[int, float]  # size -> a whole-model step's peak bytes (0: unmeasured)
-    recompute_step_bytes: dict[int, float]  # the same with every block recomputed
+    steps: dict[int, StepMeasure]  # size -> a whole-model step in one process of the run's
+    recompute_step_bytes: dict[int, float]  # its peak bytes with every block recomputed
+
+    @property
+    def step_bytes(self) -> dict[int, float]:
+        return {size: m.peak_bytes for size, m in self.steps.items()}
 
 
 def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -321,8 +258,8 @@ def profile_curve(
     sizes = sorted(set(sizes))
     args = (config, seq_len, sizes, str(device), threads, repeats, seed)
     if device.type != "cpu" or processes <= 1:
-        costs, (memory, recomputed) = _measure_sizes(*args)
-        return Profile(CostCurve(costs), None, memory, recomputed)
+        costs, (steps, recomputed) = _measure_sizes(*args)
+        return Profile(CostCurve(costs), None, steps, recomputed)
     ctx = multiprocessing.get_context("spawn")  # a forked torch can hang in its thread pools
     queue = ctx.Queue()
     barrier = ctx.Barrier(processes)
@@ -345,14 +282,12 @@ def profile_curve(
         raise RuntimeError(f"the profile failed in a spawned process: {errors[0]}")
     runs = [costs for _, (_rank, (costs, _memory), _links) in results]
     curve = CostCurve({size: _median_costs([r[size] for r in runs]) for size in sizes})
-    memories = [m for _, (_rank, (_c, m), _l) in results]
-    memory, recomputed = (
-        {size: statistics.median(m[which][size] for m in memories) for size in sizes}
-        for which in (0, 1)
-    )
+    measures = [m for _, (_rank, (_c, m), _l) in results]
+    steps = {size: StepMeasure.median([m[0][size] for m in measures]) for size in sizes}
+    recomputed = {size: statistics.median(m[1][size] for m in measures) for size in sizes}
     # Rank 0 takes part in every link timed (the others may wait at the barriers).
     links = next(links for _, (rank, _costs, links) in results if rank == 0)
-    return Profile(curve, links, memory, recomputed)
+    return Profile(curve, links, steps, recomputed)
 
 
 def _free_port() -> int:
