@@ -10,14 +10,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.cli.errors import UsageError
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost, format_bytes
-from pipetrain.partition.cost_curve import CostCurve
 from pipetrain.partition.estimate import estimate_costs
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, enumerate_layouts
 from pipetrain.partition.memory import fit_overhead, recompute_costs
@@ -25,7 +23,6 @@ from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
 
 if TYPE_CHECKING:
     from pipetrain.partition.profile_run import Profile
-    from pipetrain.partition.profile_step import StepMeasure
 
 __all__ = ["auto_costs", "auto_curve", "profile_device"]
 
@@ -154,8 +151,6 @@ def auto_costs(
             allreduce=links.allreduce,
             overlap_comm=False,  # links measured here: the processes share this machine's cores
         )
-    curve, hw, said = _with_steps(curve, measured.steps, hw, args.world_size)
-    source += said
     layers = curve.at(curve.sizes[0])
     overhead = fit_overhead(
         measured.step_bytes,
@@ -207,48 +202,3 @@ def auto_costs(
 
     # The curve's per-sample figures hold the per-call part: no fixed cost on top.
     return scaled, source, dataclasses.replace(hw, per_layer=0.0)
-
-
-def _with_steps(
-    curve: CostCurve, steps: dict[int, StepMeasure], hw: Hardware, world: int
-) -> tuple[CostCurve, Hardware, str]:
-    """The trainer's own step, timed in the profile's processes at once: each size's layer
-    times scaled to its forward, loss and backward; the update's bandwidth from its AdamW
-    step; the all-reduce over all the processes from its gradients' (which meets the
-    others' skew and shares the cores, as a run's does)."""
-    timed = {size: m for size, m in steps.items() if m.pipeline_s > 0}
-    if not timed:
-        return curve, hw, ""
-    profiles = {}
-    for size in curve.sizes:
-        layers = curve.at(size)
-        total = sum(c.forward + c.backward for c in layers) * size
-        step = timed.get(size)
-        ratio = step.pipeline_s / total if step is not None and total > 0 else 1.0
-        profiles[size] = [
-            dataclasses.replace(
-                c,
-                forward=c.forward * ratio,
-                backward=c.backward * ratio,
-                backward_input=c.backward_input * ratio,
-                backward_weight=c.backward_weight * ratio,
-            )
-            for c in layers
-        ]
-    weights = next(iter(timed.values())).grad_bytes
-    update = statistics.median(m.update_s for m in timed.values())
-    changes: dict[str, Any] = {}
-    said = "; a whole step timed"
-    if update > 0 and weights > 0:
-        # AdamW streams 7 bytes a parameter byte (scoring's _UPDATE_BYTES_PER_PARAM_BYTE).
-        changes["update_bandwidth"] = 7.0 * weights / update
-        said += f": update {update * 1e3:.1f} ms"
-    reduce = statistics.median(m.reduce_s for m in timed.values())
-    if reduce > 0 and weights > 0 and world > 1:
-        ring = 2.0 * (world - 1) / world * weights / reduce
-        others = tuple(entry for entry in hw.allreduce if entry[0] != world)
-        changes["allreduce"] = tuple(sorted((*others, (world, 0.0, ring))))
-        said += (
-            f", all-reduce of {format_bytes(weights)} over {world} in a step {reduce * 1e3:.1f} ms"
-        )
-    return CostCurve(profiles), dataclasses.replace(hw, **changes), said

@@ -3,8 +3,10 @@ memory as the run's memory check measures it, and its parts' times.
 
 ``plan --auto --balance profile`` runs it at each micro-batch size in each of its profile
 processes, first thing (the heap that other measurements leave behind would count in a
-later peak), so that the planner's bytes and its data-parallel and update times come from
-what a step of this trainer does on this machine (docs/plan_auto.md).
+later peak), so that the planner's bytes come from what a step of this trainer holds on
+this machine (docs/plan_auto.md). The times are recorded but not used: scaled to them,
+the predictions came out 1.4x (2 processes) to 4x (4 on 2 cores) the measured steps,
+since the few steps of a profile meet the processes' start-up skew (BENCHMARKS.md).
 """
 
 from __future__ import annotations
