@@ -24,7 +24,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy pipetrain
 
 test: lint typecheck
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

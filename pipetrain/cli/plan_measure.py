@@ -157,7 +157,12 @@ def render_measured(measured: Sequence[Measured], limit: float | None) -> str:
         )
     best = best_measured(measured, limit)
     if best is None:
-        lines.append("no measured candidate fits: the predicted winner stands unmeasured")
+        first = measured[0]
+        said = f" (it measured {format_bytes(max(first.measured_peak))})" if first.ok else ""
+        lines.append(
+            f"no measured candidate fits the limit: the predicted winner is kept{said}; "
+            "plan again with a --memory-limit lower by what the candidates went over"
+        )
     else:
         first = measured[0]
         if best is first:
