@@ -29,7 +29,7 @@ import torch
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost
 from pipetrain.partition.cost_curve import CostCurve
-from pipetrain.partition.profile_step import StepMeasure, measure_step
+from pipetrain.partition.profile_step import step_peak_bytes
 
 __all__ = ["Links", "Profile", "profile_curve"]
 
@@ -50,7 +50,7 @@ def _measure_sizes(
     seed: int,
     *,
     barrier: Any = None,
-) -> tuple[dict[int, list[LayerCost]], tuple[dict[int, StepMeasure], dict[int, float]]]:
+) -> tuple[dict[int, list[LayerCost]], tuple[dict[int, float], dict[int, float]]]:
     """Per size: the layers' per-sample costs, and a whole step's peak bytes in one
     process, without and with recomputation."""
     from pipetrain.models.spec import model_spec
@@ -63,10 +63,9 @@ def _measure_sizes(
     out: dict[int, list[LayerCost]] = {}
     # Memory first, smallest size first, in a process that has run nothing else: the
     # heap that the other measurements leave behind would count in a later peak.
-    steps = {size: measure_step(spec, ids[:size], device, seed) for size in sizes}
+    steps = {size: step_peak_bytes(spec, ids[:size], device, seed) for size in sizes}
     recomputed = {
-        size: measure_step(spec, ids[:size], device, seed, recompute=True).peak_bytes
-        for size in sizes
+        size: step_peak_bytes(spec, ids[:size], device, seed, recompute=True) for size in sizes
     }
     for size in sizes:
         if barrier is not None:
@@ -144,12 +143,8 @@ class Profile:
 
     curve: CostCurve
     links: Links | None
-    steps: dict[int, StepMeasure]  # size -> a whole-model step in one process of the run's
-    recompute_step_bytes: dict[int, float]  # its peak bytes with every block recomputed
-
-    @property
-    def step_bytes(self) -> dict[int, float]:
-        return {size: m.peak_bytes for size, m in self.steps.items()}
+    step_bytes: dict[int, float]  # size -> a whole-model step's peak bytes (0: unmeasured)
+    recompute_step_bytes: dict[int, float]  # the same with every block recomputed
 
 
 def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -283,7 +278,7 @@ def profile_curve(
     runs = [costs for _, (_rank, (costs, _memory), _links) in results]
     curve = CostCurve({size: _median_costs([r[size] for r in runs]) for size in sizes})
     measures = [m for _, (_rank, (_c, m), _l) in results]
-    steps = {size: StepMeasure.median([m[0][size] for m in measures]) for size in sizes}
+    steps = {size: statistics.median(m[0][size] for m in measures) for size in sizes}
     recomputed = {size: statistics.median(m[1][size] for m in measures) for size in sizes}
     # Rank 0 takes part in every link timed (the others may wait at the barriers).
     links = next(links for _, (rank, _costs, links) in results if rank == 0)

@@ -1,45 +1,22 @@
-"""One whole-model training step, run by the trainer's own pipeline, measured: its peak
-memory as the run's memory check measures it, and its parts' times.
+"""One whole-model training step, run by the trainer's own pipeline: its peak memory as the
+run's memory check measures it.
 
 ``plan --auto --balance profile`` runs it at each micro-batch size in each of its profile
 processes, first thing (the heap that other measurements leave behind would count in a
 later peak), so that the planner's bytes come from what a step of this trainer holds on
-this machine (docs/plan_auto.md). The times are recorded but not used: scaled to them,
-the predictions came out 1.4x (2 processes) to 4x (4 on 2 cores) the measured steps,
-since the few steps of a profile meet the processes' start-up skew (BENCHMARKS.md).
+this machine (docs/plan_auto.md). Its times are not used: scaled to them, the predictions
+came out 1.4x (2 processes) to 4x (4 on 2 cores) the measured steps, since a profile's
+few steps meet the processes' start-up skew (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["StepMeasure", "measure_step"]
-
-
-@dataclass(frozen=True)
-class StepMeasure:
-    """A step of the whole model on one micro-batch in one process (0s: not measured)."""
-
-    peak_bytes: float  # as the trainer's memory check counts it
-    pipeline_s: float  # forward, loss and backward (the pipeline's step), median
-    reduce_s: float  # the gradients' all-reduce over the profile's processes, median
-    update_s: float  # AdamW's step, median
-    grad_bytes: float  # what the all-reduce carried
-
-    @staticmethod
-    def median(measures: Sequence[StepMeasure]) -> StepMeasure:
-        return StepMeasure(*(statistics.median(getattr(m, f) for m in measures) for f in _FIELDS))
-
-
-_FIELDS = ("peak_bytes", "pipeline_s", "reduce_s", "update_s", "grad_bytes")
-_NONE = StepMeasure(0.0, 0.0, 0.0, 0.0, 0.0)
+__all__ = ["step_peak_bytes"]
 
 
 def _status_bytes(field: str) -> int:
@@ -51,22 +28,16 @@ def _status_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024 if line else 0
 
 
-def _sync(dev: torch.device) -> float:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return time.perf_counter()
-
-
-def measure_step(
+def step_peak_bytes(
     spec: Any, ids: torch.Tensor, device: str, seed: int, steps: int = 4, recompute: bool = False
-) -> StepMeasure:
-    """``steps`` training steps of the whole model on micro-batch ``ids``, by the trainer's
-    one-stage pipeline with AdamW. Peak: on a CPU the peak resident size less the library
-    code, from a baseline taken with the model built, plus the weights; on CUDA the
-    allocator's peak over its bytes then, plus the weights. Times: the median over the
-    steps after the first. In a process group (the profile's processes) the gradients are
-    all-reduced in one flat buffer, as data parallelism's buckets are. ``recompute``: every
-    block recomputed in its backward, as ``pipeline.recompute`` does it."""
+) -> float:
+    """Peak bytes of ``steps`` training steps of the whole model on micro-batch ``ids``, by
+    the trainer's one-stage pipeline with AdamW: on a CPU the peak resident size less the
+    library code, from a baseline taken with the model built, plus the weights; on CUDA
+    the allocator's peak over its bytes then, plus the weights. In a process group (the
+    profile's processes) the gradients are all-reduced in one flat buffer, as data
+    parallelism's buckets are. ``recompute``: every block recomputed in its backward, as
+    ``pipeline.recompute`` does it. 0.0 where it cannot be measured."""
     import torch.distributed as dist
 
     from pipetrain.heap import keep_heap, release_free_heap
@@ -99,30 +70,18 @@ def measure_step(
             Path("/proc/self/clear_refs").write_text("5", encoding="ascii")
             base = _status_bytes("VmRSS") - _status_bytes("RssFile")
         reduce = dist.is_available() and dist.is_initialized()
-        times: list[tuple[float, float, float]] = []
         for _ in range(steps):
-            start = _sync(dev)
             pipeline.step(x, targets)
-            stepped = _sync(dev)
             if reduce:
                 flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
                 dist.all_reduce(flat)
                 del flat
-            reduced = _sync(dev)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)  # as the trainer
-            times.append((stepped - start, reduced - stepped, _sync(dev) - reduced))
         if dev.type == "cuda":
             peak = torch.cuda.max_memory_allocated(dev)
         else:
             peak = _status_bytes("VmHWM") - _status_bytes("RssFile")
     except (RuntimeError, MemoryError, OSError):
-        return _NONE
-    timed = times[1:] or times
-    return StepMeasure(
-        float(peak - base + weights) if peak else 0.0,
-        statistics.median(t[0] for t in timed),
-        statistics.median(t[1] for t in timed) if reduce else 0.0,
-        statistics.median(t[2] for t in timed),
-        float(weights) if reduce else 0.0,
-    )
+        return 0.0
+    return float(peak - base + weights) if peak else 0.0
