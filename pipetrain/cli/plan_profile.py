@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.cli.errors import UsageError
@@ -24,7 +24,9 @@ from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
 if TYPE_CHECKING:
     from pipetrain.partition.profile_run import Profile
 
-__all__ = ["auto_costs", "auto_curve", "profile_device"]
+__all__ = ["auto_costs", "auto_curve", "profile_device", "ratio_at", "scaled_to_ratio"]
+
+_TIMES = ("forward", "backward", "backward_input", "backward_weight")
 
 
 def profile_device(args: argparse.Namespace) -> Any:
@@ -57,11 +59,17 @@ def profile_device(args: argparse.Namespace) -> Any:
 
 
 def auto_curve(
-    args: argparse.Namespace, config: ModelConfig, seq_len: int, sizes: Sequence[int]
+    args: argparse.Namespace,
+    config: ModelConfig,
+    seq_len: int,
+    sizes: Sequence[int],
+    tp_sizes: Mapping[int, Sequence[int]] | None = None,
 ) -> tuple[Profile, str]:
     """Layer costs measured at each micro-batch size of ``sizes`` that this machine can
     hold (the others are read off the curve), the links between the processes where they
-    profiled together, a step's bytes, and a line saying how all was measured."""
+    profiled together, a step's bytes, tp steps over the unsharded step at ``tp_sizes``
+    (tp degree -> sizes) where the processes can share them, and a line saying how all
+    was measured."""
     from pipetrain.partition.profile import available_bytes, profile_bytes
     from pipetrain.partition.profile_run import profile_curve
 
@@ -93,6 +101,7 @@ def auto_curve(
         threads=threads,
         repeats=args.repeats,
         seed=args.seed,
+        tp_sizes={t: [s for s in ss if s in fits] for t, ss in (tp_sizes or {}).items()},
     )
     how = f", {processes} processes at once, {threads} thread(s) each" if processes > 1 else ""
     sizes_text = ",".join(map(str, fits))
@@ -108,7 +117,47 @@ def auto_curve(
             f"; links measured: send/recv {links.p2p_latency * 1e3:.2f} ms + "
             f"{links.p2p_bandwidth / 1e9:.2f} GB/s, all-reduce {reduces} (ring terms)"
         )
-    return profile, said
+    return profile, said + _tp_said(profile.tp_ratio)
+
+
+def _tp_said(tp_ratio: Mapping[tuple[int, int], float]) -> str:
+    """The source line's part for the tp steps measured: the ratio at each size."""
+    parts = []
+    for t in sorted({t for t, _ in tp_ratio}):
+        got = sorted((s, r) for (d, s), r in tp_ratio.items() if d == t)
+        (first, ratio), rest = got[0], got[1:]
+        more = "".join(f", {r:.2f}x at {s}" for s, r in rest)
+        parts.append(
+            f"; tp {t} measured: a step {ratio:.2f}x the tp 1 step at micro-batch {first}{more}"
+        )
+    return "".join(parts)
+
+
+def ratio_at(tp_ratio: Mapping[tuple[int, int], float], tp: int, mb: int) -> float | None:
+    """The measured tp step ratio for ``tp`` at ``mb``, else at the nearest size measured
+    for that degree (the smaller on a tie); None where that degree was not measured."""
+    sizes = [s for t, s in tp_ratio if t == tp]
+    if not sizes:
+        return None
+    nearest = min(sizes, key=lambda s: (abs(s - mb), s))
+    return tp_ratio[(tp, nearest)]
+
+
+def scaled_to_ratio(
+    layers: Sequence[LayerCost], tp1: Sequence[LayerCost], ratio: float
+) -> list[LayerCost]:
+    """``layers`` (one tp rank's estimate) scaled by one factor so that their forward and
+    backward per sample sum to ``ratio`` times ``tp1``'s: the measured step ratio sets the
+    total, the estimate keeps how it is spread over the layers."""
+    have = sum(c.forward + c.backward for c in layers)
+    want = ratio * sum(c.forward + c.backward for c in tp1)
+    if have <= 0 or want <= 0:
+        return list(layers)
+    factor = want / have
+    return [
+        dataclasses.replace(c, **{name: getattr(c, name) * factor for name in _TIMES})
+        for c in layers
+    ]
 
 
 def auto_costs(
@@ -137,11 +186,17 @@ def auto_costs(
             f"estimated from FLOPs for {hw.name} at {hw.flops:.3g} FLOP/s a process",
             hw,
         )
-    sizes = {
-        profile.batch_size // lay.dp // lay.microbatches
-        for lay in enumerate_layouts(config, profile)
-    }
-    measured, source = auto_curve(args, config, seq_len, sorted(sizes))
+    sizes: set[int] = set()
+    tp_sizes: dict[int, set[int]] = {}  # tp degree -> the sizes its layouts run
+    for lay in enumerate_layouts(config, profile):
+        size = profile.batch_size // lay.dp // lay.microbatches
+        sizes.add(size)
+        if lay.tp > 1:
+            tp_sizes.setdefault(lay.tp, set()).add(size)
+    measured, source = auto_curve(
+        args, config, seq_len, sorted(sizes), {t: sorted(s) for t, s in tp_sizes.items()}
+    )
+    tp_ratio = measured.tp_ratio
     curve, links = measured.curve, measured.links
     if links is not None:
         hw = dataclasses.replace(
@@ -198,7 +253,10 @@ def auto_costs(
                     backward_weight=m.backward_weight * ratio,
                 )
             )
-        return out
+        # Where a sharded step was timed (profile_tp), its ratio to the unsharded step
+        # sets the total: DTensor on gloo measured 2.4x the estimate on a CPU.
+        step_ratio = ratio_at(tp_ratio, tp, mb)
+        return out if step_ratio is None else scaled_to_ratio(out, measured, step_ratio)
 
     # The curve's per-sample figures hold the per-call part: no fixed cost on top.
     return scaled, source, dataclasses.replace(hw, per_layer=0.0)

@@ -10,7 +10,9 @@ profiles alone.
 
 The same processes first time the run's collectives over gloo (a send/recv ping-pong and
 all-reduces over two ranks and over all, at 64 KiB, 1 MiB and 8 MiB; a straight line
-through each gives the latency and the bandwidth), while no layer runs: ``Links``.
+through each gives the latency and the bandwidth), while no layer runs: ``Links``. Last,
+for each tp degree the search uses, they time a step sharded over that many of them
+against the unsharded step (``profile_tp``): ``Profile.tp_ratio``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import multiprocessing
 import socket
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -50,15 +52,23 @@ def _measure_sizes(
     seed: int,
     *,
     barrier: Any = None,
-) -> tuple[dict[int, list[LayerCost]], tuple[dict[int, float], dict[int, float]]]:
+    tp_sizes: Mapping[int, Sequence[int]] | None = None,
+) -> tuple[
+    dict[int, list[LayerCost]],
+    tuple[dict[int, float], dict[int, float]],
+    dict[tuple[int, int], float],
+]:
     """Per size: the layers' per-sample costs, and a whole step's peak bytes in one
-    process, without and with recomputation."""
+    process, without and with recomputation; in a process group, per (tp degree, size) of
+    ``tp_sizes``, a step sharded over that many ranks over the unsharded one."""
     from pipetrain.models.spec import model_spec
     from pipetrain.partition.profile import profile_layers
+    from pipetrain.partition.profile_tp import tp_step_ratios
 
     spec = model_spec(config)
+    rows = max([*sizes, *(s for ss in (tp_sizes or {}).values() for s in ss)])
     ids = torch.randint(
-        0, config.vocab_size, (max(sizes), seq_len), generator=torch.Generator().manual_seed(seed)
+        0, config.vocab_size, (rows, seq_len), generator=torch.Generator().manual_seed(seed)
     )
     out: dict[int, list[LayerCost]] = {}
     # Memory first, smallest size first, in a process that has run nothing else: the
@@ -77,7 +87,11 @@ def _measure_sizes(
             barrier.wait(timeout=_TIMEOUT_S)
         chain = _chain_time(spec, ids[:size], device, threads, repeats, seed)
         out[size] = _scaled_to_chain(layers, chain, size)
-    return out, (steps, recomputed)
+    ratios: dict[tuple[int, int], float] = {}
+    if barrier is not None and tp_sizes:  # last: its DTensor steps leave their heap behind
+        barrier.wait(timeout=_TIMEOUT_S)
+        ratios = tp_step_ratios(config, spec, ids, device, threads, repeats, seed, tp_sizes)
+    return out, (steps, recomputed), ratios
 
 
 def _chain_time(
@@ -145,6 +159,9 @@ class Profile:
     links: Links | None
     step_bytes: dict[int, float]  # size -> a whole-model step's peak bytes (0: unmeasured)
     recompute_step_bytes: dict[int, float]  # the same with every block recomputed
+    # (tp degree, size) -> a step sharded over that many ranks over the unsharded step,
+    # timed in the profile's processes at once (profile_tp); empty: tp unmeasured.
+    tp_ratio: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
 def _fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -208,7 +225,13 @@ def _measure_links(rank: int, world: int) -> Links:
 
 
 def _child(
-    queue: Any, barrier: Any, args: tuple[Any, ...], rank: int, world: int, port: int
+    queue: Any,
+    barrier: Any,
+    args: tuple[Any, ...],
+    rank: int,
+    world: int,
+    port: int,
+    tp_sizes: Mapping[int, Sequence[int]] | None = None,
 ) -> None:
     import torch.distributed as dist
 
@@ -218,7 +241,7 @@ def _child(
         )
         links = _measure_links(rank, world)
         dist.barrier()
-        costs = _measure_sizes(*args, barrier=barrier)
+        costs = _measure_sizes(*args, barrier=barrier, tp_sizes=tp_sizes)
         queue.put(("ok", (rank, costs, links)))
     except BaseException as exc:  # reported by the parent, which names the profile
         barrier.abort()
@@ -246,21 +269,24 @@ def profile_curve(
     threads: int,
     repeats: int = 3,
     seed: int = 0,
+    tp_sizes: Mapping[int, Sequence[int]] | None = None,
 ) -> Profile:
     """Per-sample layer costs at each of ``sizes``, the links between the processes and a
     step's bytes; on a CPU measured by ``processes`` processes at once (see the module
-    doc), elsewhere by this one alone (links None: the run's devices are not here)."""
+    doc), elsewhere by this one alone (links None: the run's devices are not here).
+    ``tp_sizes``: tp degree -> the sizes to time a step sharded over that many of the
+    processes at (degrees that do not divide ``processes`` are skipped; none alone)."""
     sizes = sorted(set(sizes))
     args = (config, seq_len, sizes, str(device), threads, repeats, seed)
     if device.type != "cpu" or processes <= 1:
-        costs, (steps, recomputed) = _measure_sizes(*args)
+        costs, (steps, recomputed), _ = _measure_sizes(*args)
         return Profile(CostCurve(costs), None, steps, recomputed)
     ctx = multiprocessing.get_context("spawn")  # a forked torch can hang in its thread pools
     queue = ctx.Queue()
     barrier = ctx.Barrier(processes)
     port = _free_port()
     children = [
-        ctx.Process(target=_child, args=(queue, barrier, args, rank, processes, port))
+        ctx.Process(target=_child, args=(queue, barrier, args, rank, processes, port, tp_sizes))
         for rank in range(processes)
     ]
     for child in children:
@@ -275,14 +301,21 @@ def profile_curve(
     errors = [text for status, text in results if status == "error"]
     if errors:
         raise RuntimeError(f"the profile failed in a spawned process: {errors[0]}")
-    runs = [costs for _, (_rank, (costs, _memory), _links) in results]
+    runs = [costs for _, (_rank, (costs, _memory, _tp), _links) in results]
     curve = CostCurve({size: _median_costs([r[size] for r in runs]) for size in sizes})
-    measures = [m for _, (_rank, (_c, m), _l) in results]
+    measures = [m for _, (_rank, (_c, m, _tp), _l) in results]
+    tp_runs = [tp for _, (_rank, (_c, _m, tp), _l) in results]
+    # Each process times its own group's step: the median over all, where all measured.
+    tp_ratio = {
+        key: statistics.median(r[key] for r in tp_runs)
+        for key in tp_runs[0]
+        if all(key in r for r in tp_runs)
+    }
     steps = {size: statistics.median(m[0][size] for m in measures) for size in sizes}
     recomputed = {size: statistics.median(m[1][size] for m in measures) for size in sizes}
     # Rank 0 takes part in every link timed (the others may wait at the barriers).
     links = next(links for _, (rank, _costs, links) in results if rank == 0)
-    return Profile(curve, links, steps, recomputed)
+    return Profile(curve, links, steps, recomputed, tp_ratio)
 
 
 def _free_port() -> int:
