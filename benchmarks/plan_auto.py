@@ -1,7 +1,7 @@
 """Is ``plan --auto``'s choice right? Measure it against a sweep of layouts on this machine.
 
     .venv/bin/python benchmarks/plan_auto.py [--models llama-default,llama-wide]
-        [--worlds 2,4] [--sweep 20] [--steps 6] [--budget 0.8] [--only-budget]
+        [--worlds 2,4] [--sweep 20] [--steps 6] [--calibrate-steps 8] [--budget 0.8] [--only-budget]
         [--out runs/plan_auto]
 
 For each model and world size: per-layer costs are profiled once (``--balance profile``'s
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.plan_auto import auto_overrides, explain, hardware_for
+from pipetrain.cli.plan_calibrate import calibrate
 from pipetrain.cli.plan_measure import best_measured, measure_layout, render_measured
 from pipetrain.cli.plan_profile import auto_costs
 from pipetrain.models.config import get_model_config
@@ -87,6 +88,12 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     hw = hardware_for("cpu", world)
     request = AutoRequest(world, BATCH, SEQ, top=max(5, args.sweep))
     costs_for, source, hw = auto_costs(pargs, config, SEQ, hw, request)
+    if args.calibrate_steps:
+        costs_for, said = calibrate(
+            config, model, request, costs_for, hw,
+            steps=args.calibrate_steps, measure=measure_layout, overrides_of=auto_overrides,
+        )  # fmt: skip
+        source += said
     plan = search(config, request, costs_for, hw)
     scorer = Scorer(config, request, costs_for, hw)
     sweep = list(plan.ranked[: args.sweep])
@@ -183,6 +190,7 @@ def main() -> None:
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--sweep", type=int, default=20)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--calibrate-steps", type=int, default=8, help="0: no calibration run")
     p.add_argument("--budget", type=float, default=0.8)
     p.add_argument("--only-budget", action="store_true", help="skip the sweep: the budget runs")
     p.add_argument(

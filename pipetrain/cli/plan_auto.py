@@ -74,6 +74,14 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", metavar="FILE", help="with --auto: write the winner as a train config (TOML)"
     )
+    p.add_argument(
+        "--calibrate-steps",
+        type=int,
+        default=8,
+        metavar="S",
+        help="with --auto --balance profile on a CPU: train one reference layout (pp 1, every "
+        "process a replica) S steps and scale the profiled compute to it (default 8; 0: none)",
+    )
     _add_measure_flags(p)
 
 
@@ -102,7 +110,9 @@ def hardware_for(name: str, world_size: int) -> Hardware:
         cores = os.cpu_count() or 1
         # DEFAULT_FLOPS is two cores' worth; the trainer gives each process cores / processes
         # threads, or one thread time-sliced with the others beyond the cores.
-        hw = dataclasses.replace(hw, flops=DEFAULT_FLOPS / 2 * cores / world_size)
+        hw = dataclasses.replace(
+            hw, flops=DEFAULT_FLOPS / 2 * cores / world_size, shared_cores=float(cores)
+        )
     return hw
 
 
@@ -132,6 +142,12 @@ def _check(args: argparse.Namespace, config: ModelConfig) -> int:
 def _check_measure(args: argparse.Namespace) -> None:
     if args.measure < 0:
         raise UsageError(f"--measure must be >= 0 (candidates to train), got {args.measure}")
+    calibrate_steps = getattr(args, "calibrate_steps", 0)  # plan's flag, not train's
+    if calibrate_steps != 0 and calibrate_steps < 2:
+        raise UsageError(
+            f"--calibrate-steps must be 0 (none) or >= 2 (the first step is not timed), "
+            f"got {calibrate_steps}"
+        )
     if args.measure_steps < 2:
         raise UsageError(
             f"--measure-steps must be >= 2 (the first step is not timed), got {args.measure_steps}"
@@ -173,6 +189,17 @@ def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
     request = AutoRequest(args.world_size, args.batch_size, seq_len, limit, top=args.top)
     profile = request if args.balance == "profile" else None
     costs_for, source, hw = auto_costs(args, config, seq_len, hw, profile)
+    if profile is not None and hw.shared_cores and args.calibrate_steps and args.world_size > 1:
+        from pipetrain.cli.plan_calibrate import calibrate
+        from pipetrain.cli.plan_measure import measure_layout
+
+        sys.stdout.write(f"calibrating: a reference layout trains {args.calibrate_steps} steps\n")
+        sys.stdout.flush()
+        costs_for, said = calibrate(
+            config, config.name, request, costs_for, hw,
+            steps=args.calibrate_steps, measure=measure_layout, overrides_of=auto_overrides,
+        )  # fmt: skip
+        source += said
     plan = search(config, request, costs_for, hw)
     sys.stdout.write(render(plan, config.name, source))
     winner = _measured_winner(plan, args, config.name)

@@ -206,6 +206,8 @@ def auto_costs(
             allreduce=links.allreduce,
             overlap_comm=False,  # links measured here: the processes share this machine's cores
         )
+    else:  # profiled in one process: each of the run's processes has a device of its own
+        hw = dataclasses.replace(hw, shared_cores=0.0)
     layers = curve.at(curve.sizes[0])
     overhead = fit_overhead(
         measured.step_bytes,

@@ -50,6 +50,9 @@ class Hardware:
     memory_overhead: tuple[float, float] = (0.0, 0.0)
     # The same for layouts that recompute every block (of their saved and recomputed bytes).
     recompute_overhead: tuple[float, float] = (0.0, 0.0)
+    # Cores that all the processes share (a CPU; their costs measured with every process
+    # busy at once); 0 = a device per process. sim/shared_cores.py: a bubble frees cores.
+    shared_cores: float = 0.0
 
     def allreduce_link(self, group: int, tp: bool = False) -> tuple[float, float]:
         """(latency, ring bandwidth) of an all-reduce over ``group`` ranks: the measured

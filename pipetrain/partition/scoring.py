@@ -18,6 +18,7 @@ from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.registry import get_spec
 from pipetrain.schedules.schedule import Schedule, ScheduleError
 from pipetrain.sim.data_parallel import data_parallel_cost, ring_allreduce_time
+from pipetrain.sim.shared_cores import shared_core_makespan, shared_speedup_limit
 from pipetrain.sim.simulator import SimResult, simulate
 
 __all__ = ["Scorer"]
@@ -114,7 +115,7 @@ class Scorer:
             prefix.append(prefix[-1] + f)
             chain.append(chain[-1] + b)
         actions = 1 if scale > 1 else m  # naive: one action carries the whole batch
-        best = 0.0
+        best, total = 0.0, 0.0
         for rank in range(placement.num_ranks):
             held = [placement.model_stage(v) for v in placement.stages_of(rank)]
             share = actions / placement.replicas
@@ -127,6 +128,14 @@ class Scorer:
                 )
                 tail = max(0.0, tail - weights * share)
             best = max(best, (min(prefix[j] for j in held) + work + tail) * scale)
+            total += work * scale
+        hw = self.hw
+        if hw.shared_cores and self.req.world_size > hw.shared_cores:
+            # Cores shared (sim/shared_cores.py): a segment shrinks at most to the profiled
+            # speed, and all the processes' work still has to pass through the cores.
+            limit = shared_speedup_limit(self.req.world_size, hw.shared_cores)
+            processes = total * layout.dp * layout.tp * limit / hw.shared_cores
+            best = max(best * limit, processes)
         return best + update, static
 
     def placement(self, layout: Layout) -> Placement:
@@ -252,6 +261,12 @@ class Scorer:
         mb = local // layout.microbatches
         whole = get_spec(layout.schedule).whole_batch
         sim = self._simulate(schedule, partition, mb, whole, layout.microbatches)
+        pipeline_time = shared_core_makespan(
+            sim.timeline,
+            processes_per_rank=layout.dp * layout.tp,
+            processes=self.req.world_size,
+            cores=hw.shared_cores,
+        ) if hw.shared_cores else sim.makespan  # fmt: skip
         dp_time = self._reduce_time(layout, schedule, partition, sim)
         weights = sim.weight_bytes or tuple(0.0 for _ in range(layout.pp))
         update = max(weights) * _UPDATE_BYTES_PER_PARAM_BYTE / hw.update_bandwidth
@@ -281,7 +296,7 @@ class Scorer:
             layout,
             _blocks_per_stage(costs, partition),
             balanced,
-            sim.makespan,
+            pipeline_time,
             dp_time,
             update,
             sim.bubble.idle_fraction,

@@ -26,6 +26,9 @@ def test_plan_auto_writes_a_config_that_trains(work: Path) -> None:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert planned.returncode == 0, planned.stderr
+    # One real run of the reference layout scales the profile's compute.
+    assert "calibrated by 1f1b pp=1 dp=2 tp=1 m=1: predicted " in planned.stdout
+    assert "over 3 steps, compute x " in planned.stdout
     assert "winner:" in planned.stdout and config.exists()
     rows = [line for line in planned.stdout.splitlines() if line[:3] in (" 1 ", " 2 ")]
     measured = rows[-2:]  # the predicted table's rows come first
@@ -52,7 +55,7 @@ def test_plan_auto_profiles_every_microbatch_size_on_as_many_processes() -> None
         [
             sys.executable, "-m", "pipetrain.cli", "plan", "--auto", "--model", "llama-tiny",
             "--world-size", "2", "--batch-size", "4", "--seq-len", "16", "--balance", "profile",
-            "--repeats", "1",
+            "--repeats", "1", "--calibrate-steps", "3",
         ],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -4,6 +4,7 @@ says what it gave up, the winner's config loads, and llama3-70b on 64 ranks is f
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,12 +46,15 @@ def _exhaustive(model: str, req: AutoRequest, hw: Hardware) -> list[tuple[float,
     return sorted(out, key=lambda t: (t[0], str(t[1])))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_pruning_keeps_the_exact_top_of_a_small_space(world: int) -> None:
+@pytest.mark.parametrize(("world", "cores"), [(2, 0.0), (4, 0.0), (4, 2.0)])
+def test_pruning_keeps_the_exact_top_of_a_small_space(world: int, cores: float) -> None:
+    # cores 2: four processes share two cores, and the bound must stay below the
+    # makespan that a bubble's freed cores shorten (sim/shared_cores.py).
+    hw = replace(CPU, shared_cores=cores)
     req = AutoRequest(world, 8, 32, top=4)
-    config, costs = _costs_for("llama-tiny", 32, CPU)
-    plan = search(config, req, costs, CPU)
-    every = _exhaustive("llama-tiny", req, CPU)
+    config, costs = _costs_for("llama-tiny", 32, hw)
+    plan = search(config, req, costs, hw)
+    every = _exhaustive("llama-tiny", req, hw)
     plain = [s for s in plan.ranked if not s.layout.early_grads]
     assert plan.pruned > 0  # the bound did cut the space
     assert [round(s.step_time, 12) for s in plain[:4]] == [round(t, 12) for t, _ in every[:4]]

@@ -1,0 +1,77 @@
+"""plan --auto's calibration run: the reference layout, and the compute scaled so that the
+reference's prediction meets its measured step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+
+from pipetrain.cli.plan_auto import HARDWARE, auto_overrides
+from pipetrain.cli.plan_calibrate import calibrate, reference_layout
+from pipetrain.models.config import get_model_config
+from pipetrain.partition.estimate import estimate_costs
+from pipetrain.partition.layouts import AutoRequest, Layout
+from pipetrain.partition.scoring import Scorer
+
+# As a profile leaves it: the per-call part inside the layer costs, no fixed part on top.
+CPU = replace(HARDWARE["cpu"], shared_cores=2.0, per_layer=0.0)
+
+
+@dataclass(frozen=True)
+class _Run:
+    step_time: float
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+def _costs(tp: int, mb: int = 1) -> Any:
+    return estimate_costs(get_model_config("llama-tiny"), 32, flops_per_second=CPU.flops, tp=tp)
+
+
+def test_the_reference_is_every_process_a_replica_at_micro_batches_near_4() -> None:
+    assert reference_layout(AutoRequest(4, 32, 32)) == Layout("1f1b", 1, 4, 1, 1, 2, False, False)
+    assert reference_layout(AutoRequest(2, 32, 32)) == Layout("1f1b", 1, 2, 1, 1, 4, False, False)
+    assert reference_layout(AutoRequest(2, 2, 32)).microbatches == 1
+    assert reference_layout(AutoRequest(3, 32, 32)) is None
+
+
+def test_the_calibrated_reference_predicts_its_measured_step() -> None:
+    config = get_model_config("llama-tiny")
+    req = AutoRequest(4, 32, 32)
+    before = Scorer(config, req, _costs, CPU).evaluate(reference_layout(req))
+    seen: dict[str, Any] = {}
+
+    def measure(scored: Any, overrides: dict[str, Any], **kw: Any) -> _Run:
+        seen.update(overrides)
+        return _Run(before.step_time * 1.5)
+
+    costs, said = calibrate(
+        config, "llama-tiny", req, _costs, CPU, steps=5, measure=measure,
+        overrides_of=auto_overrides,
+    )  # fmt: skip
+    after = Scorer(config, req, costs, CPU).evaluate(reference_layout(req))
+    assert after.step_time == pytest.approx(before.step_time * 1.5)
+    assert seen["pipeline.dp"] == 4 and seen["pipeline.pp"] == 1
+    assert "calibrated by 1f1b pp=1 dp=4" in said and "over 5 steps" in said
+    # Every layer's compute moves by the same factor: the memory and the shape stay.
+    a, b = _costs(1, 4), costs(1, 4)
+    ratio = b[1].forward / a[1].forward
+    assert ratio > 1.0
+    for x, y in zip(a, b, strict=True):
+        assert y.backward == pytest.approx(x.backward * ratio)
+        assert y.activation_bytes_per_sample == x.activation_bytes_per_sample
+
+
+def test_a_failed_reference_run_leaves_the_profile_as_it_was() -> None:
+    config = get_model_config("llama-tiny")
+    req = AutoRequest(2, 32, 32)
+    costs, said = calibrate(
+        config, "llama-tiny", req, _costs, CPU, steps=5,
+        measure=lambda *a, **k: _Run(float("nan"), error="boom"), overrides_of=auto_overrides,
+    )  # fmt: skip
+    assert costs is _costs and "not calibrated" in said and "boom" in said
