@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.models.config import ModelConfig
-from pipetrain.partition.balance import LayerCost
+from pipetrain.partition.layer_costs import LayerCost, scaled_times
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
 from pipetrain.partition.scoring import Scorer
 
 __all__ = ["calibrate", "reference_layout"]
 
-_TIMES = ("forward", "backward", "backward_input", "backward_weight")
 # The micro-batch size the reference prefers: the sizes the planner's winners use here.
 _PREFERRED_SIZE = 4
 
@@ -41,13 +40,6 @@ def reference_layout(request: AutoRequest) -> Layout | None:
     counts = [m for m in range(1, local + 1) if local % m == 0]
     m = min(counts, key=lambda c: (abs(local // c - _PREFERRED_SIZE), c))
     return Layout("1f1b", 1, world, 1, 1, m, False, False)
-
-
-def _scaled(costs: list[LayerCost], factor: float) -> list[LayerCost]:
-    return [
-        dataclasses.replace(c, **{name: getattr(c, name) * factor for name in _TIMES})
-        for c in costs
-    ]
 
 
 def calibrate(
@@ -88,7 +80,7 @@ def calibrate(
     factor = max(compute, 0.1 * run.step_time) / predicted.pipeline_time
 
     def calibrated(tp: int, mb: int) -> list[LayerCost]:
-        return _scaled(list(costs_for(tp, mb)), factor)
+        return scaled_times(costs_for(tp, mb), factor)
 
     said = (
         f"; calibrated by {layout.describe()}: predicted {predicted.step_time * 1e3:.0f} ms, "

@@ -17,6 +17,7 @@ from pipetrain.cli.errors import UsageError
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost, format_bytes
 from pipetrain.partition.estimate import estimate_costs
+from pipetrain.partition.layer_costs import scaled_times
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, enumerate_layouts
 from pipetrain.partition.memory import fit_overhead, recompute_costs
 from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
     from pipetrain.partition.profile_run import Profile
 
 __all__ = ["auto_costs", "auto_curve", "profile_device", "ratio_at", "scaled_to_ratio"]
-
-_TIMES = ("forward", "backward", "backward_input", "backward_weight")
 
 
 def profile_device(args: argparse.Namespace) -> Any:
@@ -153,11 +152,7 @@ def scaled_to_ratio(
     want = ratio * sum(c.forward + c.backward for c in tp1)
     if have <= 0 or want <= 0:
         return list(layers)
-    factor = want / have
-    return [
-        dataclasses.replace(c, **{name: getattr(c, name) * factor for name in _TIMES})
-        for c in layers
-    ]
+    return scaled_times(layers, want / have)
 
 
 def auto_costs(

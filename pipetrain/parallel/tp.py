@@ -40,12 +40,19 @@ from torch.distributed.tensor.parallel import (
 )
 
 from pipetrain.errors import InputError
+from pipetrain.models.config import ModelConfig
 from pipetrain.models.gpt2 import GPT2Block, GPT2Embedding, GPT2Head
 from pipetrain.models.llama import LlamaBlock, LlamaEmbedding, LlamaHead
 from pipetrain.models.stage import StageModule
 from pipetrain.runtime import Pipeline
 
-__all__ = ["TensorParallelError", "check_divisible", "shard_pipeline", "shard_stage"]
+__all__ = [
+    "TensorParallelError",
+    "check_divisible",
+    "check_model_divisible",
+    "shard_pipeline",
+    "shard_stage",
+]
 
 
 class TensorParallelError(InputError):
@@ -65,6 +72,17 @@ def check_divisible(*, n_heads: int, n_kv_heads: int, ffn_hidden: int, vocab: in
                 f"pipeline.tp is {tp} but the model's {what} is {size}, which {tp} ranks "
                 f"cannot share evenly: use a --tp that divides {size}, or another model"
             )
+
+
+def check_model_divisible(model: ModelConfig, tp: int) -> None:
+    """``check_divisible`` on a model's own sizes."""
+    check_divisible(
+        n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads,
+        ffn_hidden=model.ffn_hidden,
+        vocab=model.vocab_size,
+        tp=tp,
+    )
 
 
 Plan = dict[str, Any]

@@ -17,10 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pipetrain.partition.balance import LayerCost
+from pipetrain.partition.layer_costs import TIMES
 
 __all__ = ["CostCurve"]
-
-_TIMES = ("forward", "backward", "backward_input", "backward_weight")
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class CostCurve:
         out = []
         for a, b in zip(self.profiles[lo], self.profiles[hi], strict=True):
             times = {}
-            for name in _TIMES:
+            for name in TIMES:
                 call_lo, call_hi = getattr(a, name) * lo, getattr(b, name) * hi
                 call = call_lo + weight * (call_hi - call_lo)
                 times[name] = max(0.0, call) / size

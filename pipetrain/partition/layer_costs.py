@@ -8,9 +8,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["LayerCost", "MemoryModel", "shared_within"]
+__all__ = ["TIMES", "LayerCost", "MemoryModel", "scaled_times", "shared_within"]
+
+# The fields of a LayerCost that are times (the rest are sizes).
+TIMES = ("forward", "backward", "backward_input", "backward_weight")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,11 @@ class LayerCost:
     @property
     def time(self) -> float:
         return self.forward + self.backward
+
+
+def scaled_times(costs: Sequence[LayerCost], factor: float) -> list[LayerCost]:
+    """``costs`` with every time times ``factor``; the sizes as they were."""
+    return [replace(c, **{name: getattr(c, name) * factor for name in TIMES}) for c in costs]
 
 
 def shared_within(costs: Sequence[LayerCost], start: int, end: int, attr: str) -> int:

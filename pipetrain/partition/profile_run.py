@@ -31,11 +31,11 @@ import torch
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost
 from pipetrain.partition.cost_curve import CostCurve
+from pipetrain.partition.layer_costs import TIMES, scaled_times
 from pipetrain.partition.profile_step import step_peak_bytes
 
 __all__ = ["Links", "Profile", "profile_curve"]
 
-_TIMES = ("forward", "backward", "backward_input", "backward_weight")
 # Seconds a spawned profile may take to import torch and measure every size.
 _TIMEOUT_S = 900.0
 # Message sizes the links are timed at: latency-bound to bandwidth-bound.
@@ -138,7 +138,7 @@ def _scaled_to_chain(layers: list[LayerCost], chain: float | None, size: int) ->
     if chain is None or per_sample <= 0:
         return layers
     ratio = chain / size / per_sample
-    return [replace(c, **{name: getattr(c, name) * ratio for name in _TIMES}) for c in layers]
+    return scaled_times(layers, ratio)
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ def _child(
 def _median_costs(runs: Sequence[Sequence[LayerCost]]) -> list[LayerCost]:
     out = []
     for layers in zip(*runs, strict=True):
-        times = {name: statistics.median(getattr(c, name) for c in layers) for name in _TIMES}
+        times = {name: statistics.median(getattr(c, name) for c in layers) for name in TIMES}
         out.append(replace(layers[0], **times))
     return out
 

@@ -51,17 +51,11 @@ def _agreed(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _divides(spec_config: Any, t: int) -> bool:
-    from pipetrain.parallel.tp import TensorParallelError, check_divisible
+def _divides(config: Any, t: int) -> bool:
+    from pipetrain.parallel.tp import TensorParallelError, check_model_divisible
 
     try:
-        check_divisible(
-            n_heads=spec_config.n_heads,
-            n_kv_heads=spec_config.n_kv_heads,
-            ffn_hidden=spec_config.ffn_hidden,
-            vocab=spec_config.vocab_size,
-            tp=t,
-        )
+        check_model_divisible(config, t)
     except TensorParallelError:
         return False
     return True

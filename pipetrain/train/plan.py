@@ -189,17 +189,11 @@ def _imported_model(directory: str, vocab_size: int) -> ModelConfig:
 
 def _check_tensor_parallel(config: TrainConfig, model: ModelConfig) -> None:
     """Sizes that ``pipeline.tp`` ranks share evenly, and a layout the plans support."""
-    from pipetrain.parallel.tp import TensorParallelError, check_divisible
+    from pipetrain.parallel.tp import TensorParallelError, check_model_divisible
 
     p = config.pipeline
     try:
-        check_divisible(
-            n_heads=model.n_heads,
-            n_kv_heads=model.n_kv_heads,
-            ffn_hidden=model.ffn_hidden,
-            vocab=model.vocab_size,
-            tp=p.tp,
-        )
+        check_model_divisible(model, p.tp)
     except TensorParallelError as exc:
         raise ConfigError(str(exc)) from None
     if p.sequence_parallel and model.family == "gpt2":
