@@ -1,14 +1,16 @@
 """Is ``plan --auto``'s choice right? Measure it against a sweep of layouts on this machine.
 
     .venv/bin/python benchmarks/plan_auto.py [--models llama-default,llama-wide]
-        [--worlds 2,4] [--sweep 20] [--steps 6] [--calibrate-steps 8] [--budget 0.8] [--only-budget]
-        [--out runs/plan_auto]
+        [--worlds 2,4] [--sweep 20] [--steps 6] [--rounds 3] [--calibrate-steps 8]
+        [--calibrate-runs 3] [--budget 0.8] [--only-budget] [--out runs/plan_auto]
 
 For each model and world size: per-layer costs are profiled once (``--balance profile``'s
 machinery), the planner searches, and then every layout of a sweep (the ``--sweep``
 layouts the planner predicts fastest, plus the default config's layout and the planner's
-choice) is trained for ``--steps`` steps through the real launcher. Printed, as markdown:
-each layout's predicted and measured step time and peak model memory per process, then
+choice) is trained for ``--steps`` steps through the real launcher, once in each of
+``--rounds`` rounds (each round in its own shuffled order; a layout's figures are the
+median over its rounds). Printed, as markdown: each layout's predicted and measured step
+time and peak model memory per process, then
 the acceptance figures (the choice's measured tokens/s against the best measured and the
 default's; the predicted step time's error on the five predicted fastest; the predicted
 peak's error), and a budget run: a memory limit of ``--budget`` times the default
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -45,18 +49,48 @@ def _train(
     scored: Scored, request: AutoRequest, model: str, steps: int, out: Path, name: str
 ) -> dict[str, Any]:
     """Train a layout as ``plan --auto --measure`` does; its median step time after the
-    first, tokens/s and memory check."""
+    first and memory check."""
     m = measure_layout(
         scored, auto_overrides(scored, request), model=model, steps=steps, out_dir=out, name=name
     )
     if not m.ok:
         return {"error": [m.error]}
-    return {
-        "step_time": m.step_time,
-        "tokens_per_s": m.tokens_per_s,
-        "measured_peak": list(m.measured_peak),
-        "predicted_peak": list(m.predicted_peak),
-    }
+    return {"step_time": m.step_time, "measured_peak": list(m.measured_peak)}
+
+
+def _rounds(
+    sweep: list[Scored], request: AutoRequest, model: str, world: int, args: argparse.Namespace
+) -> dict[Layout, dict[str, Any]]:
+    """Every layout of ``sweep`` trained once a round, ``args.rounds`` rounds, each round in
+    its own shuffled order (runs of one layout here differ by up to a third, and the machine
+    drifts over minutes: a layout's figure is the median of its rounds, and no layout is
+    always measured first). Per layout: the median step time and its tokens/s, the rounds'
+    step times, and the median peak per process."""
+    runs: dict[Layout, list[dict[str, Any]]] = {s.layout: [] for s in sweep}
+    for r in range(args.rounds):
+        order = list(range(len(sweep)))
+        random.Random(r).shuffle(order)
+        for i in order:
+            s = sweep[i]
+            m = _train(s, request, model, args.steps, args.out, f"{model}-w{world}-r{r}-{i}")
+            runs[s.layout].append(m)
+            said = f"{m['step_time'] * 1e3:.0f} ms" if "error" in m else m["error"][0][:60]
+            print(f"round {r + 1}: {s.layout.describe()}: {said}", file=sys.stderr, flush=True)
+    out: dict[Layout, dict[str, Any]] = {}
+    for lay, done in runs.items():
+        ok = [m for m in done if "error" not in m]
+        if not ok:
+            out[lay] = done[0]
+            continue
+        step = statistics.median(m["step_time"] for m in ok)
+        peaks = zip(*(m["measured_peak"] for m in ok if m["measured_peak"]), strict=False)
+        out[lay] = {
+            "step_time": step,
+            "tokens_per_s": request.batch_size * request.seq_len / step,
+            "rounds": [m["step_time"] for m in ok],
+            "measured_peak": [statistics.median(p) for p in peaks],
+        }
+    return out
 
 
 def _default_layout(world: int) -> Layout:
@@ -76,9 +110,10 @@ def _row(s: Scored, m: dict[str, Any]) -> str:
         return f"| {s.layout.describe()} | {s.step_time * 1e3:.0f} | failed: {m['error'][0][:60]} | | | |"
     pred_peak = max(_planned_peaks(s))
     meas_peak = max(m["measured_peak"] or [0])
+    rounds = ", ".join(f"{t * 1e3:.0f}" for t in m["rounds"])
     return (
         f"| {s.layout.describe()} | {s.step_time * 1e3:.0f} | {m['step_time'] * 1e3:.0f} | "
-        f"{m['tokens_per_s']:,.0f} | {pred_peak / 2**20:.1f} | {meas_peak / 2**20:.1f} |"
+        f"{rounds} | {m['tokens_per_s']:,.0f} | {pred_peak / 2**20:.1f} | {meas_peak / 2**20:.1f} |"
     )
 
 
@@ -89,9 +124,9 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     request = AutoRequest(world, BATCH, SEQ, top=max(5, args.sweep))
     costs_for, source, hw = auto_costs(pargs, config, SEQ, hw, request)
     if args.calibrate_steps:
-        costs_for, said = calibrate(
-            config, model, request, costs_for, hw,
-            steps=args.calibrate_steps, measure=measure_layout, overrides_of=auto_overrides,
+        costs_for, hw, said = calibrate(
+            config, model, request, costs_for, hw, steps=args.calibrate_steps,
+            runs=args.calibrate_runs, measure=measure_layout, overrides_of=auto_overrides,
         )  # fmt: skip
         source += said
     plan = search(config, request, costs_for, hw)
@@ -105,14 +140,14 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
         if default is not None:
             _budget(config, model, world, request, costs_for, hw, default, args)
         return
-    print("| layout | predicted ms | measured ms | tokens/s | predicted MiB | measured MiB |")
-    print("|---|---|---|---|---|---|")
-    measured: dict[Layout, dict[str, Any]] = {}
-    for i, s in enumerate(sweep):
-        measured[s.layout] = _train(
-            s, request, model, args.steps, args.out, f"{model}-w{world}-{i}"
-        )
-        print(_row(s, measured[s.layout]), flush=True)
+    measured = _rounds(sweep, request, model, world, args)
+    print(
+        "| layout | predicted ms | measured ms (median) | rounds, ms | tokens/s | "
+        "predicted MiB | measured MiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for s in sweep:
+        print(_row(s, measured[s.layout]))
     ok = {lay: m for lay, m in measured.items() if "error" not in m}
     best = max(m["tokens_per_s"] for m in ok.values())
     choice = ok.get(plan.ranked[0].layout)
@@ -124,11 +159,12 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
             print(
                 f"default {default.layout.describe()}: {d:,.0f} tokens/s (choice / default {choice['tokens_per_s'] / d:.3f})"
             )
-    # plan --auto --measure 5 trains the five predicted fastest and keeps the fastest of
-    # them: the same runs as the sweep's first five.
+    # plan --auto --measure 5 trains the five predicted fastest once each and keeps the
+    # fastest of them: it sees the first round's runs; what it picked is judged by the
+    # pick's median over the rounds, as every layout is.
     top5 = [ok[s.layout] | {"layout": s.layout} for s in plan.ranked[:5] if s.layout in ok]
     if top5:
-        pick = max(top5, key=lambda m: m["tokens_per_s"])
+        pick = min(top5, key=lambda m: m["rounds"][0])
         print(f"with --measure 5: {pick['layout'].describe()}, {pick['tokens_per_s']:,.0f} tokens/s = "
               f"{pick['tokens_per_s'] / best:.3f} of the best measured")  # fmt: skip
     errors = [
@@ -191,6 +227,8 @@ def main() -> None:
     p.add_argument("--sweep", type=int, default=20)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--calibrate-steps", type=int, default=8, help="0: no calibration run")
+    p.add_argument("--calibrate-runs", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="each layout measured once a round")
     p.add_argument("--budget", type=float, default=0.8)
     p.add_argument("--only-budget", action="store_true", help="skip the sweep: the budget runs")
     p.add_argument(

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.plan_calibrate import add_calibrate_flags, calibrate_for, check_calibrate_flags
 from pipetrain.cli.plan_profile import auto_costs
 from pipetrain.cli.ranks import parse_size
 from pipetrain.models.config import ModelConfig
@@ -74,14 +75,7 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", metavar="FILE", help="with --auto: write the winner as a train config (TOML)"
     )
-    p.add_argument(
-        "--calibrate-steps",
-        type=int,
-        default=8,
-        metavar="S",
-        help="with --auto --balance profile on a CPU: train one reference layout (pp 1, every "
-        "process a replica) S steps and scale the profiled compute to it (default 8; 0: none)",
-    )
+    add_calibrate_flags(p)
     _add_measure_flags(p)
 
 
@@ -142,12 +136,8 @@ def _check(args: argparse.Namespace, config: ModelConfig) -> int:
 def _check_measure(args: argparse.Namespace) -> None:
     if args.measure < 0:
         raise UsageError(f"--measure must be >= 0 (candidates to train), got {args.measure}")
-    calibrate_steps = getattr(args, "calibrate_steps", 0)  # plan's flag, not train's
-    if calibrate_steps != 0 and calibrate_steps < 2:
-        raise UsageError(
-            f"--calibrate-steps must be 0 (none) or >= 2 (the first step is not timed), "
-            f"got {calibrate_steps}"
-        )
+    if hasattr(args, "calibrate_steps"):  # plan's flags, not train's
+        check_calibrate_flags(args)
     if args.measure_steps < 2:
         raise UsageError(
             f"--measure-steps must be >= 2 (the first step is not timed), got {args.measure_steps}"
@@ -189,16 +179,8 @@ def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
     request = AutoRequest(args.world_size, args.batch_size, seq_len, limit, top=args.top)
     profile = request if args.balance == "profile" else None
     costs_for, source, hw = auto_costs(args, config, seq_len, hw, profile)
-    if profile is not None and hw.shared_cores and args.calibrate_steps and args.world_size > 1:
-        from pipetrain.cli.plan_calibrate import calibrate
-        from pipetrain.cli.plan_measure import measure_layout
-
-        sys.stdout.write(f"calibrating: a reference layout trains {args.calibrate_steps} steps\n")
-        sys.stdout.flush()
-        costs_for, said = calibrate(
-            config, config.name, request, costs_for, hw,
-            steps=args.calibrate_steps, measure=measure_layout, overrides_of=auto_overrides,
-        )  # fmt: skip
+    if profile is not None:
+        costs_for, hw, said = calibrate_for(args, config, request, costs_for, hw, auto_overrides)
         source += said
     plan = search(config, request, costs_for, hw)
     sys.stdout.write(render(plan, config.name, source))

@@ -13,18 +13,28 @@ the scale becomes the run's. docs/plan_auto.md has the figures.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipetrain.cli.errors import UsageError
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.layer_costs import LayerCost, scaled_times
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
 from pipetrain.partition.scoring import Scorer
 
-__all__ = ["calibrate", "reference_layout"]
+__all__ = [
+    "add_calibrate_flags",
+    "calibrate",
+    "calibrate_for",
+    "check_calibrate_flags",
+    "reference_layout",
+]
 
 # The micro-batch size the reference prefers: the sizes the planner's winners use here.
 _PREFERRED_SIZE = 4
@@ -42,6 +52,62 @@ def reference_layout(request: AutoRequest) -> Layout | None:
     return Layout("1f1b", 1, world, 1, 1, m, False, False)
 
 
+def add_calibrate_flags(p: argparse.ArgumentParser) -> None:
+    """``plan --auto``'s flags of the calibration run."""
+    p.add_argument(
+        "--calibrate-steps",
+        type=int,
+        default=8,
+        metavar="S",
+        help="with --auto --balance profile on a CPU: train one reference layout (pp 1, every "
+        "process a replica) S steps and scale the profiled compute to it (default 8; 0: none)",
+    )
+    p.add_argument(
+        "--calibrate-runs",
+        type=int,
+        default=3,
+        metavar="R",
+        help="with --calibrate-steps: runs of the reference, the median counted (default 3)",
+    )
+
+
+def check_calibrate_flags(args: argparse.Namespace) -> None:
+    if args.calibrate_steps != 0 and args.calibrate_steps < 2:
+        raise UsageError(
+            f"--calibrate-steps must be 0 (none) or >= 2 (the first step is not timed), "
+            f"got {args.calibrate_steps}"
+        )
+    if args.calibrate_runs < 1:
+        raise UsageError(f"--calibrate-runs must be >= 1, got {args.calibrate_runs}")
+
+
+def calibrate_for(
+    args: argparse.Namespace,
+    config: ModelConfig,
+    request: AutoRequest,
+    costs_for: CostsFor,
+    hw: Hardware,
+    overrides_of: Callable[[Scored, AutoRequest], dict[str, Any]],
+) -> tuple[CostsFor, Hardware, str]:
+    """``calibrate`` as ``plan --auto --balance profile`` asks it: on a CPU whose cores
+    the processes share, with more than one process and ``--calibrate-steps`` > 0
+    (elsewhere the profile stands: on a GPU the run would be a cluster job, which
+    ``--measure K`` is)."""
+    if not (hw.shared_cores and args.calibrate_steps and request.world_size > 1):
+        return costs_for, hw, ""
+    from pipetrain.cli.plan_measure import measure_layout
+
+    sys.stdout.write(
+        f"calibrating: a reference layout trains {args.calibrate_steps} steps, "
+        f"{args.calibrate_runs} times\n"
+    )
+    sys.stdout.flush()
+    return calibrate(
+        config, config.name, request, costs_for, hw, steps=args.calibrate_steps,
+        runs=args.calibrate_runs, measure=measure_layout, overrides_of=overrides_of,
+    )  # fmt: skip
+
+
 def calibrate(
     config: ModelConfig,
     model: str,
@@ -52,38 +118,72 @@ def calibrate(
     steps: int,
     measure: Callable[..., Any],
     overrides_of: Callable[[Scored, AutoRequest], dict[str, Any]],
-) -> tuple[CostsFor, str]:
-    """``costs_for`` with its compute scaled to a real run of ``reference_layout``, and
-    a line saying what was measured (or why nothing was). ``hw`` is a profile's (no fixed
-    part per layer: every second of the pipeline is in the costs scaled). ``measure``:
-    ``plan_measure.measure_layout``; ``overrides_of``: a layout's config fields."""
+    runs: int = 3,
+) -> tuple[CostsFor, Hardware, str]:
+    """``costs_for`` with its compute scaled to real runs of ``reference_layout``, ``hw``
+    with the bytes a process holds beyond the profile's step, and a line saying what was
+    measured (or why nothing was). ``hw`` is a profile's (no fixed part per layer: every
+    second of the pipeline is in the costs scaled). ``runs`` runs of ``steps`` steps each:
+    the median run counts, as runs of one layout here differ by up to a third (BENCHMARKS.md).
+    ``measure``: ``plan_measure.measure_layout``; ``overrides_of``: a layout's config fields."""
     layout = reference_layout(request)
     if layout is None:
-        return costs_for, "; not calibrated (the batch does not split over the processes)"
+        return costs_for, hw, "; not calibrated (the batch does not split over the processes)"
     scored = Scorer(config, dataclasses.replace(request, memory_limit=None), costs_for, hw)
     predicted = scored.evaluate(layout)
     if predicted is None or predicted.pipeline_time <= 0:
-        return costs_for, f"; not calibrated ({layout.describe()} cannot be simulated)"
+        return costs_for, hw, f"; not calibrated ({layout.describe()} cannot be simulated)"
     with tempfile.TemporaryDirectory(prefix="pipetrain-calibrate-") as tmp:
-        run = measure(
-            predicted,
-            overrides_of(predicted, request),
-            model=model,
-            steps=steps,
-            out_dir=Path(tmp),
-            name="reference",
-        )
-    if not run.ok or not run.step_time > 0:
-        return costs_for, f"; not calibrated ({layout.describe()} failed: {run.error[:80]})"
+        done = [
+            measure(
+                predicted,
+                overrides_of(predicted, request),
+                model=model,
+                steps=steps,
+                out_dir=Path(tmp),
+                name=f"reference-{i}",
+            )
+            for i in range(runs)
+        ]
+    ok = [run for run in done if run.ok and run.step_time > 0]
+    if not ok:
+        failed = next((run.error for run in done if run.error), "no step timed")
+        return costs_for, hw, f"; not calibrated ({layout.describe()} failed: {failed[:80]})"
+    step = statistics.median(run.step_time for run in ok)
     # The step's all-reduce and update keep their measured links; the rest is compute.
-    compute = run.step_time - predicted.dp_time - predicted.update_time
-    factor = max(compute, 0.1 * run.step_time) / predicted.pipeline_time
+    compute = step - predicted.dp_time - predicted.update_time
+    factor = max(compute, 0.1 * step) / predicted.pipeline_time
 
     def calibrated(tp: int, mb: int) -> list[LayerCost]:
         return scaled_times(costs_for(tp, mb), factor)
 
     said = (
         f"; calibrated by {layout.describe()}: predicted {predicted.step_time * 1e3:.0f} ms, "
-        f"measured {run.step_time * 1e3:.0f} ms over {steps} steps, compute x {factor:.2f}"
+        f"measured {_listed(run.step_time * 1e3 for run in ok)} ms over {steps} steps "
+        f"(median of {len(ok)} runs), compute x {factor:.2f}"
     )
-    return calibrated, said
+    hw, memory_said = _calibrated_memory(hw, predicted, ok)
+    return calibrated, hw, said + memory_said
+
+
+def _calibrated_memory(hw: Hardware, predicted: Scored, runs: list[Any]) -> tuple[Hardware, str]:
+    """``hw`` with what the reference's fullest process measured beyond its prediction
+    (the median over ``runs``) added to every process's bytes: a real run's process holds
+    what the profile's one-process step does not (its data, the replicas' reducer, the
+    launcher's and the communicators' own), alike in every layout."""
+    gaps = [max(run.measured_peak) - predicted.memory[0].total for run in runs if run.measured_peak]
+    if not gaps:
+        return hw, "; memory not calibrated (the runs measured no peak)"
+    gap = statistics.median(gaps)
+    fraction, per_process = hw.memory_overhead
+    r_fraction, r_per_process = hw.recompute_overhead
+    hw = dataclasses.replace(
+        hw,
+        memory_overhead=(fraction, max(0.0, per_process + gap)),
+        recompute_overhead=(r_fraction, max(0.0, r_per_process + gap)),
+    )
+    return hw, f"; a process measured {gap / 2**20:+.1f} MiB beyond the profile's peak"
+
+
+def _listed(values: Any) -> str:
+    return ", ".join(f"{v:.0f}" for v in values)

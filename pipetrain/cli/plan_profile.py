@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipetrain.cli.errors import UsageError
@@ -25,7 +26,15 @@ from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
 if TYPE_CHECKING:
     from pipetrain.partition.profile_run import Profile
 
-__all__ = ["auto_costs", "auto_curve", "profile_device", "ratio_at", "scaled_to_ratio"]
+__all__ = [
+    "auto_costs",
+    "auto_curve",
+    "profile_device",
+    "ratio_at",
+    "scaled_to_ratio",
+    "tp_ratio_said",
+    "tp_sizes_to_time",
+]
 
 
 def profile_device(args: argparse.Namespace) -> Any:
@@ -116,10 +125,10 @@ def auto_curve(
             f"; links measured: send/recv {links.p2p_latency * 1e3:.2f} ms + "
             f"{links.p2p_bandwidth / 1e9:.2f} GB/s, all-reduce {reduces} (ring terms)"
         )
-    return profile, said + _tp_said(profile.tp_ratio)
+    return profile, said + tp_ratio_said(profile.tp_ratio)
 
 
-def _tp_said(tp_ratio: Mapping[tuple[int, int], float]) -> str:
+def tp_ratio_said(tp_ratio: Mapping[tuple[int, int], float]) -> str:
     """The source line's part for the tp steps measured: the ratio at each size."""
     parts = []
     for t in sorted({t for t, _ in tp_ratio}):
@@ -133,13 +142,34 @@ def _tp_said(tp_ratio: Mapping[tuple[int, int], float]) -> str:
 
 
 def ratio_at(tp_ratio: Mapping[tuple[int, int], float], tp: int, mb: int) -> float | None:
-    """The measured tp step ratio for ``tp`` at ``mb``, else at the nearest size measured
-    for that degree (the smaller on a tie); None where that degree was not measured."""
-    sizes = [s for t, s in tp_ratio if t == tp]
+    """The measured tp step ratio for ``tp`` at ``mb``: read off the line between the
+    measured sizes either side of it in log size (the ratio falls about evenly per
+    doubling of the micro-batch here), the nearest end's beyond them; None where that
+    degree was not measured."""
+    sizes = sorted(s for t, s in tp_ratio if t == tp)
     if not sizes:
         return None
-    nearest = min(sizes, key=lambda s: (abs(s - mb), s))
-    return tp_ratio[(tp, nearest)]
+    if mb <= sizes[0] or mb >= sizes[-1]:
+        return tp_ratio[(tp, sizes[0] if mb <= sizes[0] else sizes[-1])]
+    hi = next(s for s in sizes if s >= mb)
+    lo = max(s for s in sizes if s <= mb)
+    if hi == lo:
+        return tp_ratio[(tp, lo)]
+    at = (math.log(mb) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return tp_ratio[(tp, lo)] + at * (tp_ratio[(tp, hi)] - tp_ratio[(tp, lo)])
+
+
+def tp_sizes_to_time(sizes: Iterable[int]) -> list[int]:
+    """The micro-batch sizes whose tp step is timed, of those a degree's layouts run: the
+    smallest, the largest and the one nearest their geometric middle (each size timed
+    sharded and unsharded, a profile's largest cost on a wide model; ``ratio_at`` reads
+    the others off the line)."""
+    ordered = sorted(set(sizes))
+    if len(ordered) <= 3:
+        return ordered
+    middle = math.sqrt(ordered[0] * ordered[-1])
+    inner = min(ordered[1:-1], key=lambda s: (abs(math.log(s / middle)), s))
+    return [ordered[0], inner, ordered[-1]]
 
 
 def scaled_to_ratio(
@@ -189,7 +219,7 @@ def auto_costs(
         if lay.tp > 1:
             tp_sizes.setdefault(lay.tp, set()).add(size)
     measured, source = auto_curve(
-        args, config, seq_len, sorted(sizes), {t: sorted(s) for t, s in tp_sizes.items()}
+        args, config, seq_len, sorted(sizes), {t: tp_sizes_to_time(s) for t, s in tp_sizes.items()}
     )
     tp_ratio = measured.tp_ratio
     curve, links = measured.curve, measured.links

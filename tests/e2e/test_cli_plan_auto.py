@@ -52,7 +52,7 @@ def test_plan_auto_profiles_every_microbatch_size_on_as_many_processes() -> None
         [
             sys.executable, "-m", "pipetrain.cli", "plan", "--auto", "--model", "llama-tiny",
             "--world-size", "2", "--batch-size", "4", "--seq-len", "16", "--balance", "profile",
-            "--repeats", "1", "--calibrate-steps", "3",
+            "--repeats", "1", "--calibrate-steps", "3", "--calibrate-runs", "2",
         ],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -65,5 +65,7 @@ def test_plan_auto_profiles_every_microbatch_size_on_as_many_processes() -> None
     assert said.rstrip().endswith("x at 4"), said
     # One real run of the reference layout scales the profile's compute.
     assert "calibrated by 1f1b pp=1 dp=2 tp=1 m=1: predicted " in planned.stdout
-    assert "over 3 steps, compute x " in planned.stdout
+    assert "over 3 steps (median of 2 runs), compute x " in planned.stdout
+    # ... and the bytes its processes held beyond the profile's step enter every layout.
+    assert "MiB beyond the profile's peak" in planned.stdout
     assert "winner:" in planned.stdout
