@@ -59,7 +59,7 @@ def add_auto_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--auto",
         action="store_true",
-        help="search schedule, chunks, pp x dp x tp, micro-batches, recomputation and early "
+        help="search schedule, chunks, pp x dp x tp (x ep: MoE), micro-batches, recomputation, early "
         "input gradients for --world-size processes; print the fastest that fit",
     )
     p.add_argument("--world-size", type=int, metavar="N", help="with --auto: processes in all")
@@ -199,6 +199,7 @@ def auto_overrides(scored: Scored, request: AutoRequest) -> dict[str, Any]:
         "pipeline.pp": lay.pp,
         "pipeline.dp": lay.dp,
         "pipeline.tp": lay.tp,
+        "pipeline.ep": lay.ep,
         "pipeline.chunks": lay.chunks,
         "pipeline.microbatches": lay.microbatches,
         "pipeline.split": ",".join(str(n) for n in scored.split) if lay.pp > 1 else "",
@@ -321,7 +322,7 @@ def add_train_auto_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--auto",
         action="store_true",
-        help="choose schedule, chunks, pp x dp x tp, micro-batches, recomputation and early "
+        help="choose schedule, chunks, pp x dp x tp (x ep: MoE), micro-batches, recomputation, early "
         "input gradients for --world-size processes (as plan --auto), then train that layout",
     )
     p.add_argument(

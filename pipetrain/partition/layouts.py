@@ -95,15 +95,19 @@ class Layout:
     microbatches: int
     recompute: bool
     early_grads: bool
+    # Expert-parallel ranks (MoE models), inside dp as pipeline.ep: each holds 1/ep of the
+    # routed experts of every MoE layer.
+    ep: int = 1
 
     def describe(self) -> str:
         v = f" v={self.chunks}" if get_spec(self.schedule).uses_chunks else ""
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
         extras = "".join(
             (" recompute" if self.recompute else "", " early-grads" if self.early_grads else "")
         )
         return (
-            f"{self.schedule}{v} pp={self.pp} dp={self.dp} tp={self.tp} m={self.microbatches}"
-            + extras
+            f"{self.schedule}{v} pp={self.pp} dp={self.dp} tp={self.tp}{ep} "
+            f"m={self.microbatches}" + extras
         )
 
 
@@ -199,4 +203,12 @@ def enumerate_layouts(config: ModelConfig, req: AutoRequest) -> Iterator[Layout]
                         if pp * m * v > req.max_forwards or spec.check(pp, m, v) is not None:
                             continue
                         for recompute in req.recompute:
-                            yield Layout(name, pp, dp, tp, v, m, recompute, False)
+                            for ep in _expert_degrees(config, dp):
+                                yield Layout(name, pp, dp, tp, v, m, recompute, False, ep)
+
+
+def _expert_degrees(config: ModelConfig, dp: int) -> list[int]:
+    """The ep degrees of a dp: those dividing it and the experts (1 for a dense model)."""
+    if not config.n_experts:
+        return [1]
+    return [e for e in _divisors(dp) if config.n_experts % e == 0]

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost, MemoryModel, Partition, PartitionError
+from pipetrain.partition.expert_costs import expert_parallel_costs
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
 from pipetrain.partition.memory import rank_memory, recompute_costs
 from pipetrain.partition.stages import rank_live_points, split_for, stage_ranks_of
@@ -36,23 +37,29 @@ class Scorer:
     ) -> None:
         self.config, self.req, self.hw = config, req, hw
         self._costs_for = costs_for
-        self._costs: dict[tuple[int, bool, int], list[LayerCost]] = {}
+        self._costs: dict[tuple[int, bool, int, int], list[LayerCost]] = {}
         self._schedules: dict[tuple[str, int, int, int, bool], Schedule] = {}
-        self._splits: dict[tuple[int, bool, int, int], Partition] = {}
+        self._splits: dict[tuple[int, bool, int, int, int], Partition] = {}
 
     def microbatch_size(self, layout: Layout) -> int:
         return self.req.batch_size // layout.dp // layout.microbatches
 
-    def costs(self, tp: int, recompute: bool, mb: int) -> list[LayerCost]:
-        """One tp rank's per-sample layer costs at micro-batch size ``mb``."""
-        key = (tp, recompute, mb)
+    def costs(self, tp: int, recompute: bool, mb: int, ep: int = 1) -> list[LayerCost]:
+        """One tp (and ep) rank's per-sample layer costs at micro-batch size ``mb``."""
+        key = (tp, recompute, mb, ep)
         if key not in self._costs:
             plain = list(self._costs_for(tp, mb))
+            if ep > 1:
+                # The ep group lies inside dp: its all-to-alls take the dp link.
+                plain = expert_parallel_costs(
+                    plain, self.config, self.req.seq_len, tp=tp, ep=ep,
+                    flops_per_second=self.hw.flops, ep_bandwidth=self.hw.link_bandwidth,
+                )  # fmt: skip
             self._costs[key] = recompute_costs(plain, self.message_bytes(1)) if recompute else plain
         return self._costs[key]
 
     def layout_costs(self, layout: Layout) -> list[LayerCost]:
-        return self.costs(layout.tp, layout.recompute, self.microbatch_size(layout))
+        return self.costs(layout.tp, layout.recompute, self.microbatch_size(layout), layout.ep)
 
     def message_bytes(self, mb: int) -> float:
         """One micro-batch's (mb, T, d) activation between stages, as every tp rank sends it."""
@@ -163,7 +170,7 @@ class Scorer:
         ranks = stage_ranks_of(placement)
         costs = self.layout_costs(layout)
         # Without a limit the split depends on the number of stages only, not their ranks.
-        key = (layout.tp, layout.recompute, self.microbatch_size(layout), len(ranks))
+        key = (layout.tp, layout.recompute, self.microbatch_size(layout), layout.ep, len(ranks))
         if key not in self._splits:
             self._splits[key] = split_for("cost", costs, ranks, None, None)
         return replace(self._splits[key], stage_ranks=ranks)
@@ -274,7 +281,7 @@ class Scorer:
         full_block = max(
             (
                 c.activation_bytes_per_sample
-                for c in self.costs(layout.tp, False, mb)
+                for c in self.costs(layout.tp, False, mb, layout.ep)
                 if c.kind == "block"
             ),
             default=0.0,
