@@ -38,7 +38,7 @@ from pipetrain.models.config import get_model_config
 from pipetrain.partition.auto import AutoRequest, Layout, Scored, search
 from pipetrain.partition.scoring import Scorer
 
-BATCH, SEQ = 32, 128
+BATCH = 32
 
 
 def _profile_args(world: int) -> argparse.Namespace:
@@ -74,7 +74,7 @@ def _rounds(
             s = sweep[i]
             m = _train(s, request, model, args.steps, args.out, f"{model}-w{world}-r{r}-{i}")
             runs[s.layout].append(m)
-            said = f"{m['step_time'] * 1e3:.0f} ms" if "error" in m else m["error"][0][:60]
+            said = m["error"][0][:60] if "error" in m else f"{m['step_time'] * 1e3:.0f} ms"
             print(f"round {r + 1}: {s.layout.describe()}: {said}", file=sys.stderr, flush=True)
     out: dict[Layout, dict[str, Any]] = {}
     for lay, done in runs.items():
@@ -121,8 +121,8 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     config = get_model_config(model)
     pargs = _profile_args(world)
     hw = hardware_for("cpu", world)
-    request = AutoRequest(world, BATCH, SEQ, top=max(5, args.sweep))
-    costs_for, source, hw = auto_costs(pargs, config, SEQ, hw, request)
+    request = AutoRequest(world, BATCH, args.seq_len, top=max(5, args.sweep))
+    costs_for, source, hw = auto_costs(pargs, config, args.seq_len, hw, request)
     if args.calibrate_steps:
         costs_for, hw, said = calibrate(
             config, model, request, costs_for, hw, steps=args.calibrate_steps,
@@ -135,7 +135,7 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     default = scorer.evaluate(_default_layout(world))
     if default is not None and default.layout not in {s.layout for s in sweep}:
         sweep.append(default)
-    print(f"\n### {model}, {world} processes, batch {BATCH} x {SEQ}\n\ncosts {source}\n")
+    print(f"\n### {model}, {world} processes, batch {BATCH} x {args.seq_len}\n\ncosts {source}\n")
     if args.only_budget:
         if default is not None:
             _budget(config, model, world, request, costs_for, hw, default, args)
@@ -229,6 +229,7 @@ def main() -> None:
     p.add_argument("--calibrate-steps", type=int, default=8, help="0: no calibration run")
     p.add_argument("--calibrate-runs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="each layout measured once a round")
+    p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--budget", type=float, default=0.8)
     p.add_argument("--only-budget", action="store_true", help="skip the sweep: the budget runs")
     p.add_argument(

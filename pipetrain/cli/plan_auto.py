@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,15 +146,12 @@ def _check_measure(args: argparse.Namespace) -> None:
 
 def _measured_winner(
     plan: AutoPlan, args: argparse.Namespace, model: str, extra: Sequence[str] = ()
-) -> Scored | None:
-    """The predicted winner, or with ``--measure K`` the fastest measured of the K fastest."""
+) -> tuple[Scored | None, list[dict[str, Any]]]:
+    """The predicted winner, or with ``--measure K`` the fastest measured of the K fastest;
+    the runs measured (as JSON)."""
     if not args.measure or plan.winner is None:
-        return plan.winner
+        return plan.winner, []
     from pipetrain.cli.plan_measure import best_measured, measure_top, render_measured
-
-    def say(line: str) -> None:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
 
     request = plan.request
     measured = measure_top(
@@ -163,12 +160,13 @@ def _measured_winner(
         auto_overrides,
         model=model,
         steps=args.measure_steps,
-        say=say,
+        say=_say(args),
         extra=extra,
     )
-    sys.stdout.write(render_measured(measured, request.memory_limit))
+    if not getattr(args, "json", False):  # with --json the runs are in its object
+        sys.stdout.write(render_measured(measured, request.memory_limit))
     best = best_measured(measured, request.memory_limit)
-    return best.scored if best is not None else plan.winner
+    return (best.scored if best is not None else plan.winner), [m.to_json() for m in measured]
 
 
 def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
@@ -180,15 +178,36 @@ def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
     profile = request if args.balance == "profile" else None
     costs_for, source, hw = auto_costs(args, config, seq_len, hw, profile)
     if profile is not None:
-        costs_for, hw, said = calibrate_for(args, config, request, costs_for, hw, auto_overrides)
+        costs_for, hw, said = calibrate_for(
+            args, config, request, costs_for, hw, auto_overrides, say=_say(args)
+        )
         source += said
     plan = search(config, request, costs_for, hw)
-    sys.stdout.write(render(plan, config.name, source))
-    winner = _measured_winner(plan, args, config.name)
+    if not args.json:
+        sys.stdout.write(render(plan, config.name, source))
+    winner, measured = _measured_winner(plan, args, config.name)
     if args.out is not None and winner is not None:
         _write(Path(args.out), config.name, winner, request)
-        sys.stdout.write(f"wrote {args.out}: pipetrain train --config {args.out}\n")
+        _say(args)(f"wrote {args.out}: pipetrain train --config {args.out}")
+    if args.json:
+        out = {"model": config.name, "costs": source.lstrip("; "), **plan.to_json()}
+        out["explain"] = explain(plan)
+        out["measured"] = measured
+        out["winner"] = winner.to_json() if winner is not None else None
+        out["config"] = auto_overrides(winner, request) if winner is not None else None
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
     return 0 if winner is not None else 2
+
+
+def _say(args: argparse.Namespace) -> Callable[[str], None]:
+    """Progress lines: to stdout, or to stderr where stdout is one JSON object."""
+    stream = sys.stderr if getattr(args, "json", False) else sys.stdout
+
+    def say(line: str) -> None:
+        stream.write(line + "\n")
+        stream.flush()
+
+    return say
 
 
 def auto_overrides(scored: Scored, request: AutoRequest) -> dict[str, Any]:
@@ -376,7 +395,7 @@ def auto_config(config: Any, args: argparse.Namespace) -> Any:
         )
         for text in ("--set", f"{key}={json.dumps(value)}")
     ]
-    winner = _measured_winner(plan, args, model.name, extra) or plan.winner
+    winner = _measured_winner(plan, args, model.name, extra)[0] or plan.winner
     fields = auto_overrides(winner, request)
     pipeline = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("pipeline.")}
     pipeline.setdefault("chunks", 1)  # the schedule's own number

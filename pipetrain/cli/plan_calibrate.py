@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -88,6 +87,8 @@ def calibrate_for(
     costs_for: CostsFor,
     hw: Hardware,
     overrides_of: Callable[[Scored, AutoRequest], dict[str, Any]],
+    *,
+    say: Callable[[str], None],
 ) -> tuple[CostsFor, Hardware, str]:
     """``calibrate`` as ``plan --auto --balance profile`` asks it: on a CPU whose cores
     the processes share, with more than one process and ``--calibrate-steps`` > 0
@@ -97,11 +98,10 @@ def calibrate_for(
         return costs_for, hw, ""
     from pipetrain.cli.plan_measure import measure_layout
 
-    sys.stdout.write(
+    say(
         f"calibrating: a reference layout trains {args.calibrate_steps} steps, "
-        f"{args.calibrate_runs} times\n"
+        f"{args.calibrate_runs} times"
     )
-    sys.stdout.flush()
     return calibrate(
         config, config.name, request, costs_for, hw, steps=args.calibrate_steps,
         runs=args.calibrate_runs, measure=measure_layout, overrides_of=overrides_of,

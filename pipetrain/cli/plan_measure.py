@@ -49,6 +49,19 @@ class Measured:
     def fits(self, limit: float | None) -> bool:
         return self.ok and (limit is None or max(self.measured_peak, default=0) <= limit)
 
+    def to_json(self) -> dict[str, Any]:
+        """What was measured (NaN times of a failed run as null), and the prediction."""
+        ok = self.ok and self.step_time == self.step_time
+        return {
+            "describe": self.scored.layout.describe(),
+            "predicted_step_time_s": self.scored.step_time,
+            "step_time_s": self.step_time if ok else None,
+            "tokens_per_s": self.tokens_per_s if ok else None,
+            "measured_peak": list(self.measured_peak),
+            "predicted_peak": list(self.predicted_peak),
+            "error": self.error or None,
+        }
+
 
 def _set(key: str, value: Any) -> list[str]:
     text = json.dumps(value) if isinstance(value, str) else str(value).lower()

@@ -3,9 +3,11 @@ searched for, and a scored layout (torch-free; ``pipetrain.partition.auto`` sear
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost, PartitionError
@@ -143,6 +145,25 @@ class Scored:
         totals = [m.total for m in self.memory]
         return totals.index(max(totals))
 
+    def to_json(self) -> dict[str, Any]:
+        """The layout's fields, its split and predictions; bytes per pipeline rank by kind."""
+        return {
+            "layout": dataclasses.asdict(self.layout),
+            "describe": self.layout.describe(),
+            "split": list(self.split),
+            "memory_balanced": self.memory_balanced,
+            "step_time_s": self.step_time,
+            "pipeline_time_s": self.pipeline_time,
+            "dp_time_s": self.dp_time,
+            "update_time_s": self.update_time,
+            "tokens_per_s": self.tokens_per_s,
+            "bubble": self.bubble,
+            "peak_bytes": self.peak_bytes,
+            "peak_rank": self.peak_rank,
+            "fits": self.fits,
+            "memory": [dataclasses.asdict(m) | {"total": m.total} for m in self.memory],
+        }
+
 
 @dataclass(frozen=True)
 class AutoPlan:
@@ -159,6 +180,22 @@ class AutoPlan:
     @property
     def winner(self) -> Scored | None:
         return self.ranked[0] if self.ranked else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The request, the ``top`` fastest that fit, what the limit gave up, the counts."""
+        req, given = self.request, self.given_up
+        return {
+            "world_size": req.world_size,
+            "batch_size": req.batch_size,
+            "seq_len": req.seq_len,
+            "memory_limit": req.memory_limit,
+            "ranked": [s.to_json() for s in self.ranked[: req.top]],
+            "given_up": given.to_json() if given is not None else None,
+            "layouts": self.layouts,
+            "simulated": self.simulated,
+            "pruned": self.pruned,
+            "seconds": self.seconds,
+        }
 
     @property
     def given_up(self) -> Scored | None:

@@ -111,3 +111,27 @@ def test_pruning_keeps_the_exact_top_with_ep_in_the_space() -> None:
         plan = search(config, req, costs, hw)
         plain = [s for s in plan.ranked if not s.layout.early_grads]
         assert [round(s.step_time, 12) for s in plain[:4]] == [round(t, 12) for t in every[:4]]
+
+
+def test_plan_auto_json_is_one_object_with_the_winner_and_its_config(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import json
+
+    from pipetrain.cli import main
+
+    out = tmp_path / "auto.toml"
+    argv = ["plan", "--auto", "--model", "moe-tiny", "--world-size", "4", "--batch-size", "8",
+            "--seq-len", "32", "--top", "3", "--json", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    got = json.loads(captured.out)  # nothing else on stdout
+    assert got["model"] == "moe-tiny" and got["world_size"] == 4
+    assert len(got["ranked"]) == 3 and got["winner"] == got["ranked"][0]
+    winner = got["winner"]
+    assert winner["step_time_s"] > 0 and winner["peak_bytes"] == max(
+        m["total"] for m in winner["memory"]
+    )
+    assert got["config"]["pipeline.ep"] == winner["layout"]["ep"]
+    assert got["explain"][0].startswith("winner: ")
+    assert "wrote" in captured.err and load_config(out).pipeline.ep == winner["layout"]["ep"]
