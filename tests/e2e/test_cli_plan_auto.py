@@ -69,3 +69,30 @@ def test_plan_auto_profiles_every_microbatch_size_on_as_many_processes() -> None
     # ... and the bytes its processes held beyond the profile's step enter every layout.
     assert "MiB beyond the profile's peak" in planned.stdout
     assert "winner:" in planned.stdout
+
+
+def test_an_expert_parallel_layout_of_plan_auto_trains_from_its_config(work: Path) -> None:
+    # The fastest ep 2 layout that plan --auto ranks for a MoE model, written as --out
+    # writes it, trains unchanged with its experts sharded over the 2 processes.
+    from pipetrain.cli.plan_auto import HARDWARE, _write
+    from pipetrain.models.config import get_model_config
+    from pipetrain.partition.auto import AutoRequest, search
+    from pipetrain.partition.estimate import estimate_costs
+
+    model = get_model_config("moe-tiny")
+
+    def costs(tp: int, mb: int = 1):
+        return estimate_costs(model, 16, flops_per_second=HARDWARE["cpu"].flops, tp=tp)
+
+    plan = search(model, AutoRequest(2, 4, 16, top=60), costs, HARDWARE["cpu"])
+    chosen = next(s for s in plan.ranked if s.layout.ep == 2)
+    config = work / "auto-ep.toml"
+    _write(config, "moe-tiny", chosen, plan.request)
+    assert "ep = 2" in config.read_text()
+    train_run(
+        work, "auto-ep", "--config", str(config), "--steps", "2", "--data", str(work / "data"),
+        "--set", "optim.warmup_steps=0", "--set", "run.evaluate=false",
+        "--set", "run.sample_tokens=0", "--set", "data.max_bytes=100000",
+    )  # fmt: skip
+    losses = [r["loss"] for r in read_records(work / "auto-ep") if "loss" in r]
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
