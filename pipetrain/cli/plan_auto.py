@@ -224,6 +224,7 @@ def auto_overrides(scored: Scored, request: AutoRequest) -> dict[str, Any]:
         "pipeline.split": ",".join(str(n) for n in scored.split) if lay.pp > 1 else "",
         "pipeline.balance": "uniform",
         "pipeline.recompute": lay.recompute,
+        "pipeline.recompute_ranks": ",".join(map(str, lay.recompute_ranks)),
         "pipeline.early_grads": lay.early_grads,
         "data.batch_size": request.batch_size,
         "data.seq_len": request.seq_len,

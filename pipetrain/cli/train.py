@@ -120,6 +120,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         "report every parameter's gradient at step 1 and every N steps (runs/<name>/grad_report.jsonl)",
     ),
     "--stream-steps": ("pipeline.stream_steps", int, "pipedream(-2bw): steps between drains"),
+    "--recompute-ranks": (
+        "pipeline.recompute_ranks",
+        str,
+        "only these pipeline ranks recompute, e.g. 0,1",
+    ),
 }
 SWITCHES: dict[str, tuple[str, str]] = {
     "--recompute": ("pipeline.recompute", "recompute each block's activations in backward"),

@@ -18,9 +18,9 @@ from pathlib import Path
 from pipetrain.config.errors import ConfigError
 from pipetrain.config.steps import parse_steps
 from pipetrain.config.values import at_least as _at_least
+from pipetrain.config.values import check_split, recomputing_ranks, run_name_error
 from pipetrain.config.values import check_values as _check_values
 from pipetrain.config.values import one_of as _one_of
-from pipetrain.config.values import run_name_error
 from pipetrain.models.config import PRESETS
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
 
 _PRECISIONS = ("fp32", "bf16")
 _DEVICES = ("auto", "cpu", "cuda")
-_BALANCES = ("uniform", "params", "cost")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _MAX_BATCH_TOKENS = 1 << 31
 # Longer waits are hangs; torch's process-group timeout (a timedelta) overflows far above it.
@@ -122,6 +121,10 @@ class PipelineConfig:
     """`fp32`, or `bf16` autocast with fp32 master weights and fp32 reductions."""
     recompute: bool = False
     """Recompute each block's activations in backward (torch.utils.checkpoint per block)."""
+    recompute_ranks: str = ""
+    """Only these pipeline ranks recompute, e.g. "0,1": the first ranks of 1F1B-like
+    schedules hold the most micro-batches (`pipetrain plan --auto` balances the split so
+    that they get fewer blocks). Empty: `recompute` decides for every rank."""
     compile: bool = False
     """torch.compile each stage module."""
     timeout_s: float = 300.0
@@ -154,7 +157,8 @@ class PipelineConfig:
         _one_of("pipeline.device", self.device, _DEVICES)
         if self.precision not in _PRECISIONS:
             raise ConfigError(f"pipeline.precision is {self.precision!r}: use fp32 or bf16")
-        self._check_split()
+        check_split(self.split, self.balance)
+        recomputing_ranks(self.recompute, self.recompute_ranks, self.pp)  # checks them
         if not 0 < self.timeout_s <= _MAX_TIMEOUT_S:
             raise ConfigError(
                 f"pipeline.timeout_s is {self.timeout_s}: give a positive number of seconds up "
@@ -168,17 +172,10 @@ class PipelineConfig:
         """Processes of the run: pp x dp x tp (one, in the single-process mode)."""
         return 1 if self.single_process else self.pp * self.dp * self.tp
 
-    def _check_split(self) -> None:
-        if self.balance not in _BALANCES:
-            raise ConfigError(
-                f"pipeline.balance is {self.balance!r}: use one of {', '.join(_BALANCES)} (or "
-                f"give blocks per stage with --split, e.g. 4,3,5)"
-            )
-        if self.split and self.balance != "uniform":
-            raise ConfigError(
-                f"pipeline.split {self.split!r} and pipeline.balance {self.balance!r} both "
-                f"choose the split: drop one of --split and --balance"
-            )
+    @property
+    def recomputing_ranks(self) -> frozenset[int]:
+        """The pipeline ranks that recompute their blocks' activations in backward."""
+        return recomputing_ranks(self.recompute, self.recompute_ranks, self.pp)
 
     def _check_processes(self) -> None:
         """What runs in which process: one process, replicas, sharded replicas."""

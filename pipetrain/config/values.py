@@ -51,3 +51,49 @@ def one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
 def run_name_error(name: str) -> str:
     """The message for a run name that is not a plain folder name."""
     return f"run.name {name!r} is not a plain folder name: use letters, digits, '.', '_' and '-'"
+
+
+def recomputing_ranks(recompute: bool, ranks: str, pp: int) -> frozenset[int]:
+    """``pipeline.recompute`` (every rank) or ``pipeline.recompute_ranks`` ("0,2") as the
+    set of pipeline ranks that recompute; ``ConfigError`` for a bad list."""
+    if recompute and ranks:
+        raise ConfigError(
+            f"pipeline.recompute already recomputes on every rank and pipeline.recompute_ranks "
+            f"{ranks!r} names some: drop one of --recompute and --recompute-ranks"
+        )
+    if recompute:
+        return frozenset(range(pp))
+    if not ranks:
+        return frozenset()
+    parts = [r.strip() for r in ranks.split(",")]
+    if not all(r.isdigit() for r in parts) or len(set(map(int, filter(str.isdigit, parts)))) != len(
+        parts
+    ):
+        raise ConfigError(
+            f"pipeline.recompute_ranks {ranks!r}: give distinct pipeline ranks separated by "
+            f"commas, e.g. 0,1"
+        )
+    over = [int(r) for r in parts if int(r) >= pp]
+    if over:
+        raise ConfigError(
+            f"pipeline.recompute_ranks names rank {over[0]}, but pipeline.pp is {pp} (ranks "
+            f"0..{pp - 1}): name ranks below {pp}"
+        )
+    return frozenset(int(r) for r in parts)
+
+
+BALANCES = ("uniform", "params", "cost")
+
+
+def check_split(split: str, balance: str) -> None:
+    """``pipeline.split`` and ``pipeline.balance``: one of them chooses the split."""
+    if balance not in BALANCES:
+        raise ConfigError(
+            f"pipeline.balance is {balance!r}: use one of {', '.join(BALANCES)} (or give blocks "
+            f"per stage with --split, e.g. 4,3,5)"
+        )
+    if split and balance != "uniform":
+        raise ConfigError(
+            f"pipeline.split {split!r} and pipeline.balance {balance!r} both choose the split: "
+            f"drop one of --split and --balance"
+        )

@@ -40,10 +40,35 @@ __all__ = ["AutoPlan", "AutoRequest", "Hardware", "Layout", "Scored", "search"]
 # Early input gradients replay the schedule once per split tried: beyond this many actions
 # (p x m x v) the choice takes seconds per layout, so it is not tried there.
 _EARLY_MAX_ACTIONS = 256
+# Pipelines over the limit that are tried with only their fullest ranks recomputing.
+_SOME_RANKS_TRIED = 20
 
 
 def _rank_key(s: Scored) -> tuple[float, float, Layout]:
     return (s.step_time, s.peak_bytes, s.layout)
+
+
+def _recomputing_some_ranks(scorer: Scorer, over: list[Scored], req: AutoRequest) -> list[Scored]:
+    """The fastest ``_SOME_RANKS_TRIED`` pipelines over the limit without recomputation,
+    each with only its ranks over the limit recomputing (more, while the split that
+    balances them pushes others over): those that then fit."""
+    limit = req.memory_limit
+    if limit is None or True not in req.recompute:
+        return []
+    found = []
+    tried = [s for s in over if s.layout.pp > 1 and not s.layout.recompute]
+    for scored in sorted(tried, key=_rank_key)[:_SOME_RANKS_TRIED]:
+        ranks: set[int] = set()
+        current: Scored | None = scored
+        while current is not None and not current.fits:
+            more = {r for r, m in enumerate(current.memory) if m.total > limit} - ranks
+            if not more or len(ranks | more) == scored.layout.pp:
+                break  # nothing new to recompute, or every rank: plain recompute's layout
+            ranks |= more
+            current = scorer.evaluate(replace(scored.layout, recompute_ranks=tuple(sorted(ranks))))
+        if current is not None and current.fits:
+            found.append(current)
+    return found
 
 
 def search(
@@ -76,6 +101,7 @@ def search(
         if scored.fits:
             bisect.insort(times, scored.step_time)
     pruned = len(bounded) - simulated  # bounded out, or over the limit by state alone
+    fitting.extend(_recomputing_some_ranks(scorer, over, req))
     fitting.sort(key=_rank_key)
     for scored in list(fitting[: req.top]):
         lay = scored.layout

@@ -100,12 +100,19 @@ class Layout:
     # Expert-parallel ranks (MoE models), inside dp as pipeline.ep: each holds 1/ep of the
     # routed experts of every MoE layer.
     ep: int = 1
+    # Only these pipeline ranks recompute (pipeline.recompute_ranks; recompute is False).
+    recompute_ranks: tuple[int, ...] = ()
 
     def describe(self) -> str:
         v = f" v={self.chunks}" if get_spec(self.schedule).uses_chunks else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
+        some = ",".join(map(str, self.recompute_ranks))
         extras = "".join(
-            (" recompute" if self.recompute else "", " early-grads" if self.early_grads else "")
+            (
+                " recompute" if self.recompute else "",
+                f" recompute-ranks={some}" if some else "",
+                " early-grads" if self.early_grads else "",
+            )
         )
         return (
             f"{self.schedule}{v} pp={self.pp} dp={self.dp} tp={self.tp}{ep} "

@@ -17,7 +17,7 @@ decides the activations (``pipetrain.sim.simulator`` counts them per rank).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from pipetrain.partition.balance import LayerCost, Partition
@@ -119,11 +119,15 @@ def rank_memory(
     dp: int,
     recompute_block_bytes: float = 0.0,
     overhead: tuple[float, float] = (0.0, 0.0),
+    recompute_ranks: Collection[int] | None = None,
+    recompute_overhead: tuple[float, float] | None = None,
 ) -> tuple[RankMemory, ...]:
     """Each rank's bytes: ``weight_bytes`` and ``peak_activation_bytes`` are the simulator's
     per rank; ``message_bytes`` one micro-batch's activation between stages;
     ``recompute_block_bytes`` one block's full activations per sample when recomputing
-    (0 without recomputation); ``overhead``: ``fit_overhead``'s (fraction, bytes)."""
+    (0 without recomputation); ``overhead``: ``fit_overhead``'s (fraction, bytes).
+    ``recompute_ranks``: the ranks that recompute (None: all, when recomputing), charged
+    ``recompute_overhead`` (None: ``overhead``) instead of ``overhead``."""
     ranks = partition.num_ranks
     grads = [0.0] * ranks
     has_block = [False] * ranks
@@ -136,8 +140,14 @@ def rank_memory(
         # Linear and looped placements both talk to the ranks either side of this one.
         neighbours[rank] = (rank > 0) + (rank < ranks - 1)
     bucket = 2 if dp > 1 else 1
+    recomputing = set(range(ranks) if recompute_ranks is None else recompute_ranks)
     transient = [
-        recompute_block_bytes * microbatch_size if has_block[r] else 0.0 for r in range(ranks)
+        recompute_block_bytes * microbatch_size if has_block[r] and r in recomputing else 0.0
+        for r in range(ranks)
+    ]
+    kept = recompute_overhead if recompute_overhead is not None else overhead
+    charged = [
+        kept if r in recomputing and recompute_block_bytes else overhead for r in range(ranks)
     ]
     return tuple(
         RankMemory(
@@ -147,7 +157,7 @@ def rank_memory(
             activations=peak_activation_bytes[r],
             transient=transient[r],
             buffers=2.0 * neighbours[r] * message_bytes,
-            workspace=overhead[0] * (peak_activation_bytes[r] + transient[r]) + overhead[1],
+            workspace=charged[r][0] * (peak_activation_bytes[r] + transient[r]) + charged[r][1],
         )
         for r in range(ranks)
     )

@@ -8,10 +8,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pipetrain.models.config import ModelConfig
-from pipetrain.partition.balance import LayerCost, MemoryModel, Partition, PartitionError
+from pipetrain.partition.balance import (
+    LayerCost,
+    MemoryModel,
+    Partition,
+    PartitionError,
+)
 from pipetrain.partition.expert_costs import expert_parallel_costs
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
 from pipetrain.partition.memory import rank_memory, recompute_costs
+from pipetrain.partition.recompute_ranks import recompute_speeds, recomputed_on
 from pipetrain.partition.stages import rank_live_points, split_for, stage_ranks_of
 from pipetrain.schedules.early_grads import early_grads
 from pipetrain.schedules.execution import Costs
@@ -94,7 +100,9 @@ class Scorer:
         # mean of state plus one micro-batch's activations (Chimera holds every stage's
         # state twice).
         mb = self.req.batch_size // layout.dp // layout.microbatches
-        acts = sum(c.activation_bytes_per_sample for c in costs) * mb
+        # Some ranks recomputing: the fewest bytes any of them can save, a lower bound.
+        saved = self.costs(layout.tp, True, mb, layout.ep) if layout.recompute_ranks else costs
+        acts = sum(c.activation_bytes_per_sample for c in saved) * mb
         state = placement.replicas * (4 + (layout.dp > 1)) * params
         static = (state + acts) / layout.pp
         m = layout.microbatches
@@ -166,9 +174,19 @@ class Scorer:
         return split_for("cost", costs, stage_ranks_of(schedule.placement), None, memory)
 
     def split_for_placement(self, layout: Layout, placement: Placement) -> Partition:
-        """The time-balanced split (no limit) of ``placement``'s model stages."""
+        """The time-balanced split (no limit) of ``placement``'s model stages; where some
+        ranks recompute, balanced as if those ranks ran slower by recomputation's share."""
         ranks = stage_ranks_of(placement)
         costs = self.layout_costs(layout)
+        if layout.recompute_ranks:
+            mb = self.microbatch_size(layout)
+            speeds = recompute_speeds(
+                self.costs(layout.tp, False, mb, layout.ep),
+                self.costs(layout.tp, True, mb, layout.ep),
+                layout.recompute_ranks,
+                placement.num_ranks,
+            )
+            return split_for("cost", costs, ranks, None, None, speeds)
         # Without a limit the split depends on the number of stages only, not their ranks.
         key = (layout.tp, layout.recompute, self.microbatch_size(layout), layout.ep, len(ranks))
         if key not in self._splits:
@@ -180,7 +198,7 @@ class Scorer:
         stages a rank (so it is not re-split): its live micro-batches follow from the order
         of its actions alone, which is exactly the simulator's peak, without a replay."""
         limit = self.req.memory_limit
-        if limit is None:
+        if limit is None or layout.recompute_ranks:
             return False
         try:
             schedule = self.schedule(layout)
@@ -215,7 +233,7 @@ class Scorer:
         limit = self.req.memory_limit
         if scored.fits or limit is None:
             return scored
-        if schedule.placement.stages_per_rank > 1:
+        if schedule.placement.stages_per_rank > 1 or layout.recompute_ranks:
             # Several stages a rank couple the limits: the exact search over their cuts
             # takes up to seconds a layout, more than the search can give each one.
             return scored
@@ -266,6 +284,9 @@ class Scorer:
         hw, req = self.hw, self.req
         local = req.batch_size // layout.dp
         mb = local // layout.microbatches
+        if layout.recompute_ranks:
+            again = self.costs(layout.tp, True, mb, layout.ep)
+            partition = recomputed_on(partition, again, layout.recompute_ranks)
         whole = get_spec(layout.schedule).whole_batch
         sim = self._simulate(schedule, partition, mb, whole, layout.microbatches)
         pipeline_time = shared_core_makespan(
@@ -294,8 +315,10 @@ class Scorer:
             microbatch_size=mb,
             message_bytes=self.message_bytes(mb) if layout.pp > 1 else 0.0,
             dp=layout.dp,
-            recompute_block_bytes=full_block if layout.recompute else 0.0,
-            overhead=hw.recompute_overhead if layout.recompute else hw.memory_overhead,
+            recompute_block_bytes=full_block if layout.recompute or layout.recompute_ranks else 0.0,
+            overhead=hw.memory_overhead,
+            recompute_ranks=None if layout.recompute else layout.recompute_ranks,
+            recompute_overhead=hw.recompute_overhead,
         )
         limit = req.memory_limit
         fits = limit is None or all(m.total <= limit for m in memory)

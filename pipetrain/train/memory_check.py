@@ -94,7 +94,11 @@ def predicted_bytes(
         return estimate_costs(model, seq_len, tp=tp)
 
     scorer = Scorer(model, request, costs_for, _ESTIMATE)
-    layout = Layout(p.schedule, p.pp, p.dp, p.tp, p.chunks, p.microbatches, p.recompute, False)
+    some = tuple(sorted(p.recomputing_ranks)) if not p.recompute else ()
+    layout = Layout(
+        p.schedule, p.pp, p.dp, p.tp, p.chunks, p.microbatches, p.recompute, False,
+        recompute_ranks=some,
+    )  # fmt: skip
     costs = scorer.costs(p.tp, p.recompute, batch // p.dp // p.microbatches)
     bounds = [(stage[0], stage[-1] + 1) for stage in split]
     partition = make_partition("explicit", costs, bounds, stage_ranks_of(schedule.placement))

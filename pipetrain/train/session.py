@@ -189,12 +189,13 @@ def open_session(
         shard_experts(pipeline.modules, experts)
     if mesh is not None and mesh.tp > 1:  # first: the options and FSDP2 wrap the tp shards
         shard_pipeline(pipeline, mesh.tp_mesh, sequence_parallel=p.sequence_parallel)
-    for module in pipeline.modules:
+    recomputing = p.recomputing_ranks
+    for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
         apply_stage_options(
             module,
             device=device,
             precision=p.precision,
-            recompute=p.recompute,
+            recompute=pipeline.schedule.placement.rank_of(stage) in recomputing,
             compile_stage=p.compile,
         )
     if replicas is not None:  # sharding replaces the parameters: before the optimizer

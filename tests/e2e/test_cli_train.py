@@ -131,6 +131,7 @@ def test_short_run_on_the_default_data(reference: list[dict[str, Any]], tmp_path
         ("--pp", "2", "--single-process", "--schedule", "zb-v"),
         ("--pp", "2", "--single-process", "--schedule", "v-min"),
         ("--pp", "2", "--single-process", "--recompute"),
+        ("--pp", "4", "--single-process", "--recompute-ranks", "0,2"),
         ("--pp", "4", "--single-process", "--no-early-grads"),
     ],
     ids=lambda flags: " ".join(flags),

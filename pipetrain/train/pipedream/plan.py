@@ -151,6 +151,7 @@ def _check_unsupported(config: TrainConfig) -> None:
         )
     for name, value, flag in (
         ("pipeline.recompute", p.recompute, "--recompute"),
+        ("pipeline.recompute_ranks", bool(p.recompute_ranks), "--recompute-ranks"),
         ("pipeline.compile", p.compile, "--compile"),
         ("pipeline.precision bf16", p.precision == "bf16", "--precision bf16"),
     ):
