@@ -64,6 +64,10 @@ REJECTED: list[tuple[dict[str, Any], tuple[str, ...]]] = [
     ({"pipeline.schedule": "pipedream", "pipeline.dp": 2}, ("pipeline.dp 2", "--dp 1")),
     ({"pipeline.schedule": "pipedream", "pipeline.recompute": True}, ("drop --recompute",)),
     (
+        {"pipeline.schedule": "pipedream", "pipeline.recompute_ranks": "0"},
+        ("drop --recompute-ranks",),
+    ),
+    (
         {"pipeline.schedule": "pipedream-2bw", "pipeline.precision": "bf16"},
         ("drop --precision bf16",),
     ),
