@@ -74,7 +74,7 @@ def _rounds(
             s = sweep[i]
             m = _train(s, request, model, args.steps, args.out, f"{model}-w{world}-r{r}-{i}")
             runs[s.layout].append(m)
-            said = m["error"][0][:60] if "error" in m else f"{m['step_time'] * 1e3:.0f} ms"
+            said = m["error"][0] if "error" in m else f"{m['step_time'] * 1e3:.0f} ms"
             print(f"round {r + 1}: {s.layout.describe()}: {said}", file=sys.stderr, flush=True)
     out: dict[Layout, dict[str, Any]] = {}
     for lay, done in runs.items():
