@@ -1,12 +1,13 @@
-"""``plan --auto --balance profile`` on a CPU: one short real run calibrates the profile.
+"""``plan --auto --balance profile`` on a CPU: short real runs calibrate the profile.
 
 The profile times layers and the whole model's step in as many processes as the run has,
 but the level of a real run's compute still differs from it (BENCHMARKS.md: at four
 processes on two cores, 1.15x to 1.3x between two profiles of the same model, every layout
 of a sweep off by the same factor to within a few per cent; at two processes 0.95-1.05x).
 So after the profile, one layout without a bubble and with few messages (pp = 1, every
-process a data-parallel replica) trains for a few steps through the real launcher, and
-every layer's compute is scaled by its measured step's compute over the predicted one.
+process a data-parallel replica) trains for a few steps through the real launcher, a few
+times, and every layer's compute is scaled by the median run's compute over the predicted
+one; what its processes held beyond the prediction is added to every layout's bytes.
 The shape of the predictions (which layout is faster, by how much) stays the profile's;
 the scale becomes the run's. docs/plan_auto.md has the figures.
 """
@@ -16,12 +17,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.plan_measure import measure_layout, measure_top
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.layer_costs import LayerCost, scaled_times
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
@@ -96,15 +96,13 @@ def calibrate_for(
     ``--measure K`` is)."""
     if not (hw.shared_cores and args.calibrate_steps and request.world_size > 1):
         return costs_for, hw, ""
-    from pipetrain.cli.plan_measure import measure_layout
-
     say(
         f"calibrating: a reference layout trains {args.calibrate_steps} steps, "
         f"{args.calibrate_runs} times"
     )
     return calibrate(
         config, config.name, request, costs_for, hw, steps=args.calibrate_steps,
-        runs=args.calibrate_runs, measure=measure_layout, overrides_of=overrides_of,
+        runs=args.calibrate_runs, measure=measure_layout, overrides_of=overrides_of, say=say,
     )  # fmt: skip
 
 
@@ -119,13 +117,15 @@ def calibrate(
     measure: Callable[..., Any],
     overrides_of: Callable[[Scored, AutoRequest], dict[str, Any]],
     runs: int = 3,
+    say: Callable[[str], None] = lambda _line: None,
 ) -> tuple[CostsFor, Hardware, str]:
     """``costs_for`` with its compute scaled to real runs of ``reference_layout``, ``hw``
     with the bytes a process holds beyond the profile's step, and a line saying what was
     measured (or why nothing was). ``hw`` is a profile's (no fixed part per layer: every
     second of the pipeline is in the costs scaled). ``runs`` runs of ``steps`` steps each:
     the median run counts, as runs of one layout here differ by up to a third (BENCHMARKS.md).
-    ``measure``: ``plan_measure.measure_layout``; ``overrides_of``: a layout's config fields."""
+    ``measure``: ``plan_measure.measure_layout``; ``overrides_of``: a layout's config fields;
+    ``say``: the runs' progress."""
     layout = reference_layout(request)
     if layout is None:
         return costs_for, hw, "; not calibrated (the batch does not split over the processes)"
@@ -133,18 +133,10 @@ def calibrate(
     predicted = scored.evaluate(layout)
     if predicted is None or predicted.pipeline_time <= 0:
         return costs_for, hw, f"; not calibrated ({layout.describe()} cannot be simulated)"
-    with tempfile.TemporaryDirectory(prefix="pipetrain-calibrate-") as tmp:
-        done = [
-            measure(
-                predicted,
-                overrides_of(predicted, request),
-                model=model,
-                steps=steps,
-                out_dir=Path(tmp),
-                name=f"reference-{i}",
-            )
-            for i in range(runs)
-        ]
+    done = measure_top(
+        [predicted] * runs, request, overrides_of, model=model, steps=steps, say=say,
+        measure=measure,
+    )  # fmt: skip
     ok = [run for run in done if run.ok and run.step_time > 0]
     if not ok:
         failed = next((run.error for run in done if run.error), "no step timed")

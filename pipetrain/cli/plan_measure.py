@@ -125,14 +125,16 @@ def measure_top(
     steps: int,
     say: Callable[[str], None],
     extra: Sequence[str] = (),
+    measure: Callable[..., Measured] = measure_layout,
 ) -> list[Measured]:
-    """Train each candidate in turn (progress through ``say``); the measurements in order."""
+    """Train each candidate in turn (progress through ``say``); the measurements in order.
+    ``measure``: how one is trained (``measure_layout``'s arguments)."""
     measured = []
     with tempfile.TemporaryDirectory(prefix="pipetrain-measure-") as tmp:
         for i, scored in enumerate(candidates, start=1):
             say(f"measuring {i}/{len(candidates)}: {scored.layout.describe()} ({steps} steps)")
             measured.append(
-                measure_layout(
+                measure(
                     scored,
                     overrides_of(scored, request),
                     model=model,

@@ -66,9 +66,7 @@ def recomputing_ranks(recompute: bool, ranks: str, pp: int) -> frozenset[int]:
     if not ranks:
         return frozenset()
     parts = [r.strip() for r in ranks.split(",")]
-    if not all(r.isdigit() for r in parts) or len(set(map(int, filter(str.isdigit, parts)))) != len(
-        parts
-    ):
+    if not all(r.isdigit() for r in parts) or len({int(r) for r in parts}) != len(parts):
         raise ConfigError(
             f"pipeline.recompute_ranks {ranks!r}: give distinct pipeline ranks separated by "
             f"commas, e.g. 0,1"
