@@ -66,8 +66,9 @@ def build_pipeline(
     is the number of pipeline ranks); None runs all ``ranks`` in this process (debug
     mode). ``split``: layer indices of each model stage (default: ``even_split``).
     ``loss_fn(logits, targets)`` returns the loss of a micro-batch, summed over its
-    targets, or their mean with ``loss_reduction="mean"`` (``pipetrain.runtime.loss``:
-    the default "sum"; a mean given as a sum is refused at the first step). ``hooks``: the
+    targets (``loss_reduction="sum"``) or their mean (``loss_reduction="mean"``): a
+    ``loss_fn`` without ``loss_reduction`` is refused (``pipetrain.runtime.loss``; a
+    cross-entropy given with the other reduction is refused at the first step). ``hooks``: the
     caller's code run inside a step (``PipelineHooks``: the STEP actions of asynchronous
     schedules, a weight version before each compute, data parallelism's all-reduce once
     a stage's gradients are final). Every wait gives up after ``timeout_s`` seconds.

@@ -1,17 +1,20 @@
 """The loss reduction, explicit: what ``loss_fn`` returns for a micro-batch.
 
 The pipeline adds up the micro-batches' losses and divides by the whole batch's count of
-targets, so it needs each micro-batch's loss summed over its targets. ``loss_reduction``
-says what ``loss_fn`` returns: "sum" (the default, and what the built-in cross-entropy
-returns) is taken as it is; "mean" (the mean over the targets that count, not -100, as
-``F.cross_entropy`` gives by default) is multiplied by the micro-batch's count of them,
-so that the gradients are those of the full batch's mean.
+targets, so it needs each micro-batch's loss summed over its targets. A ``loss_fn`` of the
+caller's comes with ``loss_reduction``, which says what it returns: "sum" is taken as it
+is; "mean" (the mean over the targets that count, not -100, as ``F.cross_entropy`` gives
+by default) is multiplied by the micro-batch's count of them, so that the gradients are
+those of the full batch's mean. A ``loss_fn`` without it is refused in one line when the
+pipeline is built: most losses cannot be told apart by their values, and the wrong
+reduction scales loss and gradients silently. The built-in cross-entropy (no ``loss_fn``)
+is summed and needs no declaration.
 
-A reduction declared wrong would scale the loss and gradients silently, so the first
-micro-batch is probed where the loss looks like a token cross-entropy (integer targets
-shaped like the logits without their last dimension): a "sum" loss equal to the summed
-cross-entropy divided by the count, or a "mean" loss equal to the sum itself, is refused
-in one line. Other losses (a regression, a label-smoothed one) cannot be told apart.
+A reduction declared wrong would scale the loss and gradients just as silently, so the
+first micro-batch is probed where the loss looks like a token cross-entropy (integer
+targets shaped like the logits without their last dimension): a "sum" loss equal to the
+summed cross-entropy divided by the count, or a "mean" loss equal to the sum itself, is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -31,11 +34,18 @@ LOSS_REDUCTIONS = ("sum", "mean")
 
 def reduced_loss(loss_fn: LossFn | None, reduction: str | None) -> LossFn:
     """``loss_fn`` (None: the summed token cross-entropy) as a loss summed over the
-    micro-batch's targets, checked (``checked_loss``), given its declared ``reduction``."""
+    micro-batch's targets, checked (``checked_loss``), given its declared ``reduction``
+    (required with a ``loss_fn``; "sum" or None without one)."""
     if reduction is not None and reduction not in LOSS_REDUCTIONS:
         raise PipelineInputError(
             f"loss_reduction={reduction!r}: pass 'sum' (loss_fn returns the loss summed over "
             f"the targets) or 'mean' (averaged over the targets that are not -100)"
+        )
+    if loss_fn is not None and reduction is None:
+        raise PipelineInputError(
+            "loss_fn is given without loss_reduction: pass loss_reduction='sum' (loss_fn "
+            "returns the loss summed over the micro-batch's targets) or loss_reduction='mean' "
+            "(averaged over the targets that are not -100)"
         )
     if loss_fn is None:
         if reduction == "mean":

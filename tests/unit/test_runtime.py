@@ -222,7 +222,14 @@ def test_several_tensors_per_boundary_and_custom_loss():
         )
 
     single = build_pipeline(
-        layers, schedule="naive", ranks=1, microbatches=1, seed=3, device="cpu", loss_fn=loss_fn
+        layers,
+        schedule="naive",
+        ranks=1,
+        microbatches=1,
+        seed=3,
+        device="cpu",
+        loss_fn=loss_fn,
+        loss_reduction="sum",
     )
     ref_loss = single.step(x, y).loss
     ref = {n: p.grad.clone() for n, p in single.named_parameters()}
@@ -234,6 +241,7 @@ def test_several_tensors_per_boundary_and_custom_loss():
         seed=3,
         device="cpu",
         loss_fn=loss_fn,
+        loss_reduction="sum",
     )
     assert pipe.step(x, y).loss == pytest.approx(ref_loss, rel=RTOL)
     for name, p in pipe.named_parameters():

@@ -142,10 +142,18 @@ def test_misused_targets_and_losses_are_one_line_input_errors():
         (lambda: pipe.step(x.tolist(), y), r"inputs is a list: pass a tensor"),
         (lambda: pipe.step(x, y, denominator=float("inf")), r"positive, finite"),
         (lambda: pipe.step(x, y, denominator="40"), r"positive, finite"),
-        (lambda: pipeline(loss_fn=ce_none).step(x, y), r"value \(10,\) float32.*0-d tensor"),
-        (lambda: pipeline(loss_fn=lambda o, t: 1.0).step(x, y), r"value of type float"),
         (
-            lambda: pipeline(loss_fn=lambda o, t: ce_none(o, t).sum().detach()).step(x, y),
+            lambda: pipeline(loss_fn=ce_none, loss_reduction="sum").step(x, y),
+            r"value \(10,\) float32.*0-d tensor",
+        ),
+        (
+            lambda: pipeline(loss_fn=lambda o, t: 1.0, loss_reduction="sum").step(x, y),
+            r"value of type float",
+        ),
+        (
+            lambda: pipeline(
+                loss_fn=lambda o, t: ce_none(o, t).sum().detach(), loss_reduction="sum"
+            ).step(x, y),
             r"without a gradient",
         ),
         (

@@ -162,15 +162,33 @@ def mean_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def test_a_mean_loss_declared_mean_gives_the_full_batch_gradients() -> None:
+def smoothed(reduction: str) -> Any:
+    """A label-smoothed cross-entropy: no value tells its mean from its sum."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat = logits.reshape(-1, logits.shape[-1])
+        return F.cross_entropy(flat, targets.reshape(-1), label_smoothing=0.1, reduction=reduction)
+
+    return loss
+
+
+@pytest.mark.parametrize(
+    ("mean_loss", "sum_loss"),
+    [(mean_ce, None), (smoothed("mean"), smoothed("sum"))],
+    ids=["cross-entropy", "label-smoothed"],
+)
+def test_a_mean_loss_declared_mean_gives_the_full_batch_gradients(
+    mean_loss: Any, sum_loss: Any
+) -> None:
     spec = user_spec()
     inputs, targets, positions = batch()
     targets = targets.clone()
     targets[0, :4] = -100  # micro-batches with different token counts
     extras = {"positions": positions}
-    reference = pipe_of(spec)
+    summed = {"loss_fn": sum_loss, "loss_reduction": "sum" if sum_loss else None}
+    reference = pipe_of(spec, **summed)
     want = reference.step(inputs, targets, extras=extras)
-    pipe = pipe_of(spec, loss_fn=mean_ce, loss_reduction="mean")
+    pipe = pipe_of(spec, loss_fn=mean_loss, loss_reduction="mean")
     got = pipe.step(inputs, targets, extras=extras)
     assert got.loss == pytest.approx(want.loss, rel=1e-6)
     ref = dict(reference.named_parameters())
@@ -178,9 +196,20 @@ def test_a_mean_loss_declared_mean_gives_the_full_batch_gradients() -> None:
         torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-5, atol=1e-7)
 
 
-def test_a_mean_loss_given_as_a_sum_is_refused() -> None:
+def test_a_loss_fn_without_a_declared_reduction_is_refused_when_built() -> None:
+    # A label-smoothed mean was taken for a sum: loss and gradients silently 1/targets.
+    with pytest.raises(
+        PipelineInputError,
+        match=r"^loss_fn is given without loss_reduction: pass loss_reduction='sum' .* or "
+        r"loss_reduction='mean' ",
+    ) as info:
+        pipe_of(user_spec(), loss_fn=smoothed("mean"))
+    assert "\n" not in str(info.value)
+
+
+def test_a_mean_loss_declared_sum_is_refused() -> None:
     inputs, targets, positions = batch()
-    pipe = pipe_of(user_spec(), loss_fn=mean_ce)
+    pipe = pipe_of(user_spec(), loss_fn=mean_ce, loss_reduction="sum")
     with pytest.raises(PipelineInputError, match=r"mean.*loss_reduction='mean'"):
         pipe.step(inputs, targets, extras={"positions": positions})
 

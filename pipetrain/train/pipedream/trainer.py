@@ -120,6 +120,7 @@ class AsyncTrainer:
             seed=seed,
             split=split,
             loss_fn=self._loss,
+            loss_reduction="sum",  # token_cross_entropy's, recorded per micro-batch
             timeout_s=timeout_s,
             hooks=PipelineHooks(step_hook=self._step_hook, compute_hook=self._compute_hook),
         )
