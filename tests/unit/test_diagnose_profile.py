@@ -104,6 +104,8 @@ def test_merge_aligns_clocks_by_messages_and_moves_every_event() -> None:
     assert recv["ts"] + recv["dur"] == pytest.approx(send["ts"])  # the least shift
     assert events[(0, "F stage 0 mb 0")]["ts"] == 0  # the merged trace starts at 0
     shift = recv["ts"] - (-990)
+    # Recorded before the trace is moved to start at 0: rank 1's receive ended 1030 us early.
+    assert merged["otherData"]["clock_shift_us"] == {"rank 0": 0.0, "rank 1": 1030.0}
     assert events[(1, "aten::mm")]["ts"] == pytest.approx(-950 + shift)
     kernel = next(e for e in merged["traceEvents"] if e["name"] == "kernel")
     assert kernel["ts"] == pytest.approx(-945 + shift) and kernel["pid"] not in (0, 1)
