@@ -3,15 +3,15 @@
 A 1F1B pipeline of llama-tiny on every rank of the world (waits time out after
 ``TIMEOUT_S``) runs two training steps; in the second, rank 1 meets ``FAULT`` at its second
 forward: ``sleep`` (sleeps inside the action), ``stop`` (SIGSTOP to itself), ``kill``
-(SIGKILL). ``deadlock``: a schedule whose two ranks each receive before they send, given
-as already prepared (so not validated) and with the wire order of the valid schedule (so
-not refused by it either). The moment of the fault goes to ``OUT/fault_at``; the doctor's
+(SIGKILL). ``deadlock``: the schedule file ``OUT/deadlock.csv`` (the test writes it), whose
+two ranks each receive before they send, loaded as a user's file is with the validator
+switched off (it refuses the file) and with the wire order of the valid schedule (the
+transport refuses it too). The moment of the fault goes to ``OUT/fault_at``; the doctor's
 report to ``OUT/doctor.json``. A failed rank writes its one-line error and exits 1.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import signal
@@ -23,28 +23,28 @@ import torch
 import torch.distributed as dist
 
 import pipetrain.runtime.executor as executor
+import pipetrain.schedules.io as schedule_io
+import pipetrain.schedules.prepare as prepare
 from pipetrain.launch.process_exit import exit_rank
 from pipetrain.models import get_model_config, model_spec
 from pipetrain.runtime import build_pipeline
 from pipetrain.runtime.errors import PipelineError
-from pipetrain.schedules.actions import parse_action
-from pipetrain.schedules.prepare import PreparedSchedule, prepare_schedule
+from pipetrain.schedules.prepare import prepare_schedule
 from pipetrain.schedules.wire import wire_orders
 
 TIMEOUT_S = 5.0
 SLEEP_S = 14.0
 
 
-def deadlocked() -> PreparedSchedule:
-    """2 ranks, 2 micro-batches: rank 0 waits for a gradient before it sends activations."""
+def deadlocked(path: Path) -> str:
+    """``path``, a schedule file for 2 ranks and 2 micro-batches that deadlocks, made
+    loadable: the runtime then prepares it as any file, without the checks that refuse it."""
+    schedule_io.validate = prepare.validate = lambda schedule: None  # type: ignore[assignment]
     valid = prepare_schedule("1f1b", 2, 2, early=False)
-    rank0 = ["0F0", "0F1", "0RECV_B0", "0SEND_F0", "0SEND_F1", "0B0", "0RECV_B1", "0B1"]
-    actions = (tuple(parse_action(a) for a in rank0), valid.lowered.actions[1])
-    bad = dataclasses.replace(valid.lowered, actions=actions)
     # The transport's wire order comes from the schedule, and refuses this one: use the
     # valid one's, as a hand-made runtime without the check would.
     executor.wire_orders = lambda schedule: wire_orders(valid.lowered)  # type: ignore[assignment]
-    return PreparedSchedule(bad, bad)
+    return str(path)
 
 
 def main(fault: str, out: Path) -> int:
@@ -53,7 +53,7 @@ def main(fault: str, out: Path) -> int:
     microbatches = 2 if fault == "deadlock" else 3
     pipe = build_pipeline(
         model_spec(get_model_config("llama-tiny")),
-        schedule=deadlocked() if fault == "deadlock" else "1f1b",
+        schedule=deadlocked(out / "deadlock.csv") if fault == "deadlock" else "1f1b",
         microbatches=microbatches,
         group=dist.group.WORLD,
         device=torch.device("cpu"),

@@ -1,5 +1,5 @@
 """The hang doctor on real faults: a rank sleeping inside an action, stopped with SIGSTOP,
-killed, and two ranks that wait on each other (doctor_worker.py).
+killed, and a schedule file whose two ranks wait on each other (doctor_worker.py).
 
 Each report must name the culprit (or the cycle) and its state within the pipeline's
 timeout plus 10 s of the fault, and every process must exit non-zero: the waiting ranks
@@ -22,6 +22,8 @@ import pytest
 from local_port import reserved_port
 
 from pipetrain.diagnose.doctor import diagnose, format_report
+from pipetrain.schedules import ScheduleError
+from pipetrain.schedules.prepare import prepare_schedule
 
 pytestmark = pytest.mark.dist
 
@@ -116,7 +118,20 @@ def test_the_report_names_the_rank_that_holds_the_others_up(tmp_path: Path, faul
     assert codes[1] == expected, (codes, errs[1][-2000:])
 
 
+# Rank 0 waits for micro-batch 0's gradient before it sends any activations: 1F1B for 2
+# ranks and 2 micro-batches (early=False) with rank 0's first RECV_B moved up.
+DEADLOCK_CSV = (
+    "0F0,0F1,0RECV_B0,0SEND_F0,0SEND_F1,0B0,0RECV_B1,0B1\n"
+    "1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n"
+)
+
+
 def test_the_report_names_two_ranks_that_wait_on_each_other(tmp_path: Path) -> None:
+    schedule = tmp_path / "deadlock.csv"
+    schedule.write_text(DEADLOCK_CSV)
+    # The validator refuses the file: the workers load it with the validator switched off.
+    with pytest.raises(ScheduleError, match="deadlock"):
+        prepare_schedule(str(schedule), 2, 2)
     codes, errs = _run("deadlock", 2, tmp_path)
     report = _report(tmp_path, errs)
     d = diagnose(report)
