@@ -5,10 +5,11 @@ pipeline for them (``pipetrain.train.elastic``) and goes on as a run of that man
 processes resumed from the same checkpoint.
 
 The fault: a ``sitecustomize`` module on PYTHONPATH (imported by every process at
-start-up) makes a rank SIGKILL itself after its optimizer step 3, in the first attempt
-only (TORCHELASTIC_RESTART_COUNT 0), when the environment variable
-PIPETRAIN_TEST_DIE_AT_STEP asks it to; with PIPETRAIN_TEST_KILL_NODE it kills its
-torchrun agent first, so that its whole "node" is gone.
+start-up) makes a rank SIGKILL itself in the first attempt only (TORCHELASTIC_RESTART_COUNT
+0): in the middle of step N, as it starts the forward of micro-batch 2, when the
+environment variable PIPETRAIN_TEST_DIE_IN_STEP is N; after its optimizer step N when
+PIPETRAIN_TEST_DIE_AT_STEP is; with PIPETRAIN_TEST_KILL_NODE it kills its torchrun agent
+first, so that its whole "node" is gone.
 """
 
 from __future__ import annotations
@@ -34,21 +35,37 @@ FAULT = textwrap.dedent(
     """
     import os
     die_at = os.environ.get("PIPETRAIN_TEST_DIE_AT_STEP")
+    die_in = os.environ.get("PIPETRAIN_TEST_DIE_IN_STEP")
     mine = os.environ.get("RANK") == os.environ.get("PIPETRAIN_TEST_RANK", os.environ.get("RANK"))
-    if die_at and mine and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    if (die_at or die_in) and mine and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
         import signal
+        import sys
         from pipetrain.checkpoint.trainer import RunCheckpoints
+        from pipetrain.runtime.executor import RankExecutor
 
-        after_step = RunCheckpoints.after_step
+        after_step, forward = RunCheckpoints.after_step, RankExecutor._forward
+        finished = [0]  # the optimizer steps done
 
-        def dying(self, step):
-            if step == int(die_at):
-                if os.environ.get("PIPETRAIN_TEST_KILL_NODE"):
-                    os.kill(os.getppid(), signal.SIGKILL)  # this node's torchrun agent
-                os.kill(os.getpid(), signal.SIGKILL)
+        def die(where):
+            sys.stderr.write(f"test fault: rank {os.environ['RANK']} killed {where}\\n")
+            sys.stderr.flush()
+            if os.environ.get("PIPETRAIN_TEST_KILL_NODE"):
+                os.kill(os.getppid(), signal.SIGKILL)  # this node's torchrun agent
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def counting(self, step):
+            finished[0] = step
+            if die_at and step == int(die_at):
+                die(f"after step {step}")
             return after_step(self, step)
 
-        RunCheckpoints.after_step = dying
+        def dying(self, action):
+            if die_in and finished[0] == int(die_in) - 1 and action.microbatch == 2:
+                die(f"in step {die_in} at {action}")
+            return forward(self, action)
+
+        RunCheckpoints.after_step = counting
+        RankExecutor._forward = dying
     """
 )
 
@@ -121,14 +138,15 @@ def test_a_group_restarted_after_a_rank_died_ends_with_the_uninterrupted_losses(
             "--nproc-per-node", "2", "--max-restarts", "1",
             "--master-addr", "127.0.0.1", "--master-port", str(port),
         ]  # fmt: skip
-        env = {"PIPETRAIN_TEST_DIE_AT_STEP": "3", "PIPETRAIN_TEST_RANK": "1"}
+        env = {"PIPETRAIN_TEST_DIE_IN_STEP": "3", "PIPETRAIN_TEST_RANK": "1"}
         run = [*flags, *_named(work, "restarted"), "--resume"]
         code, out, err = _finish(_torchrun(tmp_path, torchrun, run, env))
     assert code == 0, _why(err)
+    # Rank 1 died in the middle of step 3 (1F1B: after two backwards of it, before the
+    # other two), so no rank finished step 3 in the first attempt: nothing to set aside.
+    assert "test fault: rank 1 killed in step 3 at 1F2" in err.splitlines(), _why(err)
     assert f"resumed from {tmp_path / 'ckpt' / 'step_000002'} at step 2" in out
-    # The first attempt's step 3, written before rank 1 died, was set aside.
-    (aside,) = (work / "runs" / "restarted").glob("metrics.superseded-*.jsonl")
-    assert [r["step"] for r in read_records(aside) if "loss" in r] == [3]
+    assert not list((work / "runs" / "restarted").glob("metrics.superseded-*.jsonl"))
 
     # The same run, never interrupted, through pipetrain's own launcher.
     train_run(work / "runs", "whole", *_flags(work, tmp_path / "whole", "--microbatches", "4"))
