@@ -119,12 +119,7 @@ def save_checkpoint(
     ``threads``: files each rank writes (and hashes) at once; more than 1 pays off where
     the rank has idle cores.
     """
-    if step < 0:
-        raise CheckpointError(f"step is {step}; a checkpoint step must be >= 0")
-    if threads < 1:
-        raise CheckpointError(f"threads is {threads}; use at least 1 writer thread per rank")
-    if keep is not None and keep < 1:
-        raise CheckpointError(f"keep is {keep}; keep at least 1 checkpoint, or leave it unset")
+    _check_arguments(step, threads, keep)
     start = time.perf_counter()
     comm = Comm.of(group)
     root = Path(root)
@@ -142,25 +137,7 @@ def save_checkpoint(
         raise on_every_rank(CheckpointError(made.error))
     tmp = root / made.tmp_name
 
-    try:
-        with quiet_single_process():
-            dcp_save(
-                entries,
-                storage_writer=FileSystemWriter(str(tmp), sync_files=True, thread_count=threads),
-                process_group=comm.group,
-                no_dist=not comm.distributed,
-            )
-    except CheckpointException as exc:  # a BaseException: `except Exception` misses it
-        # Every rank gets DCP's verdict alike (its write results are gathered), so every
-        # rank is here: rank 0 removes the partial folder, which would keep the disk full,
-        # and tells every rank the one line once it is gone.
-        failed_rank, cause = first_failure(exc.failures)
-        line = ""
-        if comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            line = write_failed_line(step, root, failed_rank, cause, made.needed)
-        raise on_every_rank(CheckpointError(comm.broadcast(line))) from None
-
+    _write_entries(entries, tmp, comm, threads, step, root, made.needed)
     hashed = comm.gather(_hash_own_files(tmp, comm.rank, threads))
     outcome: tuple[str, int, tuple[str, ...]] | str = ""
     failure: Exception | None = None
@@ -189,6 +166,40 @@ def save_checkpoint(
         made_room=tuple(Path(p) for p in made.pruned),
         needed=made.needed,
     )
+
+
+def _check_arguments(step: int, threads: int, keep: int | None) -> None:
+    if step < 0:
+        raise CheckpointError(f"step is {step}; a checkpoint step must be >= 0")
+    if threads < 1:
+        raise CheckpointError(f"threads is {threads}; use at least 1 writer thread per rank")
+    if keep is not None and keep < 1:
+        raise CheckpointError(f"keep is {keep}; keep at least 1 checkpoint, or leave it unset")
+
+
+def _write_entries(
+    entries: dict[str, Any], tmp: Path, comm: Comm, threads: int, step: int, root: Path, needed: int
+) -> None:
+    """Every rank writes its entries into ``tmp`` through DCP; a failed write removes the
+    partial folder and raises one line on every rank."""
+    try:
+        with quiet_single_process():
+            dcp_save(
+                entries,
+                storage_writer=FileSystemWriter(str(tmp), sync_files=True, thread_count=threads),
+                process_group=comm.group,
+                no_dist=not comm.distributed,
+            )
+    except CheckpointException as exc:  # a BaseException: `except Exception` misses it
+        # Every rank gets DCP's verdict alike (its write results are gathered), so every
+        # rank is here: rank 0 removes the partial folder, which would keep the disk full,
+        # and tells every rank the one line once it is gone.
+        failed_rank, cause = first_failure(exc.failures)
+        line = ""
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            line = write_failed_line(step, root, failed_rank, cause, needed)
+        raise on_every_rank(CheckpointError(comm.broadcast(line))) from None
 
 
 @dataclass(frozen=True)

@@ -211,16 +211,8 @@ def auto_costs(
             f"estimated from FLOPs for {hw.name} at {hw.flops:.3g} FLOP/s a process",
             hw,
         )
-    sizes: set[int] = set()
-    tp_sizes: dict[int, set[int]] = {}  # tp degree -> the sizes its layouts run
-    for lay in enumerate_layouts(config, profile):
-        size = profile.batch_size // lay.dp // lay.microbatches
-        sizes.add(size)
-        if lay.tp > 1:
-            tp_sizes.setdefault(lay.tp, set()).add(size)
-    measured, source = auto_curve(
-        args, config, seq_len, sorted(sizes), {t: tp_sizes_to_time(s) for t, s in tp_sizes.items()}
-    )
+    sizes, tp_sizes = _sizes_to_profile(config, profile)
+    measured, source = auto_curve(args, config, seq_len, sizes, tp_sizes)
     tp_ratio = measured.tp_ratio
     curve, links = measured.curve, measured.links
     if links is not None:
@@ -233,27 +225,7 @@ def auto_costs(
         )
     else:  # profiled in one process: each of the run's processes has a device of its own
         hw = dataclasses.replace(hw, shared_cores=0.0)
-    layers = curve.at(curve.sizes[0])
-    overhead = fit_overhead(
-        measured.step_bytes,
-        sum(c.activation_bytes_per_sample for c in layers),
-        sum(c.param_bytes - c.tied_param_bytes for c in layers),
-    )
-    # Recomputing, a step keeps each block's input and re-runs one block's forward.
-    kept = recompute_costs(layers, float(4 * seq_len * config.d_model))
-    block = max((c.activation_bytes_per_sample for c in layers if c.kind == "block"), default=0.0)
-    recomputed = fit_overhead(
-        measured.recompute_step_bytes,
-        sum(c.activation_bytes_per_sample for c in kept) + block,
-        sum(c.param_bytes - c.tied_param_bytes for c in layers),
-    )
-    if overhead != (0.0, 0.0) or recomputed != (0.0, 0.0):
-        hw = dataclasses.replace(hw, memory_overhead=overhead, recompute_overhead=recomputed)
-        source += (
-            f"; a step's memory measured: {overhead[0]:.0%} of the activations and "
-            f"{format_bytes(overhead[1])} a process beyond the model's count "
-            f"({recomputed[0]:.0%} and {format_bytes(recomputed[1])} recomputing)"
-        )
+    hw, source = _memory_fitted(config, seq_len, measured, hw, source)
     base = estimated(1)
     message = float(seq_len * config.d_model * 4)  # one sample's (T, d) activation, fp32
 
@@ -287,3 +259,48 @@ def auto_costs(
 
     # The curve's per-sample figures hold the per-call part: no fixed cost on top.
     return scaled, source, dataclasses.replace(hw, per_layer=0.0)
+
+
+def _sizes_to_profile(
+    config: ModelConfig, profile: AutoRequest
+) -> tuple[list[int], dict[int, list[int]]]:
+    """The micro-batch sizes the request's layouts run, and per tp degree the sizes at
+    which its sharded step is timed."""
+    sizes: set[int] = set()
+    tp_sizes: dict[int, set[int]] = {}  # tp degree -> the sizes its layouts run
+    for lay in enumerate_layouts(config, profile):
+        size = profile.batch_size // lay.dp // lay.microbatches
+        sizes.add(size)
+        if lay.tp > 1:
+            tp_sizes.setdefault(lay.tp, set()).add(size)
+    return sorted(sizes), {t: tp_sizes_to_time(s) for t, s in tp_sizes.items()}
+
+
+def _memory_fitted(
+    config: ModelConfig, seq_len: int, measured: Profile, hw: Hardware, source: str
+) -> tuple[Hardware, str]:
+    """``hw`` with what a measured step held beyond the model's count (plain and
+    recomputing), and the source line saying so."""
+    curve = measured.curve
+    layers = curve.at(curve.sizes[0])
+    overhead = fit_overhead(
+        measured.step_bytes,
+        sum(c.activation_bytes_per_sample for c in layers),
+        sum(c.param_bytes - c.tied_param_bytes for c in layers),
+    )
+    # Recomputing, a step keeps each block's input and re-runs one block's forward.
+    kept = recompute_costs(layers, float(4 * seq_len * config.d_model))
+    block = max((c.activation_bytes_per_sample for c in layers if c.kind == "block"), default=0.0)
+    recomputed = fit_overhead(
+        measured.recompute_step_bytes,
+        sum(c.activation_bytes_per_sample for c in kept) + block,
+        sum(c.param_bytes - c.tied_param_bytes for c in layers),
+    )
+    if overhead == (0.0, 0.0) and recomputed == (0.0, 0.0):
+        return hw, source
+    hw = dataclasses.replace(hw, memory_overhead=overhead, recompute_overhead=recomputed)
+    return hw, source + (
+        f"; a step's memory measured: {overhead[0]:.0%} of the activations and "
+        f"{format_bytes(overhead[1])} a process beyond the model's count "
+        f"({recomputed[0]:.0%} and {format_bytes(recomputed[1])} recomputing)"
+    )

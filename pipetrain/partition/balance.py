@@ -280,26 +280,8 @@ def _balanced(
         raise PartitionError(
             f"{n_stages} stages but only {n_layers} layers: use fewer stages (--pp, --chunks) or a bigger model"
         )
-    if memory is not None and len(memory.live) != n_stages:
-        raise PartitionError(
-            f"memory model has {len(memory.live)} live counts for {n_stages} stages"
-        )
-    if (
-        memory is not None
-        and memory.rank_live
-        and (
-            len(memory.rank_live) < max(max(r) for r in ranks) + 1
-            or any(len(v) != n_stages for points in memory.rank_live for v in points)
-        )
-    ):
-        raise PartitionError(
-            f"memory model's rank_live does not give {n_stages} counts for every rank"
-        )
-    if memory is not None and memory.weight_versions and len(memory.weight_versions) != n_stages:
-        raise PartitionError(
-            f"memory model has {len(memory.weight_versions)} weight version counts for "
-            f"{n_stages} stages"
-        )
+    if memory is not None:
+        _check_memory_model(memory, ranks, n_stages)
     seg = Weights(weights, slowdowns(ranks, speeds))
     ranks_single = all(len(r) == 1 for r in ranks) and len({r[0] for r in ranks}) == n_stages
     stage_bytes = None if memory is None else StageBytes(costs, memory)
@@ -329,25 +311,50 @@ def _balanced(
             ) from None
     if bounds is None:
         assert memory is not None  # without a limit every split of >= 1 layer per stage is allowed
-        smaller = (
-            "a smaller --batch-size (this schedule holds the whole batch)"
-            if memory.whole_batch
-            else "a smaller micro-batch (--microbatches)"
-        )
-        what, flag = (
-            ("the per-rank memory limits", "--rank-memory")
-            if memory.rank_limit_bytes
-            else (
-                f"the memory limit of {format_bytes(memory.limit_bytes)} per rank",
-                "--memory-limit",
-            )
-        )
-        raise PartitionError(
-            f"no split into {n_stages} stages fits {what} "
-            f"at micro-batch size {memory.microbatch_size}: raise {flag}, use more ranks (--pp), or "
-            f"{smaller}"
-        )
+        raise _nothing_fits(memory, n_stages)
     return make_partition(method, costs, bounds, stage_to_rank)
+
+
+def _check_memory_model(memory: MemoryModel, ranks: Sequence[Sequence[int]], n_stages: int) -> None:
+    """The memory model gives a count for every stage (and rank) of the placement."""
+    if len(memory.live) != n_stages:
+        raise PartitionError(
+            f"memory model has {len(memory.live)} live counts for {n_stages} stages"
+        )
+    if memory.rank_live and (
+        len(memory.rank_live) < max(max(r) for r in ranks) + 1
+        or any(len(v) != n_stages for points in memory.rank_live for v in points)
+    ):
+        raise PartitionError(
+            f"memory model's rank_live does not give {n_stages} counts for every rank"
+        )
+    if memory.weight_versions and len(memory.weight_versions) != n_stages:
+        raise PartitionError(
+            f"memory model has {len(memory.weight_versions)} weight version counts for "
+            f"{n_stages} stages"
+        )
+
+
+def _nothing_fits(memory: MemoryModel, n_stages: int) -> PartitionError:
+    """What to change when no split fits the memory limit."""
+    smaller = (
+        "a smaller --batch-size (this schedule holds the whole batch)"
+        if memory.whole_batch
+        else "a smaller micro-batch (--microbatches)"
+    )
+    what, flag = (
+        ("the per-rank memory limits", "--rank-memory")
+        if memory.rank_limit_bytes
+        else (
+            f"the memory limit of {format_bytes(memory.limit_bytes)} per rank",
+            "--memory-limit",
+        )
+    )
+    return PartitionError(
+        f"no split into {n_stages} stages fits {what} "
+        f"at micro-batch size {memory.microbatch_size}: raise {flag}, use more ranks (--pp), or "
+        f"{smaller}"
+    )
 
 
 def _num_ranks(ranks: Sequence[Sequence[int]]) -> int:

@@ -166,40 +166,7 @@ def open_session(
     )
     everyone = mesh.world_group if mesh is not None else group
 
-    pipeline = build_pipeline(
-        model_spec(
-            plan.model,
-            expert_shard=(experts.ep_rank, experts.ep) if experts is not None else None,
-        ),
-        schedule=plan.prepared,
-        microbatches=p.microbatches,
-        group=group,
-        ranks=None if group is not None else p.pp,
-        device=device,
-        seed=r.seed,
-        split=plan.split,
-        timeout_s=p.timeout_s,
-        hooks=PipelineHooks(grads_hook=replicas.grads_hook if replicas is not None else None),
-    )
-    if pipeline.hang_watch is not None:  # the hang doctor's report: <run dir>/doctor.json
-        pipeline.hang_watch.report_dir = config.run_dir
-    if config.model.init_from:  # this rank's layers only; before tp shards them
-        load_hf_weights(pipeline, config.model.init_from, check=False)
-    if experts is not None:
-        shard_experts(pipeline.modules, experts)
-    if mesh is not None and mesh.tp > 1:  # first: the options and FSDP2 wrap the tp shards
-        shard_pipeline(pipeline, mesh.tp_mesh, sequence_parallel=p.sequence_parallel)
-    recomputing = p.recomputing_ranks
-    for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
-        apply_stage_options(
-            module,
-            device=device,
-            precision=p.precision,
-            recompute=pipeline.schedule.placement.rank_of(stage) in recomputing,
-            compile_stage=p.compile,
-        )
-    if replicas is not None:  # sharding replaces the parameters: before the optimizer
-        replicas.attach(pipeline)
+    pipeline = _build_stages(config, plan, device, group, mesh, experts, replicas)
     first, last, corpus = open_data(config, pipeline, everyone)
     evals = _eval_batches(config, corpus, mesh)
     optimizer = build_optimizer(pipeline.named_parameters(), config.optim)
@@ -240,6 +207,55 @@ def open_session(
             else None
         ),
     )
+
+
+def _build_stages(
+    config: TrainConfig,
+    plan: RunPlan,
+    device: torch.device,
+    group: Any,
+    mesh: Mesh | None,
+    experts: ExpertGroups | None,
+    replicas: GradientSync | None,
+) -> Pipeline:
+    """This rank's stages, built, loaded, sharded (experts, then tp, then dp) and wrapped
+    with the stage options, in the order each step needs the one before."""
+    p, r = config.pipeline, config.run
+    pipeline = build_pipeline(
+        model_spec(
+            plan.model,
+            expert_shard=(experts.ep_rank, experts.ep) if experts is not None else None,
+        ),
+        schedule=plan.prepared,
+        microbatches=p.microbatches,
+        group=group,
+        ranks=None if group is not None else p.pp,
+        device=device,
+        seed=r.seed,
+        split=plan.split,
+        timeout_s=p.timeout_s,
+        hooks=PipelineHooks(grads_hook=replicas.grads_hook if replicas is not None else None),
+    )
+    if pipeline.hang_watch is not None:  # the hang doctor's report: <run dir>/doctor.json
+        pipeline.hang_watch.report_dir = config.run_dir
+    if config.model.init_from:  # this rank's layers only; before tp shards them
+        load_hf_weights(pipeline, config.model.init_from, check=False)
+    if experts is not None:
+        shard_experts(pipeline.modules, experts)
+    if mesh is not None and mesh.tp > 1:  # first: the options and FSDP2 wrap the tp shards
+        shard_pipeline(pipeline, mesh.tp_mesh, sequence_parallel=p.sequence_parallel)
+    recomputing = p.recomputing_ranks
+    for stage, module in zip(pipeline.stages, pipeline.modules, strict=True):
+        apply_stage_options(
+            module,
+            device=device,
+            precision=p.precision,
+            recompute=pipeline.schedule.placement.rank_of(stage) in recomputing,
+            compile_stage=p.compile,
+        )
+    if replicas is not None:  # sharding replaces the parameters: before the optimizer
+        replicas.attach(pipeline)
+    return pipeline
 
 
 def local_gradients(pipeline: Pipeline) -> Gradients:
