@@ -118,7 +118,7 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
     """Resolve and check model, schedule and split; ``ConfigError`` names what to change.
     ``reporter``: this process writes the run's outputs (rank 0, or a launcher)."""
     if config.model.init_from:
-        model = _imported_model(config.model.init_from, vocab_size)
+        model = _imported_model(config.model.init_from, vocab_size, config.data.tokenizer)
     else:
         try:
             model = get_model_config(config.model.name, vocab_size=vocab_size)
@@ -169,9 +169,10 @@ def plan_run(config: TrainConfig, *, vocab_size: int, reporter: bool = True) -> 
     return RunPlan(model, prepared, _stage_layers(config, model, schedule), candidates)
 
 
-def _imported_model(directory: str, vocab_size: int) -> ModelConfig:
+def _imported_model(directory: str, vocab_size: int, tokenizer: str) -> ModelConfig:
     """model.init_from's config.json as a model, its files checked against it (headers
-    only: no weights read), and the tokenizer's ids inside its embedding."""
+    only: no weights read), and the tokenizer's ids inside its embedding (``tokenizer``:
+    data.tokenizer, "" for bytes)."""
     from pipetrain.models.hf import check_weights, read_hf_config, weight_sources
 
     try:
@@ -180,9 +181,13 @@ def _imported_model(directory: str, vocab_size: int) -> ModelConfig:
     except InputError as exc:
         raise ConfigError(f"model.init_from: {exc}") from None
     if vocab_size > model.vocab_size:
+        # Ids past the embedding fail at the first lookup; fewer tokens than rows (a
+        # padded embedding) are fine.
+        which = f"the tokenizer {tokenizer}" if tokenizer else "the byte tokenizer"
         raise ConfigError(
-            f"model.init_from: the tokenizer has {vocab_size} tokens but {directory}'s "
-            f"embedding {model.vocab_size}: use the model's own tokenizer.json (--tokenizer)"
+            f"model.init_from: {which} has {vocab_size} tokens but {directory}'s embedding "
+            f"has {model.vocab_size}: use the tokenizer.json the model was trained with (in "
+            "its directory, or --tokenizer)"
         )
     return model
 

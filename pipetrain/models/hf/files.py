@@ -64,7 +64,8 @@ def check_weights(directory: Path | str, sources: Mapping[str, Source]) -> None:
         if key not in files:
             raise HFImportError(
                 f"{directory} has no tensor {key!r}, which config.json's model needs: the "
-                "weights and config.json are of different models"
+                "weights and config.json are of different models; put the config.json saved "
+                "with these weights beside them"
             )
         by_file.setdefault(files[key], []).append(source)
     for path, needed in by_file.items():
@@ -77,7 +78,8 @@ def check_weights(directory: Path | str, sources: Mapping[str, Source]) -> None:
             if shapes[source.key] != source.shape:
                 raise HFImportError(
                     f"{path.name}: {source.key} has shape {shapes[source.key]} but config.json "
-                    f"gives {source.shape}: the weights and config.json disagree"
+                    f"gives {source.shape}: the weights and config.json disagree; put the "
+                    "config.json saved with these weights beside them"
                 )
 
 
