@@ -64,6 +64,75 @@ def test_llama3_8b_pp4_tp2_matches_the_hand_computation(capsys: pytest.CaptureFi
     assert "tp 2; 4 x 2 = 8 processes" in text
 
 
+# `pipetrain plan` of each preset at tp 1/2/4/8 (docs/tensor_parallel.md shows the rows):
+# pp, --seq-len, --batch-size, --microbatches (1F1B, uniform split, micro-batch 1).
+PRESETS = {"llama3-8b": (4, 2048, 8, 8), "llama3-70b": (8, 2048, 8, 8)}
+
+
+def _formula(name: str, tp: int) -> dict[str, list[float]]:
+    """Every per-stage and per-rank figure of the plan from docs/memory_model.md's
+    formula, with the model's sizes read off its config (not the planner's code)."""
+    c = get_model_config(name)
+    pp, seq, batch, m = PRESETS[name]
+    d, f, h, v, b = c.d_model, c.ffn_hidden, c.n_heads, c.vocab_size, batch // m
+    hd = d // h
+    kv = c.n_kv_heads * hd
+    per_stage = c.n_layers // pp  # uniform: the embedding on rank 0, the head on the last
+    block = 2 * d + (2 * d * d + 2 * d * kv + 3 * d * f) // tp
+    block_act = hd + 2 * d + (4 * d + 2) + (3 * d + 2 * kv + h + 4 * f) // tp
+    params, acts = [], []
+    for r in range(pp):
+        first, last = r == 0, r == pp - 1
+        params.append(per_stage * block + first * (v * d // tp) + last * (d + v * d // tp))
+        # Numbers kept a token: the embedding's int64 ids (2), the head's d + (2 d + 1)
+        # + V / tp + 2.
+        tokens = per_stage * block_act + first * 2 + last * (d + 2 * d + 1 + v // tp + 2)
+        acts.append(4 * seq * tokens * b)  # a micro-batch of b sequences
+    live = [min(pp - r, m) for r in range(pp)]
+    static = [16 * p for p in params]  # fp32 weight, gradient, AdamW's two moments
+    peak_act = [n * a for n, a in zip(live, acts, strict=True)]
+    # tp collectives a step: 4 all-reduces a block, 1 for the embedding and the head, of
+    # (b, seq, d) fp32 each, a ring moving 2 (tp - 1) / tp of it through every rank.
+    ring = 2 * (tp - 1) / tp * 4 * b * seq * d * m
+    counts = [4 * per_stage + (r == 0) + (r == pp - 1) for r in range(pp)]
+    return {
+        "params": params, "activation_bytes": acts, "live": live, "static": static,
+        "peak_act": peak_act, "peak": [s + a for s, a in zip(static, peak_act, strict=True)],
+        "traffic": [n * ring for n in counts],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_plan_per_rank_memory_matches_the_formula(
+    capsys: pytest.CaptureFixture[str], name: str, tp: int
+) -> None:
+    pp, seq, batch, m = PRESETS[name]
+    flags = f"--model {name} --pp {pp} --tp {tp} --seq-len {seq} --batch-size {batch} "
+    flags += f"--microbatches {m}"
+    want = _formula(name, tp)
+    code, out, _ = _plan(capsys, flags + " --json")
+    assert code == 0
+    plan = json.loads(out)
+    stages, ranks = plan["stages"], plan["ranks"]
+    assert [s["params"] for s in stages] == want["params"]
+    assert [s["activation_bytes"] for s in stages] == want["activation_bytes"]
+    assert [s["live_microbatches"] for s in stages] == want["live"]
+    assert [r["static_bytes"] for r in ranks] == want["static"]
+    assert [r["peak_activation_bytes"] for r in ranks] == want["peak_act"]
+    assert [r["peak_bytes"] for r in ranks] == want["peak"]
+    assert plan["tp_traffic_per_rank"] == pytest.approx(want["traffic"], rel=1e-12)
+    # The printed rank table: params+grads+adamw, peak activations and total in GiB.
+    code, text, _ = _plan(capsys, flags)
+    assert code == 0
+    lines = text.split(" rank  compute/step s")[1].splitlines()[1 : pp + 1]
+    for r, line in enumerate(lines):
+        cells = line.split()
+        figures = (want["static"][r], want["peak_act"][r], want["peak"][r])
+        assert cells[0] == str(r) and cells[3::2] == ["GiB"] * 3, line
+        assert cells[2::2] == [f"{x / 2**30:.1f}" for x in figures], line
+
+
 def test_sequence_parallel_splits_the_norms_but_not_the_gathered_inputs() -> None:
     config = get_model_config("llama3-8b")
     d, t = config.d_model, 2048
