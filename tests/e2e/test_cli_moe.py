@@ -2,7 +2,8 @@
 (4 processes) equals one process on the full batch (main and auxiliary losses), reports
 expert loads and the most imbalanced layer, and its checkpoint resumes at ep=1 and under
 other pipelines with the same next losses; `ckpt export` holds every expert by global
-name; `generate` runs from it; bad expert settings are one line, exit 2.
+name; `generate` runs from it; bad expert settings (an imported Mixtral's top_k over its
+experts too) are one line, exit 2.
 
 Five launches: the one-process reference, pp2 x dp2 x ep2 (saving at step 2) and three
 resumes from its step 2 (pp=2 x dp=2 at ep=1, pp=1 and pp=4 in one process each).
@@ -141,6 +142,29 @@ def test_export_and_generate_hold_every_expert(
 def test_bad_expert_settings_are_one_line_and_exit_2(
     out: Path, flags: list[str], line: str
 ) -> None:
+    assert line in _the_one_error_line(out, flags)
+
+
+def test_an_imported_mixtral_with_more_experts_a_token_than_it_has_is_one_line(
+    out: Path,
+) -> None:
+    """top_k > n_experts from the command line: the MoE fields come from a preset or from
+    an imported model's config.json (num_experts_per_tok, num_local_experts)."""
+    directory = out / "mixtral-top5"
+    directory.mkdir()
+    fields = {
+        "architectures": ["MixtralForCausalLM"], "vocab_size": 256, "hidden_size": 32,
+        "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64, "sliding_window": None,
+        "num_local_experts": 4, "num_experts_per_tok": 5,
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(fields))
+    line = _the_one_error_line(out, ["--init-from", str(directory)])
+    assert "top_k=5 is more than n_experts=4" in line and "lower top_k" in line, line
+
+
+def _the_one_error_line(out: Path, flags: list[str]) -> str:
+    """The train command's stderr, which must be one line, with exit status 2."""
     command = [
         sys.executable, "-m", "pipetrain.cli", "train", *TINY, *MB2, *flags,
         "--set", f"run.out_dir={json.dumps(str(out / 'bad'))}",
@@ -148,4 +172,5 @@ def test_bad_expert_settings_are_one_line_and_exit_2(
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [e for e in result.stderr.splitlines() if e.strip()]
-    assert len(errors) == 1 and line in errors[0], errors
+    assert len(errors) == 1, errors
+    return errors[0]
