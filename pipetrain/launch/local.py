@@ -20,8 +20,12 @@ import time
 import uuid
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from pipetrain.launch.process_exit import EXIT_RECORDS_ENV, exit_record
+
+if TYPE_CHECKING:  # torch is imported when a launch starts, not with the CLI
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 __all__ = ["LaunchFailed", "launch_local"]
 
@@ -174,28 +178,7 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
             ) from None
         raise
     except ChildFailedError as exc:
-        # Timestamps are whole seconds of when the launcher noticed: a rank that died and
-        # the peers that then failed on its loss (status 1) often share one. Among those,
-        # the one killed by a signal or refusing its input (status 2) is the cause.
-        failures = sorted(
-            exc.failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode == 1)
-        )
-        rank, failure = failures[0]
-        # Exit status 2 is a bad input; any other one is a failure of the run.
-        code = 2 if failure.exitcode == 2 else 1
-        first = (
-            f"rank {rank} was killed by {failure.signal_name()} first (exit status {failure.exitcode})"
-            if failure.exitcode < 0
-            else f"rank {rank} exited with status {failure.exitcode} first (its error is above)"
-        )
-        # Status 1 first: a rank that failed on a peer, maybe on one that stopped answering
-        # and so exited last (killed by the launcher): the hang doctor knows which.
-        culprit = _doctor_blame(config_path, started) if failure.exitcode == 1 else None
-        if culprit is not None:
-            first = f"{culprit} (`pipetrain doctor {config_path.parent}` shows its report)"
-        raise LaunchFailed(
-            f"{first}; {len(failures)} of {processes} processes failed", code
-        ) from None
+        raise _child_failed(exc, config_path, processes, started) from None
     finally:
         done.set()
         signal.signal(signal.SIGUSR1, forwarding)
@@ -203,3 +186,29 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
             os.environ.pop(EXIT_RECORDS_ENV, None)
         else:
             os.environ[EXIT_RECORDS_ENV] = before
+
+
+def _child_failed(
+    exc: ChildFailedError, config_path: Path, processes: int, started: float
+) -> LaunchFailed:
+    """One line for torch's ``ChildFailedError``: the rank that failed first, and why."""
+    # Timestamps are whole seconds of when the launcher noticed: a rank that died and
+    # the peers that then failed on its loss (status 1) often share one. Among those,
+    # the one killed by a signal or refusing its input (status 2) is the cause.
+    failures = sorted(
+        exc.failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode == 1)
+    )
+    rank, failure = failures[0]
+    # Exit status 2 is a bad input; any other one is a failure of the run.
+    code = 2 if failure.exitcode == 2 else 1
+    first = (
+        f"rank {rank} was killed by {failure.signal_name()} first (exit status {failure.exitcode})"
+        if failure.exitcode < 0
+        else f"rank {rank} exited with status {failure.exitcode} first (its error is above)"
+    )
+    # Status 1 first: a rank that failed on a peer, maybe on one that stopped answering
+    # and so exited last (killed by the launcher): the hang doctor knows which.
+    culprit = _doctor_blame(config_path, started) if failure.exitcode == 1 else None
+    if culprit is not None:
+        first = f"{culprit} (`pipetrain doctor {config_path.parent}` shows its report)"
+    return LaunchFailed(f"{first}; {len(failures)} of {processes} processes failed", code)
