@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             check_chunks_given(config)
         if role is not None:
             # An elastic restart with fewer processes continues the run re-planned.
-            from pipetrain.train.elastic import fit_world
+            from pipetrain.config.elastic import fit_world
 
             refit = fit_world(config, role.world_size)
             config = refit.config

@@ -7,8 +7,9 @@ section checking its own fields when built (``schema``). ``load_config`` (``load
 builds it from the defaults, a TOML file and overrides, and ``validate`` (``checks``)
 checks what relates sections; all raise ``ConfigError`` (``errors``; an ``InputError``:
 one line naming the field and the fix). Reading a config does not import torch;
-``run_folder`` (the first write of a run) and ``docs`` (the field docs, for ``--help``)
-are imported by path.
+``run_folder`` (the first write of a run), ``docs`` (the field docs, for ``--help``) and
+``elastic`` (a config re-planned for another number of processes, on a restart) are
+imported by path.
 """
 
 from pipetrain.config.checks import validate

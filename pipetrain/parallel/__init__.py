@@ -9,6 +9,8 @@
 - ``stats``: what the reduction cost (``DataParallelStats``).
 - ``ep``: expert parallelism (``expert_groups``, ``shard_experts``: each MoE layer's
   experts over an ep group inside dp, tokens exchanged by all-to-all).
+- ``expert_stats``: what the experts did in a step, known on every rank (the auxiliary
+  loss, the tokens each expert got, dropped assignments) and the loss-free balancing update.
 - ``tp``: tensor parallelism inside a stage (``shard_pipeline``: torch's DTensor plans
   per layer, over the mesh's "tp" dimension).
 

@@ -38,11 +38,11 @@ from pipetrain.heap import keep_heap
 from pipetrain.launch.rendezvous import join_process_group, report_failure
 from pipetrain.launch.role import ProcessRole
 from pipetrain.parallel import Mesh, build_mesh, replica_mean, state_bytes
+from pipetrain.parallel.expert_stats import ExpertStep, expert_summary
 from pipetrain.runtime.device import gpu_identity, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
 from pipetrain.train.data import load_tokenizer
-from pipetrain.train.experts import ExpertStep, expert_summary
 from pipetrain.train.grad_report import gradient_report
 from pipetrain.train.memory_check import report_memory
 from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble

@@ -39,6 +39,7 @@ from pipetrain.parallel import (
     shard_experts,
     shard_pipeline,
 )
+from pipetrain.parallel.expert_stats import ExpertTracker
 from pipetrain.runtime import Pipeline, PipelineHooks, build_pipeline
 from pipetrain.tensors import local_tensor
 from pipetrain.train.data import (
@@ -47,7 +48,6 @@ from pipetrain.train.data import (
     eval_batches,
     train_batch,
 )
-from pipetrain.train.experts import ExpertTracker
 from pipetrain.train.memory_check import memory_baseline
 from pipetrain.train.metrics import RunOutput
 from pipetrain.train.optim import GuardedUpdate, build_optimizer

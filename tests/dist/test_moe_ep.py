@@ -41,7 +41,7 @@ WORKER = textwrap.dedent(
     )
     from pipetrain.runtime import PipelineHooks, build_pipeline
     from pipetrain.train.data import Batch
-    from pipetrain.train.experts import ExpertTracker
+    from pipetrain.parallel.expert_stats import ExpertTracker
     from pipetrain.train.optim import GuardedUpdate, build_optimizer
     from pipetrain.train.plan import block_split
     from pipetrain.train.session import local_gradients

@@ -1,7 +1,7 @@
 """Restarts under torchrun with --resume: a group restarted after a rank died goes on from
 the newest checkpoint and ends with the losses of a run that was never interrupted; an
 elastic restart on fewer processes (``--nnodes 1:2``, one "node" of two lost) re-plans the
-pipeline for them (``pipetrain.train.elastic``) and goes on as a run of that many
+pipeline for them (``pipetrain.config.elastic``) and goes on as a run of that many
 processes resumed from the same checkpoint.
 
 The fault: a ``sitecustomize`` module on PYTHONPATH (imported by every process at

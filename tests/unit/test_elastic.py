@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.config import ConfigError, TrainConfig, load_config
-from pipetrain.train.elastic import fit_world
+from pipetrain.config.elastic import fit_world
 
 
 def _config(**overrides: object) -> TrainConfig:

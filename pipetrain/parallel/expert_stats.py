@@ -22,7 +22,7 @@ from torch import nn
 
 from pipetrain.models.config import ModelConfig
 from pipetrain.models.moe import MoEFeedForward, moe_layers
-from pipetrain.parallel import Mesh
+from pipetrain.parallel.mesh import Mesh
 
 __all__ = ["ExpertStep", "ExpertTracker", "expert_summary"]
 

@@ -9,7 +9,7 @@ each replica takes more of them and accumulates their gradients (4 processes as 
 dp 2 with 2 micro-batches of 2 rows each come back as pp 2 x dp 1 with 4 micro-batches of
 2). Every step reads the same rows as before the restart; only the order of the sums
 changes. Checkpoints are keyed by global names, so they load into the new split as they
-are. Without ``--resume`` another process count stays an error (``loop._set_up``): a
+are. Without ``--resume`` another process count stays an error (``pipetrain.train.loop._set_up``): a
 new run should say what it wants. Design and measurements: docs/elastic.md.
 """
 
