@@ -7,7 +7,8 @@ every 0.5 s) stopped for one step of the pair and running for the other, in the 
 off-on, on-off, ... so that drift falls on both alike. The action clock it reads is the
 runtime's own timeline, written whether or not a doctor runs: the thread is all there is
 to switch. Rank 0 prints the median step time of each side and the median and 95%
-bootstrap interval of the per-pair ratio on / off.
+bootstrap interval of the per-pair ratio on / off, and what the ring buffer's writes (two
+clock readings stored per action, as the executor makes them) cost a step, timed alone.
 
     .venv/bin/python benchmarks/bench_doctor.py [--pp 3] [--pairs 16] [--model llama-default]
 """
@@ -57,9 +58,12 @@ def _rank_main(args: argparse.Namespace) -> None:
             watch.stop(wait=True)
         dist.barrier()
         start = time.perf_counter()
-        pipe.step(ids[:, :-1], ids[:, 1:])
+        result = pipe.step(ids[:, :-1], ids[:, 1:])
         pipe.zero_grad()
+        actions[0] = sum(1 for e in result.timeline.events if e.rank == dist.get_rank())
         return time.perf_counter() - start
+
+    actions = [0]
 
     for _ in range(2):  # warm-up: allocations, first messages
         step(True)
@@ -79,8 +83,27 @@ def _rank_main(args: argparse.Namespace) -> None:
             f"on / off: median ratio {statistics.median(ratios):.4f} "
             f"(95% interval {boot[50]:.4f} - {boot[1949]:.4f})"
         )
+        per_step = _ring_buffer_ns(actions[0])
+        print(
+            f"ring buffer: {actions[0]} actions on rank 0 a step, their (start, end) writes "
+            f"{per_step / 1e3:.1f} us a step as the executor makes them (loop included) = "
+            f"{per_step * 1e-9 / statistics.median(times[False]):.2e} of the median step"
+        )
         sys.stdout.flush()
     exit_rank(0)
+
+
+def _ring_buffer_ns(actions: int, repeats: int = 2000) -> float:
+    """What the executor's ring buffer costs a step: two clock readings stored per action
+    into a preallocated list (``RankExecutor.run``), timed over ``repeats`` steps' worth."""
+    times = [0] * (2 * actions)
+    clock = time.perf_counter_ns
+    start = time.perf_counter_ns()
+    for _ in range(repeats):
+        for pos in range(actions):
+            times[2 * pos] = clock()
+            times[2 * pos + 1] = clock()
+    return (time.perf_counter_ns() - start) / repeats
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ def run(
     layout: tuple[str, int, int, int, tuple[str, ...]],
     out: Path,
     name: str,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     _, pp, dp, tp, extra = layout
     microbatches = args.batch_size // (dp * args.rows)
     command = [
@@ -75,6 +75,7 @@ def run(
         "dp_wait_ms": 1e3 * max(dp_record.get("dp_wait_s", [0.0])),
         "dp_mb": max(dp_record.get("dp_bytes_per_step", [0])) / 1e6,
         "peak_mib": max(summary["peak_memory"]) / 2**20,
+        "peaks_mib": [b / 2**20 for b in summary["peak_memory"]],
         # Parameters + AdamW state of the largest rank, and of rank 0 (the first stage's
         # first tp rank).
         "state_mb": max(summary.get("state_bytes") or [math.nan]) / 1e6,
@@ -103,7 +104,7 @@ def main() -> None:
             f"unknown layout(s) {unknown}: choose from {', '.join(lay[0] for lay in LAYOUTS)}"
         )
     layouts = [lay for lay in LAYOUTS if lay[0] in wanted]
-    results: dict[str, list[dict[str, float]]] = {label: [] for label, *_ in layouts}
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in layouts}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for layout in layouts:
@@ -117,19 +118,24 @@ def main() -> None:
     )
     print(
         "| layout | tokens/s | step s | measured bubble | dp all-reduce MB/step/rank "
-        "| dp wait ms/step | peak MiB/rank | params + AdamW MB/rank (largest, rank 0) |"
+        "| dp wait ms/step | peak MiB, largest rank | peak MiB, rank 0, 1, ... "
+        "| params + AdamW MB/rank (largest, rank 0) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, *_ in layouts:
         rows = results[label]
 
-        def med(key: str, rows: list[dict[str, float]] = rows) -> float:
-            return statistics.median(r[key] for r in rows)
+        def med(key: str, rows: list[dict[str, Any]] = rows) -> float:
+            return float(statistics.median(r[key] for r in rows))
+
+        peaks = ", ".join(
+            f"{statistics.median(p):.0f}" for p in zip(*(r["peaks_mib"] for r in rows), strict=True)
+        )
 
         print(
             f"| {label} | {med('tokens_per_s'):,.0f} | {med('step_s'):.2f} | "
             f"{med('bubble'):.1%} | {med('dp_mb'):.1f} | {med('dp_wait_ms'):.0f} | "
-            f"{med('peak_mib'):.0f} | {med('state_mb'):.2f}, {med('state0_mb'):.2f} |"
+            f"{med('peak_mib'):.0f} | {peaks} | {med('state_mb'):.2f}, {med('state0_mb'):.2f} |"
         )
 
 
