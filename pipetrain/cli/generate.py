@@ -67,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
 
     from pipetrain.checkpoint.generate import generate_tokens, load_pipeline_model
     from pipetrain.cli.ckpt import reading, resolve_checkpoint
+    from pipetrain.data import load_tokenizer
     from pipetrain.launch.rendezvous import join_process_group
     from pipetrain.launch.role import ProcessRole
     from pipetrain.runtime.device import gpu_identity, use_device
-    from pipetrain.train.data import load_tokenizer
 
     path = resolve_checkpoint(args.checkpoint)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -134,7 +134,7 @@ def _prompt_tokens(prompt: str, tokenizer: Any) -> list[int]:
     """The prompt's token ids. Bytes of the command line that are not UTF-8 reach Python
     as lone surrogates (surrogateescape): byte tokens take them as the bytes they were
     (``ByteTokenizer``); a tokenizer.json reads only text, so they are refused."""
-    from pipetrain.train.data import ByteTokenizer
+    from pipetrain.data import ByteTokenizer
 
     if not isinstance(tokenizer, ByteTokenizer) and not _is_utf8(prompt):
         raise UsageError(

@@ -296,11 +296,11 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
 
     from pipetrain.config.lock import RunLock
     from pipetrain.config.run_folder import announce, lock_run
+    from pipetrain.data import load_tokenizer
     from pipetrain.errors import RunFailed
     from pipetrain.launch.local import LaunchFailed, launch_local
     from pipetrain.launch.role import ProcessRole, role_from_env
     from pipetrain.runtime import PipelineError
-    from pipetrain.train.data import load_tokenizer
     from pipetrain.train.loop import train
     from pipetrain.train.plan import plan_run
     from pipetrain.train.preflight import preflight

@@ -85,7 +85,7 @@ def parse_counts(text: str) -> list[int]:
 
 def _resolve(args: argparse.Namespace, count: int, stamp: str) -> TrainConfig:
     """The config of one candidate, checked as ``pipetrain train`` checks it before starting."""
-    from pipetrain.train.data import load_tokenizer
+    from pipetrain.data import load_tokenizer
     from pipetrain.train.plan import plan_run
 
     extra: dict[str, Any] = {

@@ -1,5 +1,5 @@
 """The synchronous trainer: a run's set-up (``session``), its step loop and finish
-(``loop``), data, optimizer, metrics and sample; the asynchronous one is ``pipedream``.
+(``loop``), optimizer, metrics and sample; the asynchronous one is ``pipedream``.
 
 ``train(config, role)`` runs one process of a run. The configuration is
 ``pipetrain.config``, the processes ``pipetrain.launch``, data parallelism

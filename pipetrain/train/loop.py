@@ -33,6 +33,7 @@ from pipetrain.config.schema import (
     ConfigError,
     TrainConfig,
 )
+from pipetrain.data import load_tokenizer
 from pipetrain.diagnose.profile import open_profiler, profiled_step
 from pipetrain.heap import keep_heap
 from pipetrain.launch.rendezvous import join_process_group, report_failure
@@ -42,7 +43,6 @@ from pipetrain.parallel.expert_stats import ExpertStep, expert_summary
 from pipetrain.runtime.device import gpu_identity, use_device
 from pipetrain.runtime.timeline import simulated_bubble
 from pipetrain.schedules.execution import Timeline
-from pipetrain.train.data import load_tokenizer
 from pipetrain.train.grad_report import gradient_report
 from pipetrain.train.memory_check import report_memory
 from pipetrain.train.metrics import RunSummary, draw_timeline, measured_bubble

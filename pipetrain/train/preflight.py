@@ -21,9 +21,9 @@ from pipetrain.checkpoint.load import check_model
 from pipetrain.checkpoint.manifest import FORMAT_VERSION, verify_checkpoint
 from pipetrain.checkpoint.trainer import past_the_end_error
 from pipetrain.config.schema import ConfigError, TrainConfig
+from pipetrain.data import load_corpus
 from pipetrain.schedules.prepare import is_schedule_file
 from pipetrain.schedules.registry import get_spec
-from pipetrain.train.data import load_corpus
 from pipetrain.train.plan import RunPlan
 
 __all__ = ["check_chunks_given", "checkpoint_model_fields", "preflight"]

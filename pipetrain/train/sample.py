@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipetrain.config.schema import TrainConfig
+from pipetrain.data import Tokenizer
 from pipetrain.models import build_full_model, model_spec
 from pipetrain.models.config import ModelConfig
-from pipetrain.train.data import Tokenizer
 
 __all__ = ["gather_state_dict", "generate", "sample_text"]
 

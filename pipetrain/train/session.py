@@ -20,6 +20,12 @@ import torch.distributed as dist
 
 from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
 from pipetrain.config import TrainConfig, config_to_dict
+from pipetrain.data import (
+    Batch,
+    Corpus,
+    eval_batches,
+    train_batch,
+)
 from pipetrain.launch.role import ProcessRole
 from pipetrain.models import model_spec
 from pipetrain.models.hf import load_hf_weights
@@ -42,12 +48,6 @@ from pipetrain.parallel import (
 from pipetrain.parallel.expert_stats import ExpertTracker
 from pipetrain.runtime import Pipeline, PipelineHooks, build_pipeline
 from pipetrain.tensors import local_tensor
-from pipetrain.train.data import (
-    Batch,
-    Corpus,
-    eval_batches,
-    train_batch,
-)
 from pipetrain.train.memory_check import memory_baseline
 from pipetrain.train.metrics import RunOutput
 from pipetrain.train.optim import GuardedUpdate, build_optimizer

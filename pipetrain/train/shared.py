@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.config import ConfigError, TrainConfig, config_to_dict, settings_disagree
+from pipetrain.data import Corpus, DataError, load_corpus
 from pipetrain.errors import on_every_rank
 from pipetrain.launch.role import ProcessRole
 from pipetrain.runtime import Pipeline
-from pipetrain.train.data import Corpus, DataError, load_corpus
 from pipetrain.train.metrics import RunOutput, peak_memory_bytes
 from pipetrain.train.plan import RunPlan, plan_fingerprint, plans_disagree
 

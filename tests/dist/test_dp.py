@@ -25,7 +25,7 @@ WORKER = textwrap.dedent(
     from pipetrain.models import get_model_config, model_spec
     from pipetrain.runtime import PipelineHooks, build_pipeline
     from pipetrain.config.schema import OptimConfig
-    from pipetrain.train.data import Batch
+    from pipetrain.data import Batch
     from pipetrain.train.optim import Gradients, GuardedUpdate, build_optimizer
     from pipetrain.parallel import (
         ReplicaGradients, build_mesh, norm_share, replica_mean, shard_batch,

@@ -40,7 +40,7 @@ WORKER = textwrap.dedent(
         shard_experts,
     )
     from pipetrain.runtime import PipelineHooks, build_pipeline
-    from pipetrain.train.data import Batch
+    from pipetrain.data import Batch
     from pipetrain.parallel.expert_stats import ExpertTracker
     from pipetrain.train.optim import GuardedUpdate, build_optimizer
     from pipetrain.train.plan import block_split

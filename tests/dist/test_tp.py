@@ -33,7 +33,7 @@ WORKER = textwrap.dedent(
     from pipetrain.models import get_model_config, model_spec
     from pipetrain.runtime import PipelineHooks, build_pipeline
     from pipetrain.config import OptimConfig
-    from pipetrain.train.data import Batch
+    from pipetrain.data import Batch
     from pipetrain.train.optim import GuardedUpdate, build_optimizer
     from pipetrain.train.session import local_gradients
     from pipetrain.train.stage_options import apply_stage_options

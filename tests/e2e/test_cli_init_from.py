@@ -26,7 +26,7 @@ from run_records import losses, train_run
 
 from pipetrain.cli import main
 from pipetrain.config import load_config
-from pipetrain.train.data import load_corpus, train_batch
+from pipetrain.data import load_corpus, train_batch
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipetrain.config.schema import ConfigError, DataConfig
-from pipetrain.train.data import (
+from pipetrain.data import (
     ByteTokenizer,
     Corpus,
     DataError,

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pipetrain.config import ConfigError, load_config
+from pipetrain.data import Batch
 from pipetrain.parallel import (
     DataParallelStats,
     Mesh,
@@ -27,7 +28,6 @@ from pipetrain.parallel.replicated import _buckets
 from pipetrain.parallel.sharded import fsdp_internals, missing_fsdp_internals
 from pipetrain.runtime import PipelineError
 from pipetrain.schedules.registry import build_schedule
-from pipetrain.train.data import Batch
 from pipetrain.train.optim import Gradients
 
 

@@ -1,5 +1,7 @@
 """The shape of the house, checked: which package may import which, no two modules that
-import each other, no module over 450 lines (ARCHITECTURE.md's rules).
+import each other, no module over 450 lines, no function longer than a screen without
+saying why, and the synchronous trainer's own modules (``pipetrain/train/`` less its
+``pipedream`` package) at most about 3,000 lines (ARCHITECTURE.md's rules, issue 19).
 
 Imports are read from the source (``ast``), those under ``TYPE_CHECKING`` and inside
 functions included: a lazy import is still a dependency.
@@ -14,6 +16,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pipetrain"
 MAX_LINES = 450
+# "About 80 lines": a function longer than this says in its docstring why it stays long.
+MAX_FUNCTION_LINES = 80
+LONG_BECAUSE = "Long because"
+# The synchronous trainer (train/ without train/pipedream/, a concept of its own).
+MAX_TRAINER_LINES = 3200
 
 _ABOVE_RUNTIME = (
     "pipetrain.runtime",
@@ -51,6 +58,14 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "pipetrain.runtime",
     ),
     "pipetrain.train": ("pipetrain.cli",),
+    # Data sets and tokenizers: read by the trainers, generate and tune; they know no trainer.
+    "pipetrain.data": (
+        "pipetrain.train",
+        "pipetrain.runtime",
+        "pipetrain.parallel",
+        "pipetrain.launch",
+        "pipetrain.cli",
+    ),
     "pipetrain.checkpoint": ("pipetrain.train", "pipetrain.cli"),
     "pipetrain.models": ("pipetrain.train", "pipetrain.cli", "pipetrain.runtime"),
 }
@@ -129,3 +144,31 @@ def test_no_two_modules_import_each_other() -> None:
 def test_module_is_at_most_450_lines(name: str) -> None:
     lines = len(_modules()[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines: split it by concept"
+
+
+def test_no_function_is_longer_than_a_screen_without_saying_why() -> None:
+    long = []
+    for name, path in sorted(_modules().items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FUNCTION_LINES and LONG_BECAUSE not in (ast.get_docstring(node) or ""):
+                long.append(f"{name}.{node.name}: {length} lines")
+    assert not long, (
+        f"split these, or say in the docstring why they stay long ({LONG_BECAUSE!r}):\n"
+        + "\n".join(long)
+    )
+
+
+def test_the_synchronous_trainer_is_one_concept_of_about_3000_lines() -> None:
+    trainer = PACKAGE / "train"
+    lines = sum(
+        len(path.read_text().splitlines())
+        for path in trainer.rglob("*.py")
+        if "pipedream" not in path.relative_to(trainer).parts
+    )
+    assert lines <= MAX_TRAINER_LINES, (
+        f"pipetrain/train/ (less pipedream/) has {lines} lines: move what is not the trainer "
+        "to the package of its concept"
+    )

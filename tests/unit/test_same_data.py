@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipetrain.config import load_config
-from pipetrain.train.data import load_corpus
+from pipetrain.data import load_corpus
 from pipetrain.train.shared import corpus_fingerprint, data_disagree
 
 
@@ -37,7 +37,7 @@ def test_ranks_that_read_other_text_under_one_path_are_named(tmp_path: Path) -> 
 def test_the_same_length_of_other_tokens_differs() -> None:
     import numpy as np
 
-    from pipetrain.train.data import ByteTokenizer, Corpus
+    from pipetrain.data import ByteTokenizer, Corpus
 
     def corpus(train: list[int]) -> Corpus:
         return Corpus(np.array(train), np.array([1, 2]), ByteTokenizer(), "")

@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from pipetrain.checkpoint import CheckpointPolicy, Layout, RunCheckpoints
 from pipetrain.config import ConfigError, TrainConfig, config_to_dict
+from pipetrain.data import Batch, Corpus, eval_batches, train_batch
 from pipetrain.launch.role import ProcessRole
 from pipetrain.models import model_spec
 from pipetrain.runtime.timeline import simulated_bubble
-from pipetrain.train.data import Batch, Corpus, eval_batches, train_batch
 from pipetrain.train.metrics import (
     RunOutput,
     RunSummary,
