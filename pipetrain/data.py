@@ -119,9 +119,9 @@ class _HFTokenizer:
 
 def _end_of_document(path: Path, tokenizer: Any) -> int | None:
     """The id of the tokenizer's end-of-text token: the ``eos_token`` of a
-    tokenizer_config.json beside it, else config.json's ``eos_token_id``, else a special
-    token with a usual name; None when there is none (documents then join with a blank
-    line)."""
+    tokenizer_config.json beside it, else config.json's ``eos_token_id`` (where the
+    tokenizer has that id), else a special token with a usual name; None when there is none
+    (documents then join with a blank line)."""
     for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id")):
         try:
             value = json.loads((path.parent / name).read_text(encoding="utf-8")).get(key)
@@ -132,7 +132,11 @@ def _end_of_document(path: Path, tokenizer: Any) -> int | None:
         if isinstance(value, list):  # several end tokens (Llama 3.1): the first
             value = value[0] if value else None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            # An id the tokenizer does not have (a config.json of another tokenizer) would
+            # put a token into the data that no text can hold: look further.
+            if 0 <= value < tokenizer.get_vocab_size(with_added_tokens=True):
+                return value
+            continue
         if isinstance(value, str) and tokenizer.token_to_id(value) is not None:
             return int(tokenizer.token_to_id(value))
     for name in _EOD_NAMES:

@@ -210,3 +210,15 @@ def test_documents_are_packed_with_the_end_of_text_token(
     ends = [i for i, t in enumerate(stream[:-1]) if t in (4, 5)]
     assert ends and all(stream[i + 1] == eod for i in ends)
     assert all(stream[i + 1] in (3, 5) for i, t in enumerate(stream[:-1]) if t == eod)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
+@pytest.mark.parametrize(("eos_token_id", "eod"), [(2, 2), (50_000, 1), (-1, 1)])
+def test_a_config_eos_id_the_tokenizer_lacks_is_not_put_into_the_data(
+    tmp_path: Path, eos_token_id: int, eod: int
+) -> None:
+    # config.json of another tokenizer (id 50000 of a 6-word vocabulary) named an id that no
+    # embedding row of this tokenizer's model holds: the usual name (<|endoftext|>) is used.
+    path = _word_tokenizer(tmp_path / "tok", None)
+    (path.parent / "config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))
+    assert load_tokenizer(str(path)).eod_id == eod
