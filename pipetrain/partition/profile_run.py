@@ -36,7 +36,7 @@ from pipetrain.partition.profile_step import step_peak_bytes
 
 __all__ = ["Links", "Profile", "profile_curve"]
 
-# Seconds a spawned profile may take to import torch and measure every size.
+# Seconds a spawned profile's process waits at a barrier for the others (a stuck one).
 _TIMEOUT_S = 900.0
 # Message sizes the links are timed at: latency-bound to bandwidth-bound.
 _LINK_BYTES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
@@ -251,6 +251,34 @@ def _child(
             dist.destroy_process_group()
 
 
+def _collect(queue: Any, children: Sequence[Any], poll_s: float = 5.0) -> list[Any]:
+    """Every child's result, waited for as long as they live: a wide model's profile on
+    shared cores took longer than any fixed total (llama-wide on 4 processes of 2 cores,
+    over 900 s), while a stuck child ends at a barrier's timeout and posts its error. A
+    child that died without a result (killed, out of memory) is one line."""
+    import queue as queues
+
+    results: list[Any] = []
+    while len(results) < len(children):
+        try:
+            results.append(queue.get(timeout=poll_s))
+        except queues.Empty:
+            dead = [c for c in children if c.exitcode is not None and c.exitcode != 0]
+            if dead or all(c.exitcode is not None for c in children):
+                # One more look: a child posts before it exits.
+                try:
+                    results.append(queue.get(timeout=poll_s))
+                    continue
+                except queues.Empty:
+                    pass
+                codes = ", ".join(str(c.exitcode) for c in dead) or "0"
+                raise RuntimeError(
+                    f"the profile failed in a spawned process: {len(dead)} of {len(children)} "
+                    f"ended without a result (exit status {codes}; killed or out of memory?)"
+                ) from None
+    return results
+
+
 def _median_costs(runs: Sequence[Sequence[LayerCost]]) -> list[LayerCost]:
     out = []
     for layers in zip(*runs, strict=True):
@@ -292,7 +320,7 @@ def profile_curve(
     for child in children:
         child.start()
     try:
-        results = [queue.get(timeout=_TIMEOUT_S) for _ in children]
+        results = _collect(queue, children)
     finally:
         for child in children:
             child.join(timeout=10)

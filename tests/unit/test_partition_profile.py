@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import time
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -72,3 +77,32 @@ def test_profile_of_a_tiny_model_has_one_cost_per_layer() -> None:
         assert costs[i].activation_bytes_per_sample == pytest.approx(
             estimated[i].activation_bytes_per_sample, rel=0.01
         )
+
+
+def _posts_late(queue: Any, delay: float) -> None:
+    time.sleep(delay)
+    queue.put(("ok", delay))
+
+
+def _dies_silently(queue: Any, delay: float) -> None:
+    os._exit(9)
+
+
+def test_a_slow_profile_is_waited_for_and_a_silent_death_is_one_line() -> None:
+    # The llama-wide profile on 4 processes of 2 cores outlived a fixed 900 s total and
+    # ended in a bare queue.Empty traceback; the parent now waits while its children live.
+    from pipetrain.partition.profile_run import _collect
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    slow = [ctx.Process(target=_posts_late, args=(queue, 0.3)) for _ in range(2)]
+    for child in slow:
+        child.start()
+    assert _collect(queue, slow, poll_s=0.05) == [("ok", 0.3), ("ok", 0.3)]
+    for child in slow:
+        child.join()
+    dead = [ctx.Process(target=_dies_silently, args=(queue, 0.0))]
+    dead[0].start()
+    with pytest.raises(RuntimeError, match="1 of 1 ended without a result"):
+        _collect(queue, dead, poll_s=0.05)
+    dead[0].join()
