@@ -255,27 +255,27 @@ def _collect(queue: Any, children: Sequence[Any], poll_s: float = 5.0) -> list[A
     """Every child's result, waited for as long as they live: a wide model's profile on
     shared cores took longer than any fixed total (llama-wide on 4 processes of 2 cores,
     over 900 s), while a stuck child ends at a barrier's timeout and posts its error. A
-    child that died without a result (killed, out of memory) is one line."""
+    child that ended without a result (killed, out of memory) is one line."""
     import queue as queues
 
     results: list[Any] = []
     while len(results) < len(children):
         try:
             results.append(queue.get(timeout=poll_s))
+            continue
         except queues.Empty:
-            dead = [c for c in children if c.exitcode is not None and c.exitcode != 0]
-            if dead or all(c.exitcode is not None for c in children):
-                # One more look: a child posts before it exits.
-                try:
-                    results.append(queue.get(timeout=poll_s))
-                    continue
-                except queues.Empty:
-                    pass
-                codes = ", ".join(str(c.exitcode) for c in dead) or "0"
-                raise RuntimeError(
-                    f"the profile failed in a spawned process: {len(dead)} of {len(children)} "
-                    f"ended without a result (exit status {codes}; killed or out of memory?)"
-                ) from None
+            pass
+        exited = [c.exitcode for c in children if c.exitcode is not None]
+        if len(exited) <= len(results):
+            continue  # every child that ended has posted; the others are still measuring
+        try:  # a child posts before it exits: one more look before calling it lost
+            results.append(queue.get(timeout=poll_s))
+        except queues.Empty:
+            raise RuntimeError(
+                f"the profile failed in a spawned process: {len(exited) - len(results)} of "
+                f"{len(children)} ended without a result (exit status "
+                f"{', '.join(map(str, exited))}; killed or out of memory?)"
+            ) from None
     return results
 
 
