@@ -6,8 +6,8 @@
 
 For each model and world size: per-layer costs are profiled once (``--balance profile``'s
 machinery), the planner searches, and then every layout of a sweep (the ``--sweep``
-layouts the planner predicts fastest, plus the default config's layout and the planner's
-choice) is trained for ``--steps`` steps through the real launcher, once in each of
+layouts the planner predicts fastest, plus the default config's layout and the calibration's
+reference layout) is trained for ``--steps`` steps through the real launcher, once in each of
 ``--rounds`` rounds (each round in its own shuffled order; a layout's figures are the
 median over its rounds). Printed, as markdown: each layout's predicted and measured step
 time and peak model memory per process, then
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.plan_auto import auto_overrides, explain, hardware_for
-from pipetrain.cli.plan_calibrate import calibrate
+from pipetrain.cli.plan_calibrate import calibrate, reference_layout
 from pipetrain.cli.plan_measure import best_measured, measure_layout, render_measured
 from pipetrain.cli.plan_profile import auto_costs
 from pipetrain.models.config import get_model_config
@@ -107,7 +107,8 @@ def _planned_peaks(s: Scored) -> list[float]:
 
 def _row(s: Scored, m: dict[str, Any]) -> str:
     if "error" in m:
-        return f"| {s.layout.describe()} | {s.step_time * 1e3:.0f} | failed: {m['error'][0][:60]} | | | |"
+        said = (str(m["error"][0]).strip().splitlines() or ["no message"])[-1][:200]
+        return f"| {s.layout.describe()} | {s.step_time * 1e3:.0f} | failed: {said} | | | |"
     pred_peak = max(_planned_peaks(s))
     meas_peak = max(m["measured_peak"] or [0])
     rounds = ", ".join(f"{t * 1e3:.0f}" for t in m["rounds"])
@@ -133,8 +134,14 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     scorer = Scorer(config, request, costs_for, hw)
     sweep = list(plan.ranked[: args.sweep])
     default = scorer.evaluate(_default_layout(world))
-    if default is not None and default.layout not in {s.layout for s in sweep}:
-        sweep.append(default)
+    # The calibration's reference layout is trained in every round too: measured beside
+    # the sweep, it shows how far the machine moved since the calibration runs set the
+    # scale (a drift that no prediction made before the sweep can see).
+    ref_layout = reference_layout(request)
+    reference = scorer.evaluate(ref_layout) if ref_layout is not None else None
+    for extra in (default, reference):
+        if extra is not None and extra.layout not in {s.layout for s in sweep}:
+            sweep.append(extra)
     print(f"\n### {model}, {world} processes, batch {BATCH} x {args.seq_len}\n\ncosts {source}\n")
     if args.only_budget:
         if default is not None:
@@ -183,6 +190,13 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     if mem:
         print(
             f"predicted peak memory error per process: max {max(mem):.1%}, mean {statistics.mean(mem):.1%}"
+        )
+    if reference is not None and reference.layout in ok:
+        r = ok[reference.layout]
+        print(
+            f"the calibration's reference {reference.layout.describe()} in the sweep: predicted "
+            f"{reference.step_time * 1e3:.0f} ms, measured {r['step_time'] * 1e3:.0f} ms "
+            f"({r['step_time'] / reference.step_time:.3f}x the prediction it set)"
         )
     if default is not None:
         _budget(config, model, world, request, costs_for, hw, default, args)
