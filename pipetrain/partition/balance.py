@@ -45,6 +45,7 @@ __all__ = [
     "Partition",
     "PartitionError",
     "StageRanks",
+    "deferred_bytes",
     "format_bytes",
     "holders",
     "make_partition",
@@ -88,6 +89,9 @@ class Partition:
     params: tuple[int, ...]
     param_bytes: tuple[int, ...]
     activation_bytes_per_sample: tuple[float, ...]
+    # Per stage, per sample: the linears' output gradients a split backward holds from I to
+    # W (``LayerCost.deferred_bytes_per_sample``); empty: none counted.
+    deferred_bytes_per_sample: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -160,7 +164,15 @@ def make_partition(
             for s, e in bounds
         ),
         activation_bytes_per_sample=per_stage("activation_bytes_per_sample"),
+        deferred_bytes_per_sample=per_stage("deferred_bytes_per_sample"),
     )
+
+
+def deferred_bytes(partition: Partition, microbatch_size: int) -> tuple[float, ...]:
+    """Per stage, what one micro-batch's split backward holds from its I to its W (zeros
+    where the partition counts none)."""
+    per_sample = partition.deferred_bytes_per_sample or (0.0,) * partition.num_stages
+    return tuple(d * microbatch_size for d in per_sample)
 
 
 # ---------------------------------------------------------------- explicit and uniform

@@ -230,6 +230,28 @@ def _block_activation_bytes(
     return (per_token * seq_len + per_sequence) * _FP32
 
 
+def _block_deferred_bytes(
+    config: ModelConfig, seq_len: int, tp: int = 1, moe: bool = False
+) -> float:
+    """Bytes a block's split backward holds from I to W, per sequence, on one of ``tp``
+    ranks: the output gradient of each linear, which its deferred weight product needs
+    (its input is among the activations already). Column-wise linears' outputs are split
+    over ``tp`` (q, k, v; the MLP's gate and up, or GPT-2's fc); the row-wise ones' (wo,
+    the down projection) are whole. A MoE block has the router's scores, E, and per
+    assignment, routed or shared, its expert's gate, up and down outputs, whole on every
+    tp rank."""
+    d, f, kv = config.d_model, config.ffn_hidden, config.kv_dim
+    attention = (d + 2 * kv) / tp + d
+    if moe:
+        assignments = config.top_k + config.n_shared_experts
+        mlp: float = config.n_experts + assignments * (2 * config.expert_hidden + d)
+    elif config.family == "llama":
+        mlp = 2 * f / tp + d
+    else:
+        mlp = f / tp + d
+    return (attention + mlp) * seq_len * _FP32
+
+
 def _head_activation_bytes(
     config: ModelConfig, seq_len: int, tp: int = 1, sequence_parallel: bool = False
 ) -> float:
@@ -271,6 +293,7 @@ def estimate_costs(
         act: float,
         comm: TpCollectives | None = None,
         alltoall: tuple[float, float] = (0.0, 0.0),
+        deferred: float = 0.0,
     ) -> LayerCost:
         (fwd, b_in, b_w), s = flops, flops_per_second
         # The collectives wait for their matmul and the next one for them: on the path.
@@ -287,6 +310,7 @@ def estimate_costs(
             params,
             params * _FP32,
             act,
+            deferred_bytes_per_sample=deferred,
         )
 
     # The lookup and its scatter-add backward move T x C numbers: memory-bound, a few FLOPs each.
@@ -305,13 +329,16 @@ def estimate_costs(
         # Input gradient: the matmuls again plus twice the attention core; weight gradient: the matmuls.
         flops = (matmul + attention, matmul + 2 * attention, matmul)
         params = block_params(config, i, tp, ep)
+        held = _block_deferred_bytes(config, t, tp, moe)
         if moe:  # attention's tp collectives only; the experts' all-to-alls
-            layers.append(cost(f"layers.{i}", "block", flops, params, act, MOE_TP, alltoall))
+            layers.append(cost(f"layers.{i}", "block", flops, params, act, MOE_TP, alltoall, held))
         else:
-            layers.append(cost(f"layers.{i}", "block", flops, params, act))
+            layers.append(cost(f"layers.{i}", "block", flops, params, act, deferred=held))
     head = 2.0 * t * d * v / tp
     head_act = _head_activation_bytes(config, t, tp, sequence_parallel)
-    layers.append(cost("head", "head", (head, head, head), head_p, head_act))
+    # The head's split backward holds its logits' gradient, V / tp per token.
+    head_held = float(t * v / tp * _FP32)
+    layers.append(cost("head", "head", (head, head, head), head_p, head_act, deferred=head_held))
     if config.tie_embeddings:  # the head's output weight is the token embedding (v x d)
         tied = v * d // tp
         layers[-1] = replace(layers[-1], tied_to=0, tied_params=tied, tied_param_bytes=tied * _FP32)

@@ -34,6 +34,10 @@ class LayerCost:
     tied_to: int | None = None
     tied_params: int = 0
     tied_param_bytes: int = 0
+    # What a split backward keeps from its I to its W beyond the activations, per sample:
+    # the output gradient of every linear layer, which the deferred weight products need
+    # (``pipetrain.runtime.stage``); 0 where the layer has no linear.
+    deferred_bytes_per_sample: float = 0.0
 
     @property
     def time(self) -> float:

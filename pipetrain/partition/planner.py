@@ -19,6 +19,7 @@ from pipetrain.partition.balance import (
     MemoryModel,
     Partition,
     PartitionError,
+    deferred_bytes,
 )
 from pipetrain.partition.limits import check_fits, max_microbatch, rank_limits
 from pipetrain.partition.stages import (
@@ -234,7 +235,12 @@ def _sim(
     activations = tuple(a * mb for a in partition.activation_bytes_per_sample)
     weights = tuple(float(b) for b in partition.param_bytes)
     return simulate(
-        schedule, costs, activation_bytes=activations, weight_bytes=weights, batch_scale=batch_scale
+        schedule,
+        costs,
+        activation_bytes=activations,
+        weight_bytes=weights,
+        batch_scale=batch_scale,
+        deferred_bytes=deferred_bytes(partition, mb),
     )
 
 

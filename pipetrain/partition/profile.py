@@ -9,7 +9,9 @@ output for one micro-batch, so the inputs have real shapes and values. Per layer
   the difference, which is what a split backward that does not redo the input work costs;
 - activation bytes: the storages autograd saves for the backward, seen through
   ``saved_tensors_hooks``, parameters excluded (on CUDA, the larger of that and the growth
-  of allocated memory over the forward).
+  of allocated memory over the forward);
+- deferred bytes: the outputs of the layer's linears, whose gradients a split backward
+  holds from I to W (the gradient has its output's shape).
 
 Everything is divided by the micro-batch size: costs are per sample.
 """
@@ -121,6 +123,25 @@ def _saved_bytes(
     return saved
 
 
+def _linear_output_bytes(layer: nn.Module, x: torch.Tensor) -> float:
+    """Bytes of the outputs of every ``nn.Linear`` in ``layer`` for input ``x``: what the
+    output gradients queued by a split backward (``pipetrain.runtime.stage``) take."""
+    total = 0
+
+    def count(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
+        nonlocal total
+        total += output.numel() * output.element_size()
+
+    handles = [m.register_forward_hook(count) for m in layer.modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.no_grad():
+            layer(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return float(total)
+
+
 def _output_loss(y: torch.Tensor, is_head: bool, generator: torch.Generator) -> torch.Tensor:
     """What the backward starts from: the LM loss after the head, else a fixed random cotangent."""
     if is_head and y.dim() == 3:
@@ -195,6 +216,7 @@ def _profile(
         x_in = x.detach().requires_grad_(x.is_floating_point())
 
         forward, full, b_input, act = _measure(layer, x_in, is_head, seed, dev, repeats)
+        held = _linear_output_bytes(layer, x_in)
         # A tied copy built alone holds its own tensor; a stage that also holds the owner
         # does not (``LayerCost.tied_to``).
         tie = next((t for t in spec.tied if t.copy_layer == index), None)
@@ -210,6 +232,7 @@ def _profile(
                 params=sum(p.numel() for p in params),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 activation_bytes_per_sample=act / samples,
+                deferred_bytes_per_sample=held / samples,
                 tied_to=None if tie is None else tie.owner,
                 tied_params=0 if tied is None else tied.numel(),
                 tied_param_bytes=0 if tied is None else tied.numel() * tied.element_size(),

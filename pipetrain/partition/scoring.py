@@ -13,6 +13,7 @@ from pipetrain.partition.balance import (
     MemoryModel,
     Partition,
     PartitionError,
+    deferred_bytes,
 )
 from pipetrain.partition.expert_costs import expert_parallel_costs
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
@@ -391,6 +392,7 @@ class Scorer:
             activation_bytes=activations,
             weight_bytes=weights,
             batch_scale=m if whole else 1,
+            deferred_bytes=deferred_bytes(partition, mb),
         )
 
 

@@ -141,8 +141,22 @@ def _release_times(timeline: Timeline) -> dict[tuple[int, int], float]:
     return release
 
 
+def _first_input_grads(timeline: Timeline) -> dict[tuple[int, int], tuple[float, int]]:
+    """(stage, micro-batch) -> start of its I and the rank that runs it, where the
+    backward is split."""
+    starts: dict[tuple[int, int], tuple[float, int]] = {}
+    for e in timeline.events:
+        a = e.action
+        if a.kind is Kind.I and a.microbatch is not None:
+            key = (a.stage, a.microbatch)
+            starts[key] = min(starts.get(key, (e.start, e.rank)), (e.start, e.rank))
+    return starts
+
+
 def live_activations(
-    timeline: Timeline, sizes: Sequence[float] | None = None
+    timeline: Timeline,
+    sizes: Sequence[float] | None = None,
+    deferred: Sequence[float] | None = None,
 ) -> tuple[tuple[tuple[float, float], ...], ...]:
     """Per rank, the step function of live activations as ``(time, amount)`` points.
 
@@ -150,6 +164,10 @@ def live_activations(
     of its last backward piece. ``sizes[stage]`` weighs each stage (default 1: the unit is
     one stage's activations for one micro-batch). A forward with no backward in the
     timeline (an inference run, a truncated trace) stays live to the end.
+
+    ``deferred[stage]``: what a split backward holds besides, from the start of its I to
+    the end of its W (the output gradients its weight products wait for); nothing where
+    the backward is whole.
     """
     release = _release_times(timeline)
     # Per rank: (time, order, delta). At equal times a release (order 0) comes before an
@@ -164,6 +182,11 @@ def live_activations(
         end = release.get((a.stage, a.microbatch))
         if end is not None:
             changes[e.rank].append((end, 0, -amount))
+    if deferred is not None:
+        for (stage, mb), (start, rank) in _first_input_grads(timeline).items():
+            held = float(deferred[stage])
+            changes[rank].append((start, 1, held))
+            changes[rank].append((release[(stage, mb)], 0, -held))
     curves: list[tuple[tuple[float, float], ...]] = []
     for rank_changes in changes:
         level = 0.0
@@ -183,12 +206,15 @@ def peak_activations(timeline: Timeline) -> tuple[int, ...]:
     )
 
 
-def peak_activation_bytes(timeline: Timeline, sizes: Sequence[float]) -> tuple[float, ...]:
+def peak_activation_bytes(
+    timeline: Timeline, sizes: Sequence[float], deferred: Sequence[float] | None = None
+) -> tuple[float, ...]:
     """Per rank, the most activation bytes live at once; ``sizes[stage]`` is the bytes of
-    one micro-batch's activations on each (virtual) stage."""
+    one micro-batch's activations on each (virtual) stage, ``deferred[stage]`` what its
+    split backward holds from I to W."""
     return tuple(
         max((level for _, level in curve), default=0.0)
-        for curve in live_activations(timeline, sizes)
+        for curve in live_activations(timeline, sizes, deferred)
     )
 
 

@@ -123,12 +123,15 @@ def analyse(
     weight_bytes: float | Sequence[float] | None = None,
     batch_scale: int = 1,
     steps: int = 1,
+    deferred_bytes: float | Sequence[float] | None = None,
 ) -> SimResult:
     """The accounting of ``timeline``, simulated or measured, covering ``steps`` optimizer
     steps.
 
     ``activation_bytes`` and ``weight_bytes`` are per model stage (or one number for all):
     the activations one micro-batch leaves on a stage, and the stage's parameters.
+    ``deferred_bytes`` (per model stage, or one number): what one micro-batch's split
+    backward holds from its I to its W besides (counted with the activations).
     ``batch_scale`` is how many micro-batches one action carries (m for the naive
     schedule, which runs the whole batch at once): activations count that many units.
     """
@@ -136,7 +139,10 @@ def analyse(
     act_bytes = None
     if activation_bytes is not None:
         sizes = _per_model_stage(activation_bytes, placement, "activation_bytes")
-        act_bytes = peak_activation_bytes(timeline, [batch_scale * s for s in sizes])
+        held_back = None
+        if deferred_bytes is not None:
+            held_back = _per_model_stage(deferred_bytes, placement, "deferred_bytes")
+        act_bytes = peak_activation_bytes(timeline, [batch_scale * s for s in sizes], held_back)
     held = None
     if weight_bytes is not None:
         sizes = _per_model_stage(weight_bytes, placement, "weight_bytes")
@@ -185,6 +191,7 @@ def simulate(
     activation_bytes: float | Sequence[float] | None = None,
     weight_bytes: float | Sequence[float] | None = None,
     batch_scale: int = 1,
+    deferred_bytes: float | Sequence[float] | None = None,
 ) -> SimResult:
     """Replay ``schedule`` under ``costs`` (default: unit costs) and measure it (see ``analyse``).
 
@@ -206,4 +213,5 @@ def simulate(
         weight_bytes=weight_bytes,
         batch_scale=batch_scale,
         steps=params.get("steps", 1),
+        deferred_bytes=deferred_bytes,
     )

@@ -79,6 +79,24 @@ def test_profile_of_a_tiny_model_has_one_cost_per_layer() -> None:
         )
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "moe-tiny"])
+def test_profiled_output_gradients_held_from_i_to_w_match_the_estimate(name: str) -> None:
+    # A split backward queues every linear's output gradient until W: the profile counts
+    # the linears' outputs, the estimate counts them from the shapes (GQA's narrower k and
+    # v, a MoE block's router and the k experts each token goes to).
+    config = get_model_config(name)
+    spec = model_spec(config)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    costs = profile_layers(spec, ids, device="cpu", repeats=1, threads=1)
+    estimated = estimate_costs(config, 16)
+    assert costs[0].deferred_bytes_per_sample == estimated[0].deferred_bytes_per_sample == 0
+    for measured, guess in zip(costs[1:], estimated[1:], strict=True):
+        assert measured.deferred_bytes_per_sample > 0
+        assert measured.deferred_bytes_per_sample == pytest.approx(
+            guess.deferred_bytes_per_sample, rel=1e-9
+        ), measured.name
+
+
 def _posts_late(queue: Any, delay: float) -> None:
     time.sleep(delay)
     queue.put(("ok", delay))

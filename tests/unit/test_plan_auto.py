@@ -16,7 +16,7 @@ from pipetrain.partition.auto import AutoRequest, search
 from pipetrain.partition.estimate import estimate_costs
 from pipetrain.partition.layouts import Hardware, enumerate_layouts
 from pipetrain.partition.scoring import Scorer
-from pipetrain.partition.stages import rank_live_points
+from pipetrain.schedules.actions import Kind
 from pipetrain.schedules.early_grads import early_grads
 from pipetrain.schedules.registry import get_spec
 
@@ -92,6 +92,24 @@ def test_the_winner_round_trips_through_a_train_config(tmp_path: Path) -> None:
     assert loaded.pipeline.processes == 4
 
 
+def _walked_peak(schedule, rank: int, acts: list[float], pending: list[float]) -> float:
+    """The most bytes live on ``rank`` walking its actions in order: a micro-batch's
+    activations from its F to its B (or W), its pending gradients from its I to its W."""
+    level = peak = 0.0
+    for action in schedule.actions[rank]:
+        stage = schedule.placement.model_stage(action.stage)
+        if action.kind is Kind.F:
+            level += acts[stage]
+        elif action.kind is Kind.I:
+            level += pending[stage]
+        elif action.kind is Kind.B:
+            level -= acts[stage]
+        elif action.kind is Kind.W:
+            level -= acts[stage] + pending[stage]
+        peak = max(peak, level)
+    return peak
+
+
 def _formula_bytes(winner, config, seq_len: int, batch: int) -> float:
     """docs/memory_model.md's per-process formula for the winner's fullest process, from
     the model's sizes and the schedule's order of actions alone."""
@@ -113,8 +131,12 @@ def _formula_bytes(winner, config, seq_len: int, batch: int) -> float:
     params[-1], acts[-1] = params[-1] + head_p, acts[-1] + head_a
     rank = winner.peak_rank
     held = {schedule.placement.model_stage(v) for v in schedule.placement.stages_of(rank)}
-    points = rank_live_points(schedule)[rank]
-    live = max(sum(n * acts[s] * mb for s, n in enumerate(p)) for p in points)
+    # A split backward holds its linears' output gradients from I to W (docs/memory_model.md):
+    # q, k, v, gate and up split over tp, wo's and down's whole; the head's logits'.
+    block_g = 4 * seq_len * ((d + 2 * kv + 2 * f) / t + 2 * d)
+    pending = [winner.split[s] * block_g for s in range(stages)]
+    pending[-1] += 4 * seq_len * vocab / t
+    live = _walked_peak(schedule, rank, [a * mb for a in acts], [g * mb for g in pending])
     state = (4 + (lay.dp > 1)) * 4 * sum(params[s] for s in held)
     full = 4 * seq_len * per_token
     transient = full * mb if lay.recompute and any(winner.split[s] for s in held) else 0.0

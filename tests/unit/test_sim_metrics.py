@@ -78,6 +78,18 @@ def test_split_backward_keeps_activations_until_w() -> None:
     assert live_activations(tl)[0][-1] == (6, 0)
 
 
+def test_split_backward_holds_its_output_gradients_from_i_to_w() -> None:
+    # Activations 10 a micro-batch; a split backward holds 4 more from its I's start to its
+    # W's end. At 2-3 micro-batch 0 is in its I-W gap (10 + 4) while 1 is live (10): 24;
+    # without the deferred term 20. A whole B holds nothing extra.
+    tl = timeline(["0F0@0-1 0I0@1-2 0F1@2-3 0W0@3-4 0I1@4-5 0W1@5-6"])
+    assert peak_activation_bytes(tl, [10.0]) == (20.0,)
+    assert peak_activation_bytes(tl, [10.0], [4.0]) == (24.0,)
+    assert live_activations(tl, [10.0], [4.0])[0][-1] == (6, 0)
+    whole = timeline(["0F0@0-1 0F1@1-2 0B0@2-4 0B1@4-6"])
+    assert peak_activation_bytes(whole, [10.0], [4.0]) == (20.0,)
+
+
 def test_activation_bytes_weigh_each_stage() -> None:
     # Rank 0 holds stages 0 and 3 (V placement); stage 3 activations are 10x larger.
     tl = timeline(
