@@ -1,8 +1,16 @@
-"""Suite-wide settings: tests marked ``gpu`` are skipped where CUDA is not available."""
+"""Suite-wide settings: tests marked ``gpu`` are skipped where CUDA is not available;
+hypothesis has no per-example deadline."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+
+# The property tests check results, not speed: on a shared 2-core machine an example of a
+# few milliseconds took 318 ms once (test_sim_data_parallel under load), and hypothesis's
+# 200 ms deadline failed it as flaky.
+settings.register_profile("pipetrain", deadline=None)
+settings.load_profile("pipetrain")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
