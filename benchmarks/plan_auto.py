@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/plan_auto.py [--models llama-default,llama-wide]
         [--worlds 2,4] [--sweep 20] [--steps 6] [--rounds 3] [--calibrate-steps 8]
-        [--calibrate-runs 3] [--budget 0.8] [--only-budget] [--out runs/plan_auto]
+        [--calibrate-runs 3] [--confirm 3] [--budget 0.8] [--only-budget] [--out runs/plan_auto]
 
 For each model and world size: per-layer costs are profiled once (``--balance profile``'s
 machinery), the planner searches, and then every layout of a sweep (the ``--sweep``
@@ -13,7 +13,10 @@ median over its rounds). Printed, as markdown: each layout's predicted and measu
 time and peak model memory per process, then
 the acceptance figures (the choice's measured tokens/s against the best measured and the
 default's; the predicted step time's error on the five predicted fastest; the predicted
-peak's error), and a budget run: a memory limit of ``--budget`` times the default
+peak's error), a head-to-head where the choice is not the best measured (both trained
+``--confirm`` more times, alternating: the best of some twenty noisy medians is picked for
+being high, so the sweep's own figure of it is biased up; fresh runs are not), and a
+budget run: a memory limit of ``--budget`` times the default
 layout's predicted peak, the five fastest predicted to fit under it trained as
 ``plan --auto --measure 5`` trains them, and the fastest whose measured peak fits kept.
 """
@@ -93,6 +96,46 @@ def _rounds(
     return out
 
 
+def _head_to_head(
+    pair: tuple[Scored, Scored],
+    request: AutoRequest,
+    model: str,
+    world: int,
+    args: argparse.Namespace,
+) -> list[list[float]]:
+    """The step times of both layouts of ``pair`` over ``args.confirm`` fresh runs each,
+    alternating which goes first, after the sweep that selected them."""
+    times: list[list[float]] = [[], []]
+    for r in range(args.confirm):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            m = _train(pair[i], request, model, args.steps, args.out, f"{model}-w{world}-c{r}-{i}")
+            said = m["error"][0] if "error" in m else f"{m['step_time'] * 1e3:.0f} ms"
+            print(f"head to head {r + 1}: {pair[i].layout.describe()}: {said}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            if "error" not in m:
+                times[i].append(m["step_time"])
+    return times
+
+
+def _confirm(
+    plan: Any, best: Layout, sweep: list[Scored], request: AutoRequest, model: str,
+    world: int, args: argparse.Namespace,
+) -> None:  # fmt: skip
+    """Print the head-to-head of the choice against the best measured layout."""
+    rival = next(s for s in sweep if s.layout == best)
+    times = _head_to_head((plan.ranked[0], rival), request, model, world, args)
+    if not all(times):
+        print("head to head: a run failed; no figure")
+        return
+    mine, theirs = (statistics.median(t) for t in times)
+    runs = "; ".join(", ".join(f"{x * 1e3:.0f}" for x in t) for t in times)
+    print(
+        f"head to head, {args.confirm} fresh runs each, alternating (ms: {runs}): choice "
+        f"{mine * 1e3:.0f} ms, {rival.layout.describe()} {theirs * 1e3:.0f} ms (medians): "
+        f"choice = {theirs / mine:.3f} of it in tokens/s"
+    )
+
+
 def _default_layout(world: int) -> Layout:
     """pipetrain train's defaults (1F1B, 8 micro-batches, early gradients) on the world."""
     return Layout("1f1b", world, 1, 1, 1, 8, False, True)
@@ -156,7 +199,8 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     for s in sweep:
         print(_row(s, measured[s.layout]))
     ok = {lay: m for lay, m in measured.items() if "error" not in m}
-    best = max(m["tokens_per_s"] for m in ok.values())
+    best_layout = max(ok, key=lambda lay: ok[lay]["tokens_per_s"])
+    best = ok[best_layout]["tokens_per_s"]
     choice = ok.get(plan.ranked[0].layout)
     if choice is not None:
         print(f"\nchoice {plan.ranked[0].layout.describe()}: {choice['tokens_per_s']:,.0f} tokens/s = "
@@ -198,6 +242,8 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
             f"{reference.step_time * 1e3:.0f} ms, measured {r['step_time'] * 1e3:.0f} ms "
             f"({r['step_time'] / reference.step_time:.3f}x the prediction it set)"
         )
+    if choice is not None and best_layout != plan.ranked[0].layout and args.confirm:
+        _confirm(plan, best_layout, sweep, request, model, world, args)
     if default is not None:
         _budget(config, model, world, request, costs_for, hw, default, args)
 
@@ -243,6 +289,8 @@ def main() -> None:
     p.add_argument("--calibrate-steps", type=int, default=8, help="0: no calibration run")
     p.add_argument("--calibrate-runs", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="each layout measured once a round")
+    p.add_argument("--confirm", type=int, default=3,
+                   help="fresh runs each of the choice and the best measured, head to head")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--budget", type=float, default=0.8)
     p.add_argument("--only-budget", action="store_true", help="skip the sweep: the budget runs")
