@@ -116,6 +116,10 @@ def auto_curve(
     left = sorted(set(sizes) - set(fits))
     skipped = f" (sizes {','.join(map(str, left))} read off the curve)" if left else ""
     said = f"measured on {device} at micro-batch {sizes_text} x {seq_len}{how}{skipped}"
+    # The curve's shape, which one calibration size cannot correct, shown for checking:
+    # a sample's forward and backward through every layer at each measured size.
+    per_sample = ", ".join(f"{sum(c.time for c in profile.curve.at(s)) * 1e3:.1f}" for s in fits)
+    said += f"; the whole model {per_sample} ms a sample"
     links = profile.links
     if links is not None:
         reduces = "; ".join(

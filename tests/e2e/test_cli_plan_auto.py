@@ -59,6 +59,9 @@ def test_plan_auto_profiles_every_microbatch_size_on_as_many_processes() -> None
     assert planned.returncode == 0, planned.stderr
     # batch 4 over dp 1 or 2 and 1..4 micro-batches: sizes 1, 2 and 4, each measured.
     assert "measured on cpu at micro-batch 1,2,4 x 16, 2 processes at once" in planned.stdout
+    # The curve's shape, a sample through the whole model at each size, for checking.
+    shape = planned.stdout.split("; the whole model ")[1].split(" ms a sample")[0]
+    assert len([float(ms) for ms in shape.split(", ")]) == 3, shape
     # tp 2 layouts exist at every size: a step sharded over the 2 processes timed at each.
     said = planned.stdout.split("tp 2 measured: a step ")[1].split(";")[0]
     assert "x the tp 1 step at micro-batch 1, " in said and "x at 2, " in said, said
