@@ -118,12 +118,11 @@ def _head_to_head(
 
 
 def _confirm(
-    plan: Any, best: Layout, sweep: list[Scored], request: AutoRequest, model: str,
-    world: int, args: argparse.Namespace,
+    choice: Scored, rival: Scored, request: AutoRequest, model: str, world: int,
+    args: argparse.Namespace,
 ) -> None:  # fmt: skip
     """Print the head-to-head of the choice against the best measured layout."""
-    rival = next(s for s in sweep if s.layout == best)
-    times = _head_to_head((plan.ranked[0], rival), request, model, world, args)
+    times = _head_to_head((choice, rival), request, model, world, args)
     if not all(times):
         print("head to head: a run failed; no figure")
         return
@@ -243,7 +242,8 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
             f"({r['step_time'] / reference.step_time:.3f}x the prediction it set)"
         )
     if choice is not None and best_layout != plan.ranked[0].layout and args.confirm:
-        _confirm(plan, best_layout, sweep, request, model, world, args)
+        rival = next(s for s in sweep if s.layout == best_layout)
+        _confirm(plan.ranked[0], rival, request, model, world, args)
     if default is not None:
         _budget(config, model, world, request, costs_for, hw, default, args)
 

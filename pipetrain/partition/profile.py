@@ -91,15 +91,19 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
     return min(samples)
 
 
-def _saved_bytes(
+def _kept_bytes(
     layer: nn.Module, x: torch.Tensor, device: torch.device, is_head: bool, seed: int
-) -> float:
-    """Bytes of the distinct storages autograd keeps for this layer's backward.
+) -> tuple[float, float]:
+    """Bytes of the distinct storages autograd keeps for this layer's backward, and of the
+    outputs of its ``nn.Linear`` layers, from one forward.
 
-    After the head the loss is included: its log-softmax lives on the last stage too.
+    After the head the loss is included: its log-softmax lives on the last stage too. The
+    linears' outputs are what the output gradients queued by a split backward
+    (``pipetrain.runtime.stage``) take from I to W.
     """
     param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     seen: dict[int, int] = {}
+    outputs = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -107,12 +111,22 @@ def _saved_bytes(
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
+    def count(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
+        nonlocal outputs
+        outputs += output.numel() * output.element_size()
+
+    linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+    handles = [m.register_forward_hook(count) for m in linears]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = layer(x)
-        loss = _output_loss(y, True, torch.Generator().manual_seed(seed)) if is_head else None
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(x)
+            loss = _output_loss(y, True, torch.Generator().manual_seed(seed)) if is_head else None
+    finally:
+        for handle in handles:
+            handle.remove()
     saved = float(sum(seen.values()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -120,26 +134,7 @@ def _saved_bytes(
         grown = torch.cuda.memory_allocated(device) - before - y.untyped_storage().nbytes()
         saved = max(saved, float(grown))
     del y, loss
-    return saved
-
-
-def _linear_output_bytes(layer: nn.Module, x: torch.Tensor) -> float:
-    """Bytes of the outputs of every ``nn.Linear`` in ``layer`` for input ``x``: what the
-    output gradients queued by a split backward (``pipetrain.runtime.stage``) take."""
-    total = 0
-
-    def count(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
-        nonlocal total
-        total += output.numel() * output.element_size()
-
-    handles = [m.register_forward_hook(count) for m in layer.modules() if isinstance(m, nn.Linear)]
-    try:
-        with torch.no_grad():
-            layer(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return float(total)
+    return saved, float(outputs)
 
 
 def _output_loss(y: torch.Tensor, is_head: bool, generator: torch.Generator) -> torch.Tensor:
@@ -153,8 +148,9 @@ def _output_loss(y: torch.Tensor, is_head: bool, generator: torch.Generator) -> 
 
 def _measure(
     layer: nn.Module, x_in: torch.Tensor, is_head: bool, seed: int, dev: torch.device, repeats: int
-) -> tuple[float, float, float, float]:
-    """Seconds of forward, full backward and input-only backward, and saved bytes."""
+) -> tuple[float, float, float, tuple[float, float]]:
+    """Seconds of forward, full backward and input-only backward; saved and linear-output
+    bytes (``_kept_bytes``)."""
     params = list(dict.fromkeys(layer.parameters()))
     # With autograd recording, as in training: saving tensors for the backward costs time too.
     forward = _timed(lambda: layer(x_in), dev, repeats)
@@ -168,7 +164,7 @@ def _measure(
     if x_in.requires_grad:
         b_input = _timed(lambda: torch.autograd.grad(loss, [x_in], retain_graph=True), dev, repeats)
         b_input = min(b_input, full)
-    return forward, full, b_input, _saved_bytes(layer, x_in, dev, is_head, seed)
+    return forward, full, b_input, _kept_bytes(layer, x_in, dev, is_head, seed)
 
 
 def profile_layers(
@@ -215,8 +211,7 @@ def _profile(
         is_head = layer_spec.kind == "head"
         x_in = x.detach().requires_grad_(x.is_floating_point())
 
-        forward, full, b_input, act = _measure(layer, x_in, is_head, seed, dev, repeats)
-        held = _linear_output_bytes(layer, x_in)
+        forward, full, b_input, (act, held) = _measure(layer, x_in, is_head, seed, dev, repeats)
         # A tied copy built alone holds its own tensor; a stage that also holds the owner
         # does not (``LayerCost.tied_to``).
         tie = next((t for t in spec.tied if t.copy_layer == index), None)
