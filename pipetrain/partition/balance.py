@@ -47,6 +47,7 @@ __all__ = [
     "StageRanks",
     "deferred_bytes",
     "format_bytes",
+    "freed_at_input_bytes",
     "holders",
     "make_partition",
     "parse_split",
@@ -92,6 +93,9 @@ class Partition:
     # Per stage, per sample: the linears' output gradients a split backward holds from I to
     # W (``LayerCost.deferred_bytes_per_sample``); empty: none counted.
     deferred_bytes_per_sample: tuple[float, ...] = ()
+    # Per stage, per sample: what the end of a split backward's I lets go of its
+    # activations (``LayerCost.freed_at_input_bytes_per_sample``); empty: nothing.
+    freed_at_input_bytes_per_sample: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -165,6 +169,7 @@ def make_partition(
         ),
         activation_bytes_per_sample=per_stage("activation_bytes_per_sample"),
         deferred_bytes_per_sample=per_stage("deferred_bytes_per_sample"),
+        freed_at_input_bytes_per_sample=per_stage("freed_at_input_bytes_per_sample"),
     )
 
 
@@ -173,6 +178,13 @@ def deferred_bytes(partition: Partition, microbatch_size: int) -> tuple[float, .
     where the partition counts none)."""
     per_sample = partition.deferred_bytes_per_sample or (0.0,) * partition.num_stages
     return tuple(d * microbatch_size for d in per_sample)
+
+
+def freed_at_input_bytes(partition: Partition, microbatch_size: int) -> tuple[float, ...]:
+    """Per stage, what the end of one micro-batch's I lets go of its activations (zeros
+    where the partition counts none)."""
+    per_sample = partition.freed_at_input_bytes_per_sample or (0.0,) * partition.num_stages
+    return tuple(f * microbatch_size for f in per_sample)
 
 
 # ---------------------------------------------------------------- explicit and uniform

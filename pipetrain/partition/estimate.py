@@ -252,6 +252,27 @@ def _block_deferred_bytes(
     return (attention + mlp) * seq_len * _FP32
 
 
+def _block_linear_input_bytes(
+    config: ModelConfig, seq_len: int, tp: int = 1, moe: bool = False
+) -> float:
+    """Bytes of the inputs of a block's linears, per sequence, on one of ``tp`` ranks: what
+    a split backward keeps of its activations from the end of I to W, whose weight products
+    need them (the rest of the saved tensors go with I's graph). q, k and v share the
+    attention norm's output and the MLP's gate and up (GPT-2's fc) the second norm's, whole
+    under tp; wo takes attention's output and the down projection the MLP's hidden
+    product, both split. A MoE block's router and shared experts take the norm's output,
+    the routed experts a gathered copy, d per assignment, and every expert's down
+    projection its hidden product (``expert_hidden`` per assignment, routed or shared)."""
+    d, f = config.d_model, config.ffn_hidden
+    attention = d + d / tp
+    if moe:
+        assignments = config.top_k + config.n_shared_experts
+        mlp: float = d + config.top_k * d + assignments * config.expert_hidden
+    else:
+        mlp = d + f / tp
+    return (attention + mlp) * seq_len * _FP32
+
+
 def _head_activation_bytes(
     config: ModelConfig, seq_len: int, tp: int = 1, sequence_parallel: bool = False
 ) -> float:
@@ -294,6 +315,7 @@ def estimate_costs(
         comm: TpCollectives | None = None,
         alltoall: tuple[float, float] = (0.0, 0.0),
         deferred: float = 0.0,
+        freed: float = 0.0,
     ) -> LayerCost:
         (fwd, b_in, b_w), s = flops, flops_per_second
         # The collectives wait for their matmul and the next one for them: on the path.
@@ -311,12 +333,15 @@ def estimate_costs(
             params * _FP32,
             act,
             deferred_bytes_per_sample=deferred,
+            freed_at_input_bytes_per_sample=freed,
         )
 
     # The lookup and its scatter-add backward move T x C numbers: memory-bound, a few FLOPs each.
     # It keeps the token ids (int64), and GPT-2 its position ids too.
     ids = t * 8 * (1 if config.family == "llama" else 2)
-    layers = [cost("embed", "embedding", (2.0 * t * d, 0.0, 2.0 * t * d), embed_p, float(ids))]
+    # The lookup is no linear: its weight gradient comes with I, and the ids go with it.
+    lookup = (2.0 * t * d, 0.0, 2.0 * t * d)
+    layers = [cost("embed", "embedding", lookup, embed_p, float(ids), freed=float(ids))]
     sent = alltoall_bytes(t, config.top_k, d, ep, number_bytes=_FP32) if ep > 1 else 0.0
     alltoall = (
         ep_time(ALLTOALLS_FORWARD, sent, ep_bandwidth),
@@ -330,15 +355,19 @@ def estimate_costs(
         flops = (matmul + attention, matmul + 2 * attention, matmul)
         params = block_params(config, i, tp, ep)
         held = _block_deferred_bytes(config, t, tp, moe)
-        if moe:  # attention's tp collectives only; the experts' all-to-alls
-            layers.append(cost(f"layers.{i}", "block", flops, params, act, MOE_TP, alltoall, held))
-        else:
-            layers.append(cost(f"layers.{i}", "block", flops, params, act, deferred=held))
+        freed = max(0.0, act - _block_linear_input_bytes(config, t, tp, moe))
+        # MoE: attention's tp collectives only; the experts' all-to-alls.
+        comm, exchange = (MOE_TP, alltoall) if moe else (None, (0.0, 0.0))
+        layers.append(cost(f"layers.{i}", "block", flops, params, act, comm, exchange, held, freed))
     head = 2.0 * t * d * v / tp
     head_act = _head_activation_bytes(config, t, tp, sequence_parallel)
     # The head's split backward holds its logits' gradient, V / tp per token.
     head_held = float(t * v / tp * _FP32)
-    layers.append(cost("head", "head", (head, head, head), head_p, head_act, deferred=head_held))
+    # Its I keeps the norm's output, the linear's input, for W.
+    head_freed = head_act - t * d * _FP32
+    layers.append(
+        cost("head", "head", (head,) * 3, head_p, head_act, deferred=head_held, freed=head_freed)
+    )
     if config.tie_embeddings:  # the head's output weight is the token embedding (v x d)
         tied = v * d // tp
         layers[-1] = replace(layers[-1], tied_to=0, tied_params=tied, tied_param_bytes=tied * _FP32)

@@ -38,6 +38,10 @@ class LayerCost:
     # the output gradient of every linear layer, which the deferred weight products need
     # (``pipetrain.runtime.stage``); 0 where the layer has no linear.
     deferred_bytes_per_sample: float = 0.0
+    # The part of ``activation_bytes_per_sample`` that a split backward lets go at the end
+    # of its I, per sample: the saved tensors that are no linear's input (W needs only
+    # those); 0 (the whole activations kept to W) where not known.
+    freed_at_input_bytes_per_sample: float = 0.0
 
     @property
     def time(self) -> float:

@@ -103,6 +103,8 @@ def recompute_costs(costs: Sequence[LayerCost], block_input_bytes: float) -> lis
                 backward=c.backward + c.forward,
                 backward_input=c.backward_input + c.forward,
                 activation_bytes_per_sample=block_input_bytes,
+                # The recomputed tensors live inside I; what it leaves is counted as kept.
+                freed_at_input_bytes_per_sample=0.0,
             )
         )
     return out
@@ -121,21 +123,33 @@ def rank_memory(
     overhead: tuple[float, float] = (0.0, 0.0),
     recompute_ranks: Collection[int] | None = None,
     recompute_overhead: tuple[float, float] | None = None,
+    batch_scale: int = 1,
 ) -> tuple[RankMemory, ...]:
     """Each rank's bytes: ``weight_bytes`` and ``peak_activation_bytes`` are the simulator's
     per rank; ``message_bytes`` one micro-batch's activation between stages;
     ``recompute_block_bytes`` one block's full activations per sample when recomputing
     (0 without recomputation); ``overhead``: ``fit_overhead``'s (fraction, bytes).
     ``recompute_ranks``: the ranks that recompute (None: all, when recomputing), charged
-    ``recompute_overhead`` (None: ``overhead``) instead of ``overhead``."""
+    ``recompute_overhead`` (None: ``overhead``) instead of ``overhead``. ``batch_scale``:
+    micro-batches an action carries (naive model parallel: all of them).
+
+    The workspace's fraction is of the activations of the backward in flight, one action's
+    micro-batches on the rank's largest stage, not of every live micro-batch: what a
+    process holds beyond its saved tensors is that backward's gradients and temporaries
+    (measured, docs/memory_model.md). A one-process step of the whole model, which the
+    fraction is fitted on, has the two alike."""
     ranks = partition.num_ranks
     grads = [0.0] * ranks
     has_block = [False] * ranks
     neighbours = [0] * ranks
+    in_flight = [0.0] * ranks
+    one_action = microbatch_size * batch_scale
     for stage, holders in enumerate(partition.stage_ranks):
         for rank in holders:
             grads[rank] += partition.param_bytes[stage]
             has_block[rank] |= any(costs[i].kind == "block" for i in partition.stages[stage])
+            stage_bytes = partition.activation_bytes_per_sample[stage] * one_action
+            in_flight[rank] = max(in_flight[rank], stage_bytes)
     for rank in range(ranks):
         # Linear and looped placements both talk to the ranks either side of this one.
         neighbours[rank] = (rank > 0) + (rank < ranks - 1)
@@ -157,7 +171,7 @@ def rank_memory(
             activations=peak_activation_bytes[r],
             transient=transient[r],
             buffers=2.0 * neighbours[r] * message_bytes,
-            workspace=charged[r][0] * (peak_activation_bytes[r] + transient[r]) + charged[r][1],
+            workspace=charged[r][0] * (in_flight[r] + transient[r]) + charged[r][1],
         )
         for r in range(ranks)
     )

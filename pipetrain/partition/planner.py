@@ -19,9 +19,9 @@ from pipetrain.partition.balance import (
     MemoryModel,
     Partition,
     PartitionError,
-    deferred_bytes,
 )
 from pipetrain.partition.limits import check_fits, max_microbatch, rank_limits
+from pipetrain.partition.split_sim import simulate_split
 from pipetrain.partition.stages import (
     model_stage_live,
     model_stage_versions,
@@ -29,10 +29,9 @@ from pipetrain.partition.stages import (
     split_for,
     stage_ranks_of,
 )
-from pipetrain.schedules.execution import Costs
 from pipetrain.schedules.schedule import Schedule, ScheduleError
-from pipetrain.sim.ranks import slowdowns, with_rank_speeds
-from pipetrain.sim.simulator import SimResult, simulate
+from pipetrain.sim.ranks import slowdowns
+from pipetrain.sim.simulator import SimResult
 
 __all__ = [
     "MicrobatchOption",
@@ -216,31 +215,16 @@ def _sim(
     batch_scale: int,
     speeds: Sequence[float] | None = None,
 ) -> SimResult:
-    fixed = [overheads.per_layer * len(layers) for layers in partition.stages]
-
-    def per_action(values: Sequence[float], times: float) -> tuple[float, ...]:
-        return tuple(v * mb + times * f for v, f in zip(values, fixed, strict=True))
-
-    costs = Costs(
-        forward=per_action(partition.forward, 1),
-        backward=per_action(partition.backward, 2),
-        backward_input=per_action(partition.backward_input, 1),
-        backward_weight=per_action(partition.backward_weight, 1),
+    return simulate_split(
+        schedule,
+        partition,
+        mb,
+        per_layer=overheads.per_layer,
         latency=overheads.latency,
         bandwidth=overheads.bandwidth,
         message_bytes=overheads.message_bytes_per_sample * mb,
-    )
-    if speeds is not None:  # a stage on a rank of speed 0.5 takes twice as long
-        costs = with_rank_speeds(costs, schedule.placement, speeds)
-    activations = tuple(a * mb for a in partition.activation_bytes_per_sample)
-    weights = tuple(float(b) for b in partition.param_bytes)
-    return simulate(
-        schedule,
-        costs,
-        activation_bytes=activations,
-        weight_bytes=weights,
         batch_scale=batch_scale,
-        deferred_bytes=deferred_bytes(partition, mb),
+        speeds=speeds,
     )
 
 

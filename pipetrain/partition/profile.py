@@ -93,16 +93,19 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
 
 def _kept_bytes(
     layer: nn.Module, x: torch.Tensor, device: torch.device, is_head: bool, seed: int
-) -> tuple[float, float]:
-    """Bytes of the distinct storages autograd keeps for this layer's backward, and of the
-    outputs of its ``nn.Linear`` layers, from one forward.
+) -> tuple[float, float, float]:
+    """Bytes of the distinct storages autograd keeps for this layer's backward, of the
+    outputs of its ``nn.Linear`` layers, and of the kept storages that are no linear's
+    input, from one forward.
 
     After the head the loss is included: its log-softmax lives on the last stage too. The
     linears' outputs are what the output gradients queued by a split backward
-    (``pipetrain.runtime.stage``) take from I to W.
+    (``pipetrain.runtime.stage``) take from I to W; their inputs are what W needs of the
+    kept tensors, the rest going with I's graph.
     """
     param_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     seen: dict[int, int] = {}
+    inputs: set[int] = set()
     outputs = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -111,9 +114,10 @@ def _kept_bytes(
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    def count(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
+    def count(_module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         nonlocal outputs
         outputs += output.numel() * output.element_size()
+        inputs.add(args[0].untyped_storage().data_ptr())
 
     linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
     handles = [m.register_forward_hook(count) for m in linears]
@@ -128,13 +132,14 @@ def _kept_bytes(
         for handle in handles:
             handle.remove()
     saved = float(sum(seen.values()))
+    freed = float(sum(n for ptr, n in seen.items() if ptr not in inputs))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         # The output itself is the next stage's input, sent away: not this layer's memory.
         grown = torch.cuda.memory_allocated(device) - before - y.untyped_storage().nbytes()
         saved = max(saved, float(grown))
     del y, loss
-    return saved, float(outputs)
+    return saved, float(outputs), freed
 
 
 def _output_loss(y: torch.Tensor, is_head: bool, generator: torch.Generator) -> torch.Tensor:
@@ -148,9 +153,9 @@ def _output_loss(y: torch.Tensor, is_head: bool, generator: torch.Generator) -> 
 
 def _measure(
     layer: nn.Module, x_in: torch.Tensor, is_head: bool, seed: int, dev: torch.device, repeats: int
-) -> tuple[float, float, float, tuple[float, float]]:
-    """Seconds of forward, full backward and input-only backward; saved and linear-output
-    bytes (``_kept_bytes``)."""
+) -> tuple[float, float, float, tuple[float, float, float]]:
+    """Seconds of forward, full backward and input-only backward; saved, linear-output
+    and freed-at-I bytes (``_kept_bytes``)."""
     params = list(dict.fromkeys(layer.parameters()))
     # With autograd recording, as in training: saving tensors for the backward costs time too.
     forward = _timed(lambda: layer(x_in), dev, repeats)
@@ -211,7 +216,9 @@ def _profile(
         is_head = layer_spec.kind == "head"
         x_in = x.detach().requires_grad_(x.is_floating_point())
 
-        forward, full, b_input, (act, held) = _measure(layer, x_in, is_head, seed, dev, repeats)
+        forward, full, b_input, (act, held, freed) = _measure(
+            layer, x_in, is_head, seed, dev, repeats
+        )
         # A tied copy built alone holds its own tensor; a stage that also holds the owner
         # does not (``LayerCost.tied_to``).
         tie = next((t for t in spec.tied if t.copy_layer == index), None)
@@ -228,6 +235,7 @@ def _profile(
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 activation_bytes_per_sample=act / samples,
                 deferred_bytes_per_sample=held / samples,
+                freed_at_input_bytes_per_sample=freed / samples,
                 tied_to=None if tie is None else tie.owner,
                 tied_params=0 if tied is None else tied.numel(),
                 tied_param_bytes=0 if tied is None else tied.numel() * tied.element_size(),

@@ -54,4 +54,5 @@ def recomputed_on(
         backward_input=mixed("backward_input"),
         backward_weight=mixed("backward_weight"),
         activation_bytes_per_sample=mixed("activation_bytes_per_sample"),
+        freed_at_input_bytes_per_sample=mixed("freed_at_input_bytes_per_sample"),
     )

@@ -13,21 +13,20 @@ from pipetrain.partition.balance import (
     MemoryModel,
     Partition,
     PartitionError,
-    deferred_bytes,
 )
 from pipetrain.partition.expert_costs import expert_parallel_costs
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
 from pipetrain.partition.memory import rank_memory, recompute_costs
 from pipetrain.partition.recompute_ranks import recompute_speeds, recomputed_on
+from pipetrain.partition.split_sim import simulate_split
 from pipetrain.partition.stages import rank_live_points, split_for, stage_ranks_of
 from pipetrain.schedules.early_grads import early_grads
-from pipetrain.schedules.execution import Costs
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.registry import get_spec
 from pipetrain.schedules.schedule import Schedule, ScheduleError
 from pipetrain.sim.data_parallel import data_parallel_cost, ring_allreduce_time
 from pipetrain.sim.shared_cores import shared_core_makespan, shared_speedup_limit
-from pipetrain.sim.simulator import SimResult, simulate
+from pipetrain.sim.simulator import SimResult
 
 __all__ = ["Scorer"]
 
@@ -320,6 +319,7 @@ class Scorer:
             overhead=hw.memory_overhead,
             recompute_ranks=None if layout.recompute else layout.recompute_ranks,
             recompute_overhead=hw.recompute_overhead,
+            batch_scale=layout.microbatches if whole else 1,
         )
         limit = req.memory_limit
         fits = limit is None or all(m.total <= limit for m in memory)
@@ -370,29 +370,15 @@ class Scorer:
     def _simulate(
         self, schedule: Schedule, partition: Partition, mb: int, whole: bool, m: int
     ) -> SimResult:
-        fixed = [self.hw.per_layer * len(layers) for layers in partition.stages]
-
-        def per_action(values: Sequence[float], times: int) -> tuple[float, ...]:
-            return tuple(v * mb + times * f for v, f in zip(values, fixed, strict=True))
-
-        costs = Costs(
-            forward=per_action(partition.forward, 1),
-            backward=per_action(partition.backward, 2),
-            backward_input=per_action(partition.backward_input, 1),
-            backward_weight=per_action(partition.backward_weight, 1),
+        return simulate_split(
+            schedule,
+            partition,
+            mb,
+            per_layer=self.hw.per_layer,
             latency=self.hw.latency,
             bandwidth=self.hw.link_bandwidth,
             message_bytes=self.message_bytes(mb),
-        )
-        activations = tuple(a * mb for a in partition.activation_bytes_per_sample)
-        weights = tuple(float(b) for b in partition.param_bytes)
-        return simulate(
-            schedule,
-            costs,
-            activation_bytes=activations,
-            weight_bytes=weights,
             batch_scale=m if whole else 1,
-            deferred_bytes=deferred_bytes(partition, mb),
         )
 
 

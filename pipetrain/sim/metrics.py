@@ -141,22 +141,22 @@ def _release_times(timeline: Timeline) -> dict[tuple[int, int], float]:
     return release
 
 
-def _first_input_grads(timeline: Timeline) -> dict[tuple[int, int], tuple[float, int]]:
-    """(stage, micro-batch) -> start of its I and the rank that runs it, where the
+def _input_grads(timeline: Timeline) -> dict[tuple[int, int], tuple[float, float, int]]:
+    """(stage, micro-batch) -> start and end of its I and the rank that runs it, where the
     backward is split."""
-    starts: dict[tuple[int, int], tuple[float, int]] = {}
+    spans: dict[tuple[int, int], tuple[float, float, int]] = {}
     for e in timeline.events:
         a = e.action
         if a.kind is Kind.I and a.microbatch is not None:
-            key = (a.stage, a.microbatch)
-            starts[key] = min(starts.get(key, (e.start, e.rank)), (e.start, e.rank))
-    return starts
+            spans[(a.stage, a.microbatch)] = (e.start, e.end, e.rank)
+    return spans
 
 
 def live_activations(
     timeline: Timeline,
     sizes: Sequence[float] | None = None,
     deferred: Sequence[float] | None = None,
+    freed: Sequence[float] | None = None,
 ) -> tuple[tuple[tuple[float, float], ...], ...]:
     """Per rank, the step function of live activations as ``(time, amount)`` points.
 
@@ -165,11 +165,13 @@ def live_activations(
     one stage's activations for one micro-batch). A forward with no backward in the
     timeline (an inference run, a truncated trace) stays live to the end.
 
-    ``deferred[stage]``: what a split backward holds besides, from the start of its I to
-    the end of its W (the output gradients its weight products wait for); nothing where
-    the backward is whole.
+    Where the backward is split: ``deferred[stage]`` is what it holds besides, from the
+    start of its I to the end of its W (the output gradients its weight products wait
+    for); ``freed[stage]``, the part of ``sizes[stage]`` that the end of its I lets go (the
+    saved tensors that are no linear's input, which W does not need).
     """
     release = _release_times(timeline)
+    spans = _input_grads(timeline) if deferred is not None or freed is not None else {}
     # Per rank: (time, order, delta). At equal times a release (order 0) comes before an
     # acquire (order 1): memory freed by a backward is reused by the next forward.
     changes: list[list[tuple[float, int, float]]] = [[] for _ in range(timeline.num_ranks)]
@@ -182,11 +184,17 @@ def live_activations(
         end = release.get((a.stage, a.microbatch))
         if end is not None:
             changes[e.rank].append((end, 0, -amount))
-    if deferred is not None:
-        for (stage, mb), (start, rank) in _first_input_grads(timeline).items():
+    for (stage, mb), (start, end, rank) in spans.items():
+        done = release[(stage, mb)]
+        if deferred is not None:
             held = float(deferred[stage])
             changes[rank].append((start, 1, held))
-            changes[rank].append((release[(stage, mb)], 0, -held))
+            changes[rank].append((done, 0, -held))
+        if freed is not None:
+            # Let go at I's end rather than at W's: moved, not added.
+            early = float(freed[stage])
+            changes[rank].append((end, 0, -early))
+            changes[rank].append((done, 0, early))
     curves: list[tuple[tuple[float, float], ...]] = []
     for rank_changes in changes:
         level = 0.0
@@ -207,14 +215,17 @@ def peak_activations(timeline: Timeline) -> tuple[int, ...]:
 
 
 def peak_activation_bytes(
-    timeline: Timeline, sizes: Sequence[float], deferred: Sequence[float] | None = None
+    timeline: Timeline,
+    sizes: Sequence[float],
+    deferred: Sequence[float] | None = None,
+    freed: Sequence[float] | None = None,
 ) -> tuple[float, ...]:
     """Per rank, the most activation bytes live at once; ``sizes[stage]`` is the bytes of
     one micro-batch's activations on each (virtual) stage, ``deferred[stage]`` what its
-    split backward holds from I to W."""
+    split backward holds from I to W, ``freed[stage]`` what its I's end lets go."""
     return tuple(
         max((level for _, level in curve), default=0.0)
-        for curve in live_activations(timeline, sizes, deferred)
+        for curve in live_activations(timeline, sizes, deferred, freed)
     )
 
 

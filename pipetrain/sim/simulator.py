@@ -124,6 +124,7 @@ def analyse(
     batch_scale: int = 1,
     steps: int = 1,
     deferred_bytes: float | Sequence[float] | None = None,
+    freed_bytes: float | Sequence[float] | None = None,
 ) -> SimResult:
     """The accounting of ``timeline``, simulated or measured, covering ``steps`` optimizer
     steps.
@@ -131,7 +132,8 @@ def analyse(
     ``activation_bytes`` and ``weight_bytes`` are per model stage (or one number for all):
     the activations one micro-batch leaves on a stage, and the stage's parameters.
     ``deferred_bytes`` (per model stage, or one number): what one micro-batch's split
-    backward holds from its I to its W besides (counted with the activations).
+    backward holds from its I to its W besides (counted with the activations);
+    ``freed_bytes`` (likewise), the part of its activations that the end of its I lets go.
     ``batch_scale`` is how many micro-batches one action carries (m for the naive
     schedule, which runs the whole batch at once): activations count that many units.
     """
@@ -139,10 +141,16 @@ def analyse(
     act_bytes = None
     if activation_bytes is not None:
         sizes = _per_model_stage(activation_bytes, placement, "activation_bytes")
-        held_back = None
+        held_back = early = None
         if deferred_bytes is not None:
-            held_back = _per_model_stage(deferred_bytes, placement, "deferred_bytes")
-        act_bytes = peak_activation_bytes(timeline, [batch_scale * s for s in sizes], held_back)
+            pending = _per_model_stage(deferred_bytes, placement, "deferred_bytes")
+            held_back = [batch_scale * h for h in pending]
+        if freed_bytes is not None:
+            freed = _per_model_stage(freed_bytes, placement, "freed_bytes")
+            early = [batch_scale * f for f in freed]
+        act_bytes = peak_activation_bytes(
+            timeline, [batch_scale * s for s in sizes], held_back, early
+        )
     held = None
     if weight_bytes is not None:
         sizes = _per_model_stage(weight_bytes, placement, "weight_bytes")
@@ -192,6 +200,7 @@ def simulate(
     weight_bytes: float | Sequence[float] | None = None,
     batch_scale: int = 1,
     deferred_bytes: float | Sequence[float] | None = None,
+    freed_bytes: float | Sequence[float] | None = None,
 ) -> SimResult:
     """Replay ``schedule`` under ``costs`` (default: unit costs) and measure it (see ``analyse``).
 
@@ -214,4 +223,5 @@ def simulate(
         batch_scale=batch_scale,
         steps=params.get("steps", 1),
         deferred_bytes=deferred_bytes,
+        freed_bytes=freed_bytes,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipetrain.partition.balance import LayerCost
@@ -53,3 +55,28 @@ def test_the_memory_overhead_is_the_line_through_what_a_step_holds_beyond_the_co
     assert fit_overhead({4: measured[4]}, acts, params) == (0.0, 0.0)  # one size: no line
     # Less than the count is no negative overhead.
     assert fit_overhead({1: 10.0, 2: 20.0}, acts, params) == (0.0, 0.0)
+
+
+def test_the_workspace_is_charged_to_the_micro_batch_in_flight_not_to_every_live_one() -> None:
+    from pipetrain.partition.balance import make_partition
+    from pipetrain.partition.memory import rank_memory
+
+    # Two stages on two ranks, 100 and 300 bytes of activations a sample; micro-batches of
+    # 2. Rank 0 holds 4 live micro-batches (800 bytes at its peak), rank 1 one (600).
+    costs = [_layer(1, 1, 1), _layer(1, 1, 1)]
+    costs = [replace(costs[0], activation_bytes_per_sample=100.0), costs[1]]
+    costs[1] = replace(costs[1], activation_bytes_per_sample=300.0)
+    partition = make_partition("uniform", costs, [(0, 1), (1, 2)], [0, 1])
+    memory = rank_memory(
+        partition, costs, weight_bytes=[40.0, 40.0], peak_activation_bytes=[800.0, 600.0],
+        microbatch_size=2, message_bytes=0.0, dp=1, overhead=(0.5, 7.0),
+    )  # fmt: skip
+    # Half of one micro-batch's activations on the rank's stage, plus the fixed part:
+    # the same for 4 live micro-batches as for 1.
+    assert [m.workspace for m in memory] == [0.5 * 200 + 7, 0.5 * 600 + 7]
+    # Naive model parallel: one action carries all 4 micro-batches.
+    naive = rank_memory(
+        partition, costs, weight_bytes=[40.0, 40.0], peak_activation_bytes=[800.0, 2400.0],
+        microbatch_size=2, message_bytes=0.0, dp=1, overhead=(0.5, 7.0), batch_scale=4,
+    )  # fmt: skip
+    assert [m.workspace for m in naive] == [0.5 * 800 + 7, 0.5 * 2400 + 7]

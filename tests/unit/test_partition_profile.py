@@ -97,6 +97,25 @@ def test_profiled_output_gradients_held_from_i_to_w_match_the_estimate(name: str
         ), measured.name
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "moe-tiny"])
+def test_profiled_activations_freed_at_i_match_the_estimate(name: str) -> None:
+    # The end of a split backward's I lets go of every kept tensor but the linears'
+    # inputs, which W's weight products need: the profile tells them apart by storage, the
+    # estimate from the shapes. The lookup is no linear: all its kept ids go at I.
+    config = get_model_config(name)
+    spec = model_spec(config)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    costs = profile_layers(spec, ids, device="cpu", repeats=1, threads=1)
+    estimated = estimate_costs(config, 16)
+    for embed in (costs[0], estimated[0]):
+        assert embed.freed_at_input_bytes_per_sample == embed.activation_bytes_per_sample > 0
+    for measured, guess in zip(costs[1:], estimated[1:], strict=True):
+        assert 0 < measured.freed_at_input_bytes_per_sample < measured.activation_bytes_per_sample
+        assert measured.freed_at_input_bytes_per_sample == pytest.approx(
+            guess.freed_at_input_bytes_per_sample, rel=0.01
+        ), measured.name
+
+
 def _posts_late(queue: Any, delay: float) -> None:
     time.sleep(delay)
     queue.put(("ok", delay))

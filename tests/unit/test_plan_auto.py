@@ -92,9 +92,12 @@ def test_the_winner_round_trips_through_a_train_config(tmp_path: Path) -> None:
     assert loaded.pipeline.processes == 4
 
 
-def _walked_peak(schedule, rank: int, acts: list[float], pending: list[float]) -> float:
+def _walked_peak(
+    schedule, rank: int, acts: list[float], pending: list[float], freed: list[float]
+) -> float:
     """The most bytes live on ``rank`` walking its actions in order: a micro-batch's
-    activations from its F to its B (or W), its pending gradients from its I to its W."""
+    activations from its F to its B, or to its I for the part no linear takes (``freed``)
+    and to its W for the rest; its pending gradients from its I to its W."""
     level = peak = 0.0
     for action in schedule.actions[rank]:
         stage = schedule.placement.model_stage(action.stage)
@@ -102,10 +105,12 @@ def _walked_peak(schedule, rank: int, acts: list[float], pending: list[float]) -
             level += acts[stage]
         elif action.kind is Kind.I:
             level += pending[stage]
+            peak = max(peak, level)
+            level -= freed[stage]
         elif action.kind is Kind.B:
             level -= acts[stage]
         elif action.kind is Kind.W:
-            level -= acts[stage] + pending[stage]
+            level -= acts[stage] - freed[stage] + pending[stage]
         peak = max(peak, level)
     return peak
 
@@ -136,7 +141,16 @@ def _formula_bytes(winner, config, seq_len: int, batch: int) -> float:
     block_g = 4 * seq_len * ((d + 2 * kv + 2 * f) / t + 2 * d)
     pending = [winner.split[s] * block_g for s in range(stages)]
     pending[-1] += 4 * seq_len * vocab / t
-    live = _walked_peak(schedule, rank, [a * mb for a in acts], [g * mb for g in pending])
+    # I lets go of what no linear takes: the norms' outputs feed q, k, v and gate, up
+    # (whole), attention's output wo and the SwiGLU product down (split); the head keeps
+    # its norm's output; the lookup keeps nothing; a recomputed block its input.
+    block_l = 4 * seq_len * (2 * d + (d + f) / t)
+    freed = [0.0 if lay.recompute else winner.split[s] * (block_a - block_l) for s in range(stages)]
+    freed[0] += embed_a
+    freed[-1] += head_a - 4 * seq_len * d
+    live = _walked_peak(
+        schedule, rank, [a * mb for a in acts], [g * mb for g in pending], [x * mb for x in freed]
+    )
     state = (4 + (lay.dp > 1)) * 4 * sum(params[s] for s in held)
     full = 4 * seq_len * per_token
     transient = full * mb if lay.recompute and any(winner.split[s] for s in held) else 0.0

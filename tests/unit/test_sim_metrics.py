@@ -90,6 +90,21 @@ def test_split_backward_holds_its_output_gradients_from_i_to_w() -> None:
     assert peak_activation_bytes(whole, [10.0], [4.0]) == (20.0,)
 
 
+def test_split_backward_lets_go_at_i_what_no_linear_takes() -> None:
+    # Activations 10 a micro-batch, 6 of them no linear's input: the end of I lets them go,
+    # W keeps 4 (and the 4 pending output gradients). At 2-3 micro-batch 0 holds 4 + 4,
+    # micro-batch 1 its 10: 18 where 24 would be counted without the early release.
+    tl = timeline(["0F0@0-1 0I0@1-2 0F1@2-3 0W0@3-4 0I1@4-5 0W1@5-6"])
+    assert peak_activation_bytes(tl, [10.0], [4.0], [6.0]) == (18.0,)
+    curve = live_activations(tl, [10.0], [4.0], [6.0])[0]
+    # At 2, I0 ends (its linears' inputs and output gradients stay: 8), then F1 starts.
+    assert [level for time, level in curve if time == 2] == [8.0, 18.0]
+    assert curve[-1] == (6, 0)
+    # A whole B frees everything at its end, as before.
+    whole = timeline(["0F0@0-1 0F1@1-2 0B0@2-4 0B1@4-6"])
+    assert peak_activation_bytes(whole, [10.0], [4.0], [6.0]) == (20.0,)
+
+
 def test_activation_bytes_weigh_each_stage() -> None:
     # Rank 0 holds stages 0 and 3 (V placement); stage 3 activations are 10x larger.
     tl = timeline(

@@ -1,0 +1,60 @@
+"""One split of the layers, simulated under one schedule: the stage sums become the
+actions' durations and bytes (torch-free). ``plan`` and ``plan --auto`` both score a split
+through it, so the two count a step and its memory alike."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipetrain.partition.balance import Partition, deferred_bytes, freed_at_input_bytes
+from pipetrain.schedules.execution import Costs
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.sim.ranks import with_rank_speeds
+from pipetrain.sim.simulator import SimResult, simulate
+
+__all__ = ["simulate_split"]
+
+
+def simulate_split(
+    schedule: Schedule,
+    partition: Partition,
+    microbatch_size: int,
+    *,
+    per_layer: float = 0.0,
+    latency: float = 0.0,
+    bandwidth: float | None = None,
+    message_bytes: float = 0.0,
+    batch_scale: int = 1,
+    speeds: Sequence[float] | None = None,
+) -> SimResult:
+    """``schedule`` replayed with ``partition``'s per-sample stage sums at micro-batch
+    ``microbatch_size``: ``per_layer`` seconds added per layer to every F, I and W (twice
+    to a B), messages of ``message_bytes`` taking ``latency`` plus their bytes over
+    ``bandwidth``; ``batch_scale`` micro-batches per action (naive model parallel: m);
+    ``speeds``, one per rank, divide that rank's times."""
+    mb = microbatch_size
+    fixed = [per_layer * len(layers) for layers in partition.stages]
+
+    def per_action(values: Sequence[float], times: int) -> tuple[float, ...]:
+        return tuple(v * mb + times * f for v, f in zip(values, fixed, strict=True))
+
+    costs = Costs(
+        forward=per_action(partition.forward, 1),
+        backward=per_action(partition.backward, 2),
+        backward_input=per_action(partition.backward_input, 1),
+        backward_weight=per_action(partition.backward_weight, 1),
+        latency=latency,
+        bandwidth=bandwidth,
+        message_bytes=message_bytes,
+    )
+    if speeds is not None:  # a stage on a rank of speed 0.5 takes twice as long
+        costs = with_rank_speeds(costs, schedule.placement, speeds)
+    return simulate(
+        schedule,
+        costs,
+        activation_bytes=tuple(a * mb for a in partition.activation_bytes_per_sample),
+        weight_bytes=tuple(float(b) for b in partition.param_bytes),
+        batch_scale=batch_scale,
+        deferred_bytes=deferred_bytes(partition, mb),
+        freed_bytes=freed_at_input_bytes(partition, mb),
+    )
