@@ -3,19 +3,23 @@
 The profile times layers and the whole model's step in as many processes as the run has,
 but the level of a real run's compute still differs from it (BENCHMARKS.md: at four
 processes on two cores, 1.15x to 1.3x between two profiles of the same model, every layout
-of a sweep off by the same factor to within a few per cent; at two processes 0.95-1.05x).
-So after the profile, one layout without a bubble and with few messages (pp = 1, every
-process a data-parallel replica) trains for a few steps through the real launcher, a few
-times, and every layer's compute is scaled by the median run's compute over the predicted
-one; what its processes held beyond the prediction is added to every layout's bytes.
-The shape of the predictions (which layout is faster, by how much) stays the profile's;
-the scale becomes the run's. docs/plan_auto.md has the figures.
+of a sweep off by the same factor to within a few per cent; at two processes 0.95-1.05x),
+and so can its shape over the micro-batch size (the seventh sweep's profile put micro-batch
+4 a quarter slower a sample than 8). So after the profile, layouts without a bubble and
+with few messages (pp = 1, every process a data-parallel replica) train for a few steps
+through the real launcher, a few times each, at two micro-batch sizes; every layer's
+compute at a size is scaled by the median run's compute over the predicted one there
+(between the two sizes the factor follows the logarithm of the size, beyond them the
+nearest's holds); what their processes held beyond the prediction is added to every
+layout's bytes. The shape of the predictions within one size stays the profile's; the
+scale becomes the runs'. docs/plan_auto.md has the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -32,23 +36,48 @@ __all__ = [
     "calibrate",
     "calibrate_for",
     "check_calibrate_flags",
+    "factor_at",
     "reference_layout",
+    "reference_layouts",
 ]
 
-# The micro-batch size the reference prefers: the sizes the planner's winners use here.
-_PREFERRED_SIZE = 4
+# The micro-batch sizes the references prefer: those the planner's winners use here
+# (4 to 16 on the sweeps of BENCHMARKS.md).
+_PREFERRED_SIZES = (4, 16)
+
+
+def reference_layouts(request: AutoRequest) -> tuple[Layout, ...]:
+    """pp = 1, dp = every process, at the micro-batch counts whose sizes are nearest 4 and
+    nearest 16 (one layout where they are the same); () where the batch does not split
+    over the processes."""
+    world, batch = request.world_size, request.batch_size
+    if batch % world:
+        return ()
+    local = batch // world
+    counts = [m for m in range(1, local + 1) if local % m == 0]
+    picked = [min(counts, key=lambda c: (abs(local // c - size), c)) for size in _PREFERRED_SIZES]
+    return tuple(Layout("1f1b", 1, world, 1, 1, m, False, False) for m in dict.fromkeys(picked))
 
 
 def reference_layout(request: AutoRequest) -> Layout | None:
-    """pp = 1, dp = every process, the micro-batch count whose size is nearest 4; None
-    where the batch does not split over the processes."""
-    world, batch = request.world_size, request.batch_size
-    if batch % world:
-        return None
-    local = batch // world
-    counts = [m for m in range(1, local + 1) if local % m == 0]
-    m = min(counts, key=lambda c: (abs(local // c - _PREFERRED_SIZE), c))
-    return Layout("1f1b", 1, world, 1, 1, m, False, False)
+    """The first of ``reference_layouts`` (micro-batches nearest 4), or None."""
+    layouts = reference_layouts(request)
+    return layouts[0] if layouts else None
+
+
+def factor_at(factors: dict[int, float], size: int) -> float:
+    """The calibration factor at micro-batch ``size`` from those measured at some sizes:
+    on the straight line in the logarithm of the size between the two around it, the
+    nearest's beyond them."""
+    sizes = sorted(factors)
+    if size <= sizes[0]:
+        return factors[sizes[0]]
+    if size >= sizes[-1]:
+        return factors[sizes[-1]]
+    hi = next(s for s in sizes if s >= size)
+    lo = max(s for s in sizes if s < size)
+    weight = math.log(size / lo) / math.log(hi / lo)
+    return factors[lo] + weight * (factors[hi] - factors[lo])
 
 
 def add_calibrate_flags(p: argparse.ArgumentParser) -> None:
@@ -58,15 +87,16 @@ def add_calibrate_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=8,
         metavar="S",
-        help="with --auto --balance profile on a CPU: train one reference layout (pp 1, every "
-        "process a replica) S steps and scale the profiled compute to it (default 8; 0: none)",
+        help="with --auto --balance profile on a CPU: train reference layouts (pp 1, every "
+        "process a replica, micro-batches near 4 and 16) S steps and scale the profiled "
+        "compute to them (default 8; 0: none)",
     )
     p.add_argument(
         "--calibrate-runs",
         type=int,
         default=3,
         metavar="R",
-        help="with --calibrate-steps: runs of the reference, the median counted (default 3)",
+        help="with --calibrate-steps: runs of each reference, the median counted (default 3)",
     )
 
 
@@ -97,8 +127,8 @@ def calibrate_for(
     if not (hw.shared_cores and args.calibrate_steps and request.world_size > 1):
         return costs_for, hw, ""
     say(
-        f"calibrating: a reference layout trains {args.calibrate_steps} steps, "
-        f"{args.calibrate_runs} times"
+        f"calibrating: reference layouts train {args.calibrate_steps} steps, "
+        f"{args.calibrate_runs} times each"
     )
     return calibrate(
         config, config.name, request, costs_for, hw, steps=args.calibrate_steps,
@@ -119,51 +149,74 @@ def calibrate(
     runs: int = 3,
     say: Callable[[str], None] = lambda _line: None,
 ) -> tuple[CostsFor, Hardware, str]:
-    """``costs_for`` with its compute scaled to real runs of ``reference_layout``, ``hw``
+    """``costs_for`` with its compute scaled to real runs of ``reference_layouts``, ``hw``
     with the bytes a process holds beyond the profile's step, and a line saying what was
     measured (or why nothing was). ``hw`` is a profile's (no fixed part per layer: every
-    second of the pipeline is in the costs scaled). ``runs`` runs of ``steps`` steps each:
-    the median run counts, as runs of one layout here differ by up to a third (BENCHMARKS.md).
-    ``measure``: ``plan_measure.measure_layout``; ``overrides_of``: a layout's config fields;
-    ``say``: the runs' progress."""
-    layout = reference_layout(request)
-    if layout is None:
+    second of the pipeline is in the costs scaled). ``runs`` runs of ``steps`` steps per
+    reference: the median run counts, as runs of one layout here differ by up to a third
+    (BENCHMARKS.md). ``measure``: ``plan_measure.measure_layout``; ``overrides_of``: a
+    layout's config fields; ``say``: the runs' progress."""
+    layouts = reference_layouts(request)
+    if not layouts:
         return costs_for, hw, "; not calibrated (the batch does not split over the processes)"
-    scored = Scorer(config, dataclasses.replace(request, memory_limit=None), costs_for, hw)
-    predicted = scored.evaluate(layout)
-    if predicted is None or predicted.pipeline_time <= 0:
-        return costs_for, hw, f"; not calibrated ({layout.describe()} cannot be simulated)"
+    scorer = Scorer(config, dataclasses.replace(request, memory_limit=None), costs_for, hw)
+    said: list[str] = []
+    predictions = []
+    for layout in layouts:
+        predicted = scorer.evaluate(layout)
+        if predicted is None or predicted.pipeline_time <= 0:
+            said.append(f"not by {layout.describe()} (it cannot be simulated)")
+        else:
+            predictions.append(predicted)
+    # Alternating (a, b, a, b, ...): a machine that drifts moves both sizes alike.
     done = measure_top(
-        [predicted] * runs, request, overrides_of, model=model, steps=steps, say=say,
+        predictions * runs, request, overrides_of, model=model, steps=steps, say=say,
         measure=measure,
     )  # fmt: skip
-    ok = [run for run in done if run.ok and run.step_time > 0]
-    if not ok:
-        failed = next((run.error for run in done if run.error), "no step timed")
-        return costs_for, hw, f"; not calibrated ({layout.describe()} failed: {failed[:80]})"
-    step = statistics.median(run.step_time for run in ok)
-    # The step's all-reduce and update keep their measured links; the rest is compute.
-    compute = step - predicted.dp_time - predicted.update_time
-    factor = max(compute, 0.1 * step) / predicted.pipeline_time
+    factors: dict[int, float] = {}
+    measured: list[tuple[Scored, list[Any]]] = []
+    for i, predicted in enumerate(predictions):
+        mine = done[i :: len(predictions)]
+        ok = [run for run in mine if run.ok and run.step_time > 0]
+        if not ok:
+            failed = next((run.error for run in mine if run.error), "no step timed")
+            said.append(f"not by {predicted.layout.describe()} (failed: {failed[:80]})")
+            continue
+        step = statistics.median(run.step_time for run in ok)
+        # The step's all-reduce and update keep their measured links; the rest is compute.
+        compute = step - predicted.dp_time - predicted.update_time
+        factor = max(compute, 0.1 * step) / predicted.pipeline_time
+        factors[scorer.microbatch_size(predicted.layout)] = factor
+        measured.append((predicted, ok))
+        said.append(
+            f"by {predicted.layout.describe()}: predicted {predicted.step_time * 1e3:.0f} ms, "
+            f"measured {_listed(run.step_time * 1e3 for run in ok)} ms over {steps} steps "
+            f"(median of {len(ok)} runs), compute x {factor:.2f}"
+        )
+    if not factors:
+        return costs_for, hw, "; not calibrated: " + "; ".join(said)
 
     def calibrated(tp: int, mb: int) -> list[LayerCost]:
-        return scaled_times(costs_for(tp, mb), factor)
+        return scaled_times(costs_for(tp, mb), factor_at(factors, mb))
 
-    said = (
-        f"; calibrated by {layout.describe()}: predicted {predicted.step_time * 1e3:.0f} ms, "
-        f"measured {_listed(run.step_time * 1e3 for run in ok)} ms over {steps} steps "
-        f"(median of {len(ok)} runs), compute x {factor:.2f}"
-    )
-    hw, memory_said = _calibrated_memory(hw, predicted, ok)
-    return calibrated, hw, said + memory_said
+    between = " (between the sizes by the logarithm of the size)" if len(factors) > 1 else ""
+    hw, memory_said = _calibrated_memory(hw, measured)
+    return calibrated, hw, "; calibrated " + "; ".join(said) + between + memory_said
 
 
-def _calibrated_memory(hw: Hardware, predicted: Scored, runs: list[Any]) -> tuple[Hardware, str]:
-    """``hw`` with what the reference's fullest process measured beyond its prediction
-    (the median over ``runs``) added to every process's bytes: a real run's process holds
+def _calibrated_memory(
+    hw: Hardware, measured: list[tuple[Scored, list[Any]]]
+) -> tuple[Hardware, str]:
+    """``hw`` with what the references' fullest processes measured beyond their prediction
+    (the median over every run) added to every process's bytes: a real run's process holds
     what the profile's one-process step does not (its data, the replicas' reducer, the
     launcher's and the communicators' own), alike in every layout."""
-    gaps = [max(run.measured_peak) - predicted.memory[0].total for run in runs if run.measured_peak]
+    gaps = [
+        max(run.measured_peak) - predicted.memory[0].total
+        for predicted, runs in measured
+        for run in runs
+        if run.measured_peak
+    ]
     if not gaps:
         return hw, "; memory not calibrated (the runs measured no peak)"
     gap = statistics.median(gaps)
