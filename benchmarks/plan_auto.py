@@ -7,7 +7,7 @@
 For each model and world size: per-layer costs are profiled once (``--balance profile``'s
 machinery), the planner searches, and then every layout of a sweep (the ``--sweep``
 layouts the planner predicts fastest, plus the default config's layout and the calibration's
-reference layout) is trained for ``--steps`` steps through the real launcher, once in each of
+reference layouts) is trained for ``--steps`` steps through the real launcher, once in each of
 ``--rounds`` rounds (each round in its own shuffled order; a layout's figures are the
 median over its rounds). Printed, as markdown: each layout's predicted and measured step
 time and peak model memory per process, then
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.plan_auto import auto_overrides, explain, hardware_for
-from pipetrain.cli.plan_calibrate import calibrate, reference_layout
+from pipetrain.cli.plan_calibrate import calibrate, reference_layouts
 from pipetrain.cli.plan_measure import best_measured, measure_layout, render_measured
 from pipetrain.cli.plan_profile import auto_costs
 from pipetrain.models.config import get_model_config
@@ -179,9 +179,8 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     # The calibration's reference layout is trained in every round too: measured beside
     # the sweep, it shows how far the machine moved since the calibration runs set the
     # scale (a drift that no prediction made before the sweep can see).
-    ref_layout = reference_layout(request)
-    reference = scorer.evaluate(ref_layout) if ref_layout is not None else None
-    for extra in (default, reference):
+    references = [scorer.evaluate(lay) for lay in reference_layouts(request)]
+    for extra in (default, *references):
         if extra is not None and extra.layout not in {s.layout for s in sweep}:
             sweep.append(extra)
     print(f"\n### {model}, {world} processes, batch {BATCH} x {args.seq_len}\n\ncosts {source}\n")
@@ -234,7 +233,9 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
         print(
             f"predicted peak memory error per process: max {max(mem):.1%}, mean {statistics.mean(mem):.1%}"
         )
-    if reference is not None and reference.layout in ok:
+    for reference in references:
+        if reference is None or reference.layout not in ok:
+            continue
         r = ok[reference.layout]
         print(
             f"the calibration's reference {reference.layout.describe()} in the sweep: predicted "
