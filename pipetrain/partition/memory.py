@@ -3,7 +3,8 @@
 What one process (one tp rank of one pipeline rank of one replica) holds at its peak:
 
     weights + gradients + optimizer state   16 bytes a parameter (fp32 AdamW), plus the
-                                            dp gradient buckets (4 more) with dp > 1
+                                            dp gradient buckets (4 more) with dp > 1 (or
+                                            the flat copies Chimera's replicas sum)
     activations                             the simulator's peak over the schedule of the
                                             live micro-batches' saved tensors
     transient                               with recomputation, the one block being re-run
@@ -39,7 +40,9 @@ class RankMemory:
     """Bytes one process holds at its peak, by what holds them."""
 
     weights: float  # every weight version held (one for synchronous schedules)
-    gradients: float  # the .grad tensors, plus the dp buckets' flat copies with dp > 1
+    # The .grad tensors, plus the flat copies that are all-reduced where there is a sum:
+    # dp > 1, or replicas of a stage (Chimera: ``dp`` is then the all-reduce group's size).
+    gradients: float
     optimizer: float
     activations: float  # the schedule's peak of live micro-batches' saved tensors
     transient: float  # recomputation: one block's full activations for one micro-batch

@@ -314,7 +314,8 @@ class Scorer:
             peak_activation_bytes=sim.peak_activation_bytes or (0.0,) * len(weights),
             microbatch_size=mb,
             message_bytes=self.message_bytes(mb) if layout.pp > 1 else 0.0,
-            dp=layout.dp,
+            # Chimera's replicas sum their gradients through flat copies as dp's buckets do.
+            dp=layout.dp * schedule.placement.replicas,
             recompute_block_bytes=full_block if layout.recompute or layout.recompute_ranks else 0.0,
             overhead=hw.memory_overhead,
             recompute_ranks=None if layout.recompute else layout.recompute_ranks,

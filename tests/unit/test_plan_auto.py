@@ -171,6 +171,24 @@ def test_llama3_70b_on_64_ranks_is_planned_fast_and_matches_the_formula() -> Non
     assert winner.peak_bytes == pytest.approx(expected, rel=1e-12)
 
 
+def test_chimera_replicas_are_charged_the_flat_copies_they_all_reduce() -> None:
+    # Each process of Chimera holds a stage of each pipeline and sums its gradients with
+    # the other pipeline's replica through a flat copy (runtime/collectives.py), as dp's
+    # buckets do: 4 more bytes a parameter, where 1F1B at dp = 1 has none.
+    from pipetrain.partition.layouts import Layout
+
+    config, costs = _costs_for("llama-tiny", 32, HARDWARE["cpu"])
+    scorer = Scorer(config, AutoRequest(4, 8, 32), costs, HARDWARE["cpu"])
+    chimera = scorer.evaluate(Layout("chimera", 4, 1, 1, 1, 4, False, False))
+    plain = scorer.evaluate(Layout("1f1b", 4, 1, 1, 1, 4, False, False))
+    assert chimera is not None and plain is not None
+    # AdamW's state is 8 bytes a parameter: the .grad and its flat copy together are too.
+    for m in chimera.memory:
+        assert m.gradients == pytest.approx(m.optimizer) and m.gradients > 0
+    for m in plain.memory:
+        assert m.gradients == pytest.approx(m.optimizer / 2)
+
+
 def test_bad_input_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
     from pipetrain.cli import main
 
