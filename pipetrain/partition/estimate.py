@@ -284,6 +284,48 @@ def _head_activation_bytes(
     return (norm_here + d + config.vocab_size / tp + 2) * seq_len * _FP32
 
 
+@dataclass(frozen=True)
+class _Pricing:
+    """Turns a layer's FLOPs and sizes into its ``LayerCost`` on one tp rank."""
+
+    flops_per_second: float
+    tp: int
+    tp_bandwidth: float | None
+    sequence_parallel: bool
+    activation: float  # bytes of one (1, T, C) activation
+
+    def __call__(
+        self,
+        name: str,
+        kind: str,
+        flops: tuple[float, float, float],
+        params: int,
+        act: float,
+        comm: TpCollectives | None = None,
+        alltoall: tuple[float, float] = (0.0, 0.0),
+        deferred: float = 0.0,
+        freed: float = 0.0,
+    ) -> LayerCost:
+        (fwd, b_in, b_w), s = flops, self.flops_per_second
+        # The collectives wait for their matmul and the next one for them: on the path.
+        comm = comm or layer_collectives(kind, sequence_parallel=self.sequence_parallel)
+        c_fwd = tp_time(comm.forward, self.activation, self.tp, self.tp_bandwidth) + alltoall[0]
+        c_in = tp_time(comm.backward, self.activation, self.tp, self.tp_bandwidth) + alltoall[1]
+        return LayerCost(
+            name,
+            kind,
+            fwd / s + c_fwd,
+            (b_in + b_w) / s + c_in,
+            b_in / s + c_in,
+            b_w / s,
+            params,
+            params * _FP32,
+            act,
+            deferred_bytes_per_sample=deferred,
+            freed_at_input_bytes_per_sample=freed,
+        )
+
+
 def estimate_costs(
     config: ModelConfig,
     seq_len: int,
@@ -304,37 +346,8 @@ def estimate_costs(
     d, v = config.d_model, config.vocab_size
     embed_p, _, head_p = layer_params(config, tp)
     t = seq_len
-    activation = float(t * d * _FP32)  # one (1, T, C) activation, what a tp all-reduce sums
-
-    def cost(
-        name: str,
-        kind: str,
-        flops: tuple[float, float, float],
-        params: int,
-        act: float,
-        comm: TpCollectives | None = None,
-        alltoall: tuple[float, float] = (0.0, 0.0),
-        deferred: float = 0.0,
-        freed: float = 0.0,
-    ) -> LayerCost:
-        (fwd, b_in, b_w), s = flops, flops_per_second
-        # The collectives wait for their matmul and the next one for them: on the path.
-        comm = comm or layer_collectives(kind, sequence_parallel=sequence_parallel)
-        c_fwd = tp_time(comm.forward, activation, tp, tp_bandwidth) + alltoall[0]
-        c_in = tp_time(comm.backward, activation, tp, tp_bandwidth) + alltoall[1]
-        return LayerCost(
-            name,
-            kind,
-            fwd / s + c_fwd,
-            (b_in + b_w) / s + c_in,
-            b_in / s + c_in,
-            b_w / s,
-            params,
-            params * _FP32,
-            act,
-            deferred_bytes_per_sample=deferred,
-            freed_at_input_bytes_per_sample=freed,
-        )
+    # One (1, T, C) activation is what a tp all-reduce sums.
+    cost = _Pricing(flops_per_second, tp, tp_bandwidth, sequence_parallel, float(t * d * _FP32))
 
     # The lookup and its scatter-add backward move T x C numbers: memory-bound, a few FLOPs each.
     # It keeps the token ids (int64), and GPT-2 its position ids too.
