@@ -37,7 +37,6 @@ __all__ = [
     "calibrate_for",
     "check_calibrate_flags",
     "factor_at",
-    "reference_layout",
     "reference_layouts",
 ]
 
@@ -57,12 +56,6 @@ def reference_layouts(request: AutoRequest) -> tuple[Layout, ...]:
     counts = [m for m in range(1, local + 1) if local % m == 0]
     picked = [min(counts, key=lambda c: (abs(local // c - size), c)) for size in _PREFERRED_SIZES]
     return tuple(Layout("1f1b", 1, world, 1, 1, m, False, False) for m in dict.fromkeys(picked))
-
-
-def reference_layout(request: AutoRequest) -> Layout | None:
-    """The first of ``reference_layouts`` (micro-batches nearest 4), or None."""
-    layouts = reference_layouts(request)
-    return layouts[0] if layouts else None
 
 
 def factor_at(factors: dict[int, float], size: int) -> float:

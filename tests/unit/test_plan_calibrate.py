@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pipetrain.cli.plan_auto import HARDWARE, auto_overrides
-from pipetrain.cli.plan_calibrate import calibrate, factor_at, reference_layout, reference_layouts
+from pipetrain.cli.plan_calibrate import calibrate, factor_at, reference_layouts
 from pipetrain.models.config import get_model_config
 from pipetrain.partition.estimate import estimate_costs
 from pipetrain.partition.layouts import AutoRequest, Layout
@@ -35,10 +35,10 @@ def _costs(tp: int, mb: int = 1) -> Any:
 
 
 def test_the_references_are_every_process_a_replica_at_micro_batches_near_4_and_16() -> None:
-    assert reference_layout(AutoRequest(4, 32, 32)) == Layout("1f1b", 1, 4, 1, 1, 2, False, False)
-    assert reference_layout(AutoRequest(2, 32, 32)) == Layout("1f1b", 1, 2, 1, 1, 4, False, False)
-    assert reference_layout(AutoRequest(2, 2, 32)).microbatches == 1
-    assert reference_layout(AutoRequest(3, 32, 32)) is None
+    first = reference_layouts(AutoRequest(4, 32, 32))[0]
+    assert first == Layout("1f1b", 1, 4, 1, 1, 2, False, False)
+    first = reference_layouts(AutoRequest(2, 32, 32))[0]
+    assert first == Layout("1f1b", 1, 2, 1, 1, 4, False, False)
     # 8 samples a process: sizes 4 and 8 (the nearest to 16); 16 a process: 4 and 16.
     assert [lay.microbatches for lay in reference_layouts(AutoRequest(4, 32, 32))] == [2, 1]
     assert [lay.microbatches for lay in reference_layouts(AutoRequest(2, 32, 32))] == [4, 1]
