@@ -26,7 +26,7 @@ import numpy as np
 from pipetrain.cli.plan_auto import HARDWARE
 from pipetrain.config import load_config
 from pipetrain.models.config import get_model_config
-from pipetrain.partition.balance import make_partition
+from pipetrain.partition.balance import split_explicit
 from pipetrain.partition.estimate import estimate_costs
 from pipetrain.partition.layouts import AutoRequest, Layout
 from pipetrain.partition.scoring import Scorer
@@ -36,17 +36,6 @@ _MIB = 2**20
 # A workspace of the whole in-flight micro-batch and no constant: the scorer's workspace
 # is then the in-flight bytes themselves, the fit's first regressor.
 _HW = dataclasses.replace(HARDWARE["cpu"], memory_overhead=(1.0, 0.0))
-
-
-def _layer_bounds(blocks: list[int]) -> list[tuple[int, int]]:
-    """Block counts per stage -> layer ranges (the embedding before the first block, the
-    head after the last)."""
-    bounds, start = [], 1
-    for i, n in enumerate(blocks):
-        first = 0 if i == 0 else start
-        start += n
-        bounds.append((first, start + (1 if i == len(blocks) - 1 else 0)))
-    return bounds
 
 
 def _processes(run: Path) -> list[tuple[str, float, float, float, float]]:
@@ -68,10 +57,9 @@ def _processes(run: Path) -> list[tuple[str, float, float, float, float]]:
     scorer = Scorer(model, AutoRequest(p.pp * p.dp * p.tp, batch, seq_len), costs, _HW)
     schedule = scorer.schedule(layout)
     blocks = [int(n) for n in p.split.split(",")] if p.split else [model.n_layers]
-    partition = make_partition(
-        "explicit", scorer.layout_costs(layout), _layer_bounds(blocks),
-        stage_ranks_of(schedule.placement),
-    )  # fmt: skip
+    partition = split_explicit(
+        scorer.layout_costs(layout), blocks, stage_ranks_of(schedule.placement)
+    )
     scored = scorer.score(layout, schedule, partition, False)
     out = []
     measured = check["measured_peak"]

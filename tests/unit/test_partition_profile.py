@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import time
@@ -79,16 +80,21 @@ def test_profile_of_a_tiny_model_has_one_cost_per_layer() -> None:
         )
 
 
+@functools.cache
+def _profiled_and_estimated(name: str) -> tuple[list[Any], list[Any]]:
+    """A tiny preset's per-layer costs, profiled (micro-batch 2 x 16) and estimated."""
+    config = get_model_config(name)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    costs = profile_layers(model_spec(config), ids, device="cpu", repeats=1, threads=1)
+    return costs, estimate_costs(config, 16)
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "moe-tiny"])
 def test_profiled_output_gradients_held_from_i_to_w_match_the_estimate(name: str) -> None:
     # A split backward queues every linear's output gradient until W: the profile counts
     # the linears' outputs, the estimate counts them from the shapes (GQA's narrower k and
     # v, a MoE block's router and the k experts each token goes to).
-    config = get_model_config(name)
-    spec = model_spec(config)
-    ids = torch.randint(0, config.vocab_size, (2, 16))
-    costs = profile_layers(spec, ids, device="cpu", repeats=1, threads=1)
-    estimated = estimate_costs(config, 16)
+    costs, estimated = _profiled_and_estimated(name)
     assert costs[0].deferred_bytes_per_sample == estimated[0].deferred_bytes_per_sample == 0
     for measured, guess in zip(costs[1:], estimated[1:], strict=True):
         assert measured.deferred_bytes_per_sample > 0
@@ -102,11 +108,7 @@ def test_profiled_activations_freed_at_i_match_the_estimate(name: str) -> None:
     # The end of a split backward's I lets go of every kept tensor but the linears'
     # inputs, which W's weight products need: the profile tells them apart by storage, the
     # estimate from the shapes. The lookup is no linear: all its kept ids go at I.
-    config = get_model_config(name)
-    spec = model_spec(config)
-    ids = torch.randint(0, config.vocab_size, (2, 16))
-    costs = profile_layers(spec, ids, device="cpu", repeats=1, threads=1)
-    estimated = estimate_costs(config, 16)
+    costs, estimated = _profiled_and_estimated(name)
     for embed in (costs[0], estimated[0]):
         assert embed.freed_at_input_bytes_per_sample == embed.activation_bytes_per_sample > 0
     for measured, guess in zip(costs[1:], estimated[1:], strict=True):
