@@ -16,7 +16,6 @@ docs/memory_model.md and BENCHMARKS.md (the eighth sweep) have the figures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import json
 from pathlib import Path
@@ -33,9 +32,7 @@ from pipetrain.partition.scoring import Scorer
 from pipetrain.partition.stages import stage_ranks_of
 
 _MIB = 2**20
-# A workspace of the whole in-flight micro-batch and no constant: the scorer's workspace
-# is then the in-flight bytes themselves, the fit's first regressor.
-_HW = dataclasses.replace(HARDWARE["cpu"], memory_overhead=(1.0, 0.0))
+_HW = HARDWARE["cpu"]
 
 
 def _processes(run: Path) -> list[tuple[str, float, float, float, float]]:
@@ -66,7 +63,7 @@ def _processes(run: Path) -> list[tuple[str, float, float, float, float]]:
     for process, peak in enumerate(measured):
         m = scored.memory[process * len(scored.memory) // len(measured)]  # pp-major
         counted = m.total - m.workspace
-        out.append((layout.describe(), peak / _MIB, counted / _MIB, m.workspace / _MIB,
+        out.append((layout.describe(), peak / _MIB, counted / _MIB, m.in_flight / _MIB,
                     m.activations / _MIB))  # fmt: skip
     return out
 

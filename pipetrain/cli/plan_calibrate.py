@@ -10,8 +10,8 @@ with few messages (pp = 1, every process a data-parallel replica) train for a fe
 through the real launcher, a few times each, at two micro-batch sizes; every layer's
 compute at a size is scaled by the median run's compute over the predicted one there
 (between the two sizes the factor follows the logarithm of the size, beyond them the
-nearest's holds); what their processes held beyond the prediction is added to every
-layout's bytes. The shape of the predictions within one size stays the profile's; the
+nearest's holds); what their processes held beyond the count refits the workspace
+(a fraction of the micro-batch in flight and bytes a process) that every layout is charged. The shape of the predictions within one size stays the profile's; the
 scale becomes the runs'. docs/plan_auto.md has the figures.
 """
 
@@ -29,6 +29,7 @@ from pipetrain.cli.plan_measure import measure_layout, measure_top
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.layer_costs import LayerCost, scaled_times
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
+from pipetrain.partition.memory import fit_line
 from pipetrain.partition.scoring import Scorer
 
 __all__ = [
@@ -200,27 +201,41 @@ def calibrate(
 def _calibrated_memory(
     hw: Hardware, measured: list[tuple[Scored, list[Any]]]
 ) -> tuple[Hardware, str]:
-    """``hw`` with what the references' fullest processes measured beyond their prediction
-    (the median over every run) added to every process's bytes: a real run's process holds
-    what the profile's one-process step does not (its data, the replicas' reducer, the
-    launcher's and the communicators' own), alike in every layout."""
-    gaps = [
-        max(run.measured_peak) - predicted.memory[0].total
-        for predicted, runs in measured
-        for run in runs
-        if run.measured_peak
-    ]
-    if not gaps:
+    """``hw`` with the workspace refitted on the references' runs: what each run's fullest
+    process held beyond the count without a workspace (weights, gradients, optimizer
+    state, saved activations, buffers), the median per reference, against the bytes in
+    flight of its prediction. Two references (in flight 2x to 4x apart) fit the fraction
+    and the bytes per process (``fit_line``); one keeps the profile's fraction and fits
+    the bytes. A real run's process holds what the profile's one-process step does not
+    (its data, the replicas' reducer, the communicators, the heap it does not give back,
+    docs/memory_model.md); the recomputing workspace moves by the same bytes."""
+    points = []
+    for predicted, runs in measured:
+        peaks = [max(run.measured_peak) for run in runs if run.measured_peak]
+        if peaks:
+            counted = predicted.memory[0]
+            beyond = statistics.median(peaks) - (counted.total - counted.workspace)
+            points.append((counted.in_flight, beyond))
+    if not points:
         return hw, "; memory not calibrated (the runs measured no peak)"
-    gap = statistics.median(gaps)
     fraction, per_process = hw.memory_overhead
+    if len({x for x, _ in points}) > 1:
+        new_fraction, new_bytes = fit_line(points)
+    else:
+        new_fraction = fraction
+        new_bytes = max(0.0, statistics.median(y - fraction * x for x, y in points))
     r_fraction, r_per_process = hw.recompute_overhead
     hw = dataclasses.replace(
         hw,
-        memory_overhead=(fraction, max(0.0, per_process + gap)),
-        recompute_overhead=(r_fraction, max(0.0, r_per_process + gap)),
+        memory_overhead=(new_fraction, new_bytes),
+        recompute_overhead=(r_fraction, max(0.0, r_per_process + new_bytes - per_process)),
     )
-    return hw, f"; a process measured {gap / 2**20:+.1f} MiB beyond the profile's peak"
+    return hw, (
+        f"; a process held beyond the count {_listed(y / 2**20 for _, y in points)} MiB "
+        f"(median per reference): workspace {new_fraction:.0%} of the micro-batch in flight "
+        f"and {new_bytes / 2**20:.1f} MiB a process (the profile's step: {fraction:.0%} and "
+        f"{per_process / 2**20:.1f} MiB)"
+    )
 
 
 def _listed(values: Any) -> str:

@@ -26,6 +26,7 @@ from pipetrain.partition.balance import LayerCost, Partition
 __all__ = [
     "OPTIMIZER_FACTOR",
     "RankMemory",
+    "fit_line",
     "fit_overhead",
     "rank_memory",
     "recompute_costs",
@@ -51,6 +52,9 @@ class RankMemory:
     # beyond the saved tensors (the backward's gradients in flight, the optimizer's
     # temporaries, the allocator's slack) and the process's own (communicators, caches).
     workspace: float = 0.0
+    # What the workspace's fraction is of: one action's activations on the rank's largest
+    # stage, plus the recomputed block's (``rank_memory``); a calibration refits on it.
+    in_flight: float = 0.0
 
     @property
     def static(self) -> float:
@@ -81,7 +85,14 @@ def fit_overhead(
         for size, measured in sorted(step_bytes.items())
         if measured > 0
     ]  # fmt: skip
-    if len(points) < 2:
+    return fit_line(points) if len(points) >= 2 else (0.0, 0.0)
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through ``points`` (x, y), both kept
+    >= 0: a workspace neither shrinks as the activations grow nor holds less than nothing.
+    With every x alike, the slope is 0 and the intercept the mean."""
+    if not points:
         return 0.0, 0.0
     x_mean = sum(x for x, _ in points) / len(points)
     y_mean = sum(y for _, y in points) / len(points)
@@ -175,6 +186,7 @@ def rank_memory(
             transient=transient[r],
             buffers=2.0 * neighbours[r] * message_bytes,
             workspace=charged[r][0] * (in_flight[r] + transient[r]) + charged[r][1],
+            in_flight=in_flight[r] + transient[r],
         )
         for r in range(ranks)
     )

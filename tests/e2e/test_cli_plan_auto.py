@@ -70,7 +70,7 @@ def test_plan_auto_profiles_every_microbatch_size_on_as_many_processes() -> None
     assert "calibrated by 1f1b pp=1 dp=2 tp=1 m=1: predicted " in planned.stdout
     assert "over 3 steps (median of 2 runs), compute x " in planned.stdout
     # ... and the bytes its processes held beyond the profile's step enter every layout.
-    assert "MiB beyond the profile's peak" in planned.stdout
+    assert "MiB a process (the profile's step: " in planned.stdout
     assert "winner:" in planned.stdout
 
 
