@@ -145,27 +145,53 @@ def _check_measure(args: argparse.Namespace) -> None:
 
 
 def _measured_winner(
-    plan: AutoPlan, args: argparse.Namespace, model: str, extra: Sequence[str] = ()
+    plan: AutoPlan,
+    args: argparse.Namespace,
+    model: str,
+    replan: Callable[[float], AutoPlan],
+    extra: Sequence[str] = (),
 ) -> tuple[Scored | None, list[dict[str, Any]]]:
-    """The predicted winner, or with ``--measure K`` the fastest measured of the K fastest;
-    the runs measured (as JSON)."""
+    """The predicted winner, or with ``--measure K`` the fastest measured of the K fastest
+    that fits; the runs measured (as JSON). Where none fits as measured, ``replan`` searches
+    once more under the limit lowered by the most a candidate went beyond its prediction
+    (``lowered_limit``) and its K fastest are measured; if none of those fits either, the
+    predicted winner stands, said so."""
     if not args.measure or plan.winner is None:
         return plan.winner, []
-    from pipetrain.cli.plan_measure import best_measured, measure_top, render_measured
-
-    request = plan.request
-    measured = measure_top(
-        plan.ranked[: args.measure],
-        request,
-        auto_overrides,
-        model=model,
-        steps=args.measure_steps,
-        say=_say(args),
-        extra=extra,
+    from pipetrain.cli.plan_measure import (
+        best_measured,
+        lowered_limit,
+        measure_top,
+        render_measured,
     )
-    if not getattr(args, "json", False):  # with --json the runs are in its object
-        sys.stdout.write(render_measured(measured, request.memory_limit))
-    best = best_measured(measured, request.memory_limit)
+
+    say, limit = _say(args), plan.request.memory_limit
+    quiet = getattr(args, "json", False)  # with --json the runs are in its object
+
+    def measured_of(candidates: Sequence[Scored]) -> list[Any]:
+        done = measure_top(
+            candidates, plan.request, auto_overrides, model=model, steps=args.measure_steps,
+            say=say, extra=extra,
+        )  # fmt: skip
+        if not quiet:
+            sys.stdout.write(render_measured(done, limit))
+        return done
+
+    measured = measured_of(plan.ranked[: args.measure])
+    best = best_measured(measured, limit)
+    lowered = lowered_limit(measured, limit) if best is None and limit is not None else None
+    if lowered is not None:
+        again = replan(lowered)
+        say(
+            f"none fits as measured: planning again under {format_bytes(lowered)} (the limit "
+            f"less the most a candidate's process held beyond its prediction)"
+        )
+        if again.ranked:
+            more = measured_of(again.ranked[: args.measure])
+            measured += more
+            best = best_measured(more, limit)
+    if best is None and measured and not quiet:
+        sys.stdout.write("the predicted winner is kept: lower --memory-limit, or add processes\n")
     return (best.scored if best is not None else plan.winner), [m.to_json() for m in measured]
 
 
@@ -185,7 +211,11 @@ def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
     plan = search(config, request, costs_for, hw)
     if not args.json:
         sys.stdout.write(render(plan, config.name, source))
-    winner, measured = _measured_winner(plan, args, config.name)
+
+    def replan(limit: float) -> AutoPlan:
+        return search(config, dataclasses.replace(request, memory_limit=limit), costs_for, hw)
+
+    winner, measured = _measured_winner(plan, args, config.name, replan)
     if args.out is not None and winner is not None:
         _write(Path(args.out), config.name, winner, request)
         _say(args)(f"wrote {args.out}: pipetrain train --config {args.out}")
@@ -396,7 +426,11 @@ def auto_config(config: Any, args: argparse.Namespace) -> Any:
         )
         for text in ("--set", f"{key}={json.dumps(value)}")
     ]
-    winner = _measured_winner(plan, args, model.name, extra)[0] or plan.winner
+
+    def replan(lowered: float) -> AutoPlan:
+        return search(model, dataclasses.replace(request, memory_limit=lowered), costs_for, hw)
+
+    winner = _measured_winner(plan, args, model.name, replan, extra)[0] or plan.winner
     fields = auto_overrides(winner, request)
     pipeline = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("pipeline.")}
     pipeline.setdefault("chunks", 1)  # the schedule's own number

@@ -147,6 +147,18 @@ def measure_top(
     return measured
 
 
+def lowered_limit(measured: Sequence[Measured], limit: float) -> float | None:
+    """``limit`` less the most that a measured candidate's fullest process held beyond its
+    prediction: the budget to plan again under when none fits as measured; None where no
+    run measured a peak or the lowered limit would leave nothing."""
+    over = [
+        max(m.measured_peak) - m.scored.peak_bytes for m in measured if m.ok and m.measured_peak
+    ]
+    if not over or limit - max(over) <= 0:
+        return None
+    return limit - max(0.0, max(over))
+
+
 def best_measured(measured: Sequence[Measured], limit: float | None) -> Measured | None:
     """The fastest measured candidate whose measured peak fits ``limit``."""
     fitting = [m for m in measured if m.fits(limit) and m.tokens_per_s == m.tokens_per_s]
@@ -174,10 +186,7 @@ def render_measured(measured: Sequence[Measured], limit: float | None) -> str:
     if best is None:
         first = measured[0]
         said = f" (it measured {format_bytes(max(first.measured_peak))})" if first.ok else ""
-        lines.append(
-            f"no measured candidate fits the limit: the predicted winner is kept{said}; "
-            "plan again with a --memory-limit lower by what the candidates went over"
-        )
+        lines.append(f"no measured candidate fits the limit{said}")
     else:
         first = measured[0]
         if best is first:
