@@ -24,6 +24,7 @@ layout's predicted peak, the five fastest predicted to fit under it trained as
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import statistics
@@ -227,6 +228,7 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     print(
         f"predicted step time error, five predicted fastest: max {max(errors):.1%}, mean {statistics.mean(errors):.1%}"
     )
+    _drift_out(plan.ranked[:5], ok, references, scorer)
     planned = {s.layout: s for s in sweep}
     mem = [
         abs(p / m - 1)
@@ -252,6 +254,26 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
         _confirm(plan.ranked[0], rival, request, model, world, args)
     if default is not None:
         _budget(config, model, world, request, costs_for, hw, default, args)
+
+
+def _drift_out(top: list[Scored], ok: dict[Layout, dict[str, Any]],
+               references: list[Scored | None], scorer: Scorer) -> None:  # fmt: skip
+    """The top five's error with the machine's drift taken out, a diagnostic (the planner
+    cannot see a drift that comes after it): each round's measurement divided by that
+    round's measured-over-predicted of the reference nearest in micro-batch size."""
+    refs = [r for r in references if r is not None and r.layout in ok]
+    errors = []
+    for s in top:
+        if s.layout not in ok or not refs:
+            continue
+        size = scorer.microbatch_size(s.layout)
+        ref = min(refs, key=lambda r: abs(math.log(scorer.microbatch_size(r.layout) / size)))
+        pairs = zip(ok[s.layout]["rounds"], ok[ref.layout]["rounds"], strict=False)
+        corrected = statistics.median(t * ref.step_time / r for t, r in pairs)
+        errors.append(abs(s.step_time / corrected - 1))
+    if errors:
+        print(f"  with each round's drift of the nearest reference taken out: max "
+              f"{max(errors):.1%}, mean {statistics.mean(errors):.1%}")  # fmt: skip
 
 
 def _budget(config: Any, model: str, world: int, request: AutoRequest, costs_for: Any, hw: Any,
