@@ -31,6 +31,7 @@ from pipetrain.models.config import ModelConfig
 from pipetrain.partition.auto import AutoPlan, AutoRequest, Hardware, Scored, search
 from pipetrain.partition.balance import format_bytes
 from pipetrain.partition.estimate import DEFAULT_FLOPS
+from pipetrain.partition.layouts import CostsFor
 from pipetrain.schedules.registry import get_spec
 
 __all__ = [
@@ -181,11 +182,11 @@ def _measured_winner(
     best = best_measured(measured, limit)
     lowered = lowered_limit(measured, limit) if best is None and limit is not None else None
     if lowered is not None:
-        again = replan(lowered)
         say(
             f"none fits as measured: planning again under {format_bytes(lowered)} (the limit "
             f"less the most a candidate's process held beyond its prediction)"
         )
+        again = replan(lowered)
         if again.ranked:
             more = measured_of(again.ranked[: args.measure])
             measured += more
@@ -193,6 +194,17 @@ def _measured_winner(
     if best is None and measured and not quiet:
         sys.stdout.write("the predicted winner is kept: lower --memory-limit, or add processes\n")
     return (best.scored if best is not None else plan.winner), [m.to_json() for m in measured]
+
+
+def _replanner(
+    config: ModelConfig, request: AutoRequest, costs_for: CostsFor, hw: Hardware
+) -> Callable[[float], AutoPlan]:
+    """The same search under another memory limit (``--measure``'s second plan)."""
+
+    def replan(limit: float) -> AutoPlan:
+        return search(config, dataclasses.replace(request, memory_limit=limit), costs_for, hw)
+
+    return replan
 
 
 def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
@@ -211,10 +223,7 @@ def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
     plan = search(config, request, costs_for, hw)
     if not args.json:
         sys.stdout.write(render(plan, config.name, source))
-
-    def replan(limit: float) -> AutoPlan:
-        return search(config, dataclasses.replace(request, memory_limit=limit), costs_for, hw)
-
+    replan = _replanner(config, request, costs_for, hw)
     winner, measured = _measured_winner(plan, args, config.name, replan)
     if args.out is not None and winner is not None:
         _write(Path(args.out), config.name, winner, request)
@@ -426,10 +435,7 @@ def auto_config(config: Any, args: argparse.Namespace) -> Any:
         )
         for text in ("--set", f"{key}={json.dumps(value)}")
     ]
-
-    def replan(lowered: float) -> AutoPlan:
-        return search(model, dataclasses.replace(request, memory_limit=lowered), costs_for, hw)
-
+    replan = _replanner(model, request, costs_for, hw)
     winner = _measured_winner(plan, args, model.name, replan, extra)[0] or plan.winner
     fields = auto_overrides(winner, request)
     pipeline = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("pipeline.")}

@@ -11,8 +11,9 @@ through the real launcher, a few times each, at two micro-batch sizes; every lay
 compute at a size is scaled by the median run's compute over the predicted one there
 (between the two sizes the factor follows the logarithm of the size, beyond them the
 nearest's holds); what their processes held beyond the count refits the workspace
-(a fraction of the micro-batch in flight and bytes a process) that every layout is charged. The shape of the predictions within one size stays the profile's; the
-scale becomes the runs'. docs/plan_auto.md has the figures.
+(a fraction of the micro-batch in flight and bytes a process) that every layout is
+charged. The shape of the predictions within one size stays the profile's; the scale
+becomes the runs'. docs/plan_auto.md has the figures.
 """
 
 from __future__ import annotations

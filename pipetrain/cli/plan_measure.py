@@ -154,9 +154,8 @@ def lowered_limit(measured: Sequence[Measured], limit: float) -> float | None:
     over = [
         max(m.measured_peak) - m.scored.peak_bytes for m in measured if m.ok and m.measured_peak
     ]
-    if not over or limit - max(over) <= 0:
-        return None
-    return limit - max(0.0, max(over))
+    lowered = limit - max(0.0, *over) if over else 0.0
+    return lowered if lowered > 0 else None
 
 
 def best_measured(measured: Sequence[Measured], limit: float | None) -> Measured | None:
