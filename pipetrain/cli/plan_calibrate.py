@@ -12,8 +12,11 @@ compute at a size is scaled by the median run's compute over the predicted one t
 (between the two sizes the factor follows the logarithm of the size, beyond them the
 nearest's holds); what their processes held beyond the count refits the workspace
 (a fraction of the micro-batch in flight and bytes a process) that every layout is
-charged. The shape of the predictions within one size stays the profile's; the scale
-becomes the runs'. docs/plan_auto.md has the figures.
+charged. A third reference, interleaved 1F1B over 2 ranks at the smaller size, runs 4x
+(or 2x) the actions a process of the first: the seconds an action that make its prediction
+meet its run are charged to every action of every layout (``plan_action_cost``). The shape
+of the predictions within one size stays the profile's; the scale becomes the runs'.
+docs/plan_auto.md has the figures.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 from pipetrain.cli.errors import UsageError
+from pipetrain.cli.plan_action_cost import (
+    Reference,
+    fit_per_action,
+    pipelined_references,
+    reference_factors,
+)
 from pipetrain.cli.plan_measure import measure_layout, measure_top
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.layer_costs import LayerCost, scaled_times
@@ -145,8 +154,9 @@ def calibrate(
     say: Callable[[str], None] = lambda _line: None,
 ) -> tuple[CostsFor, Hardware, str]:
     """``costs_for`` with its compute scaled to real runs of ``reference_layouts``, ``hw``
-    with the bytes a process holds beyond the profile's step, and a line saying what was
-    measured (or why nothing was). ``hw`` is a profile's (no fixed part per layer: every
+    with the seconds an action costs beyond its layers (fitted on a pipelined reference,
+    ``plan_action_cost``) and the bytes a process holds beyond the profile's step, and a
+    line saying what was measured (or why nothing was). ``hw`` is a profile's (no fixed part per layer: every
     second of the pipeline is in the costs scaled). ``runs`` runs of ``steps`` steps per
     reference: the median run counts, as runs of one layout here differ by up to a third
     (BENCHMARKS.md). ``measure``: ``plan_measure.measure_layout``; ``overrides_of``: a
@@ -154,7 +164,8 @@ def calibrate(
     layouts = reference_layouts(request)
     if not layouts:
         return costs_for, hw, "; not calibrated (the batch does not split over the processes)"
-    scorer = Scorer(config, dataclasses.replace(request, memory_limit=None), costs_for, hw)
+    free = dataclasses.replace(request, memory_limit=None)
+    scorer = Scorer(config, free, costs_for, hw)
     said: list[str] = []
     predictions = []
     for layout in layouts:
@@ -163,40 +174,86 @@ def calibrate(
             said.append(f"not by {layout.describe()} (it cannot be simulated)")
         else:
             predictions.append(predicted)
-    # Alternating (a, b, a, b, ...): a machine that drifts moves both sizes alike.
+    piped = _pipelined(scorer, free, predictions)
+    runs_of = predictions + piped
+    # Alternating (a, b, a, b, ...): a machine that drifts moves every reference alike.
     done = measure_top(
-        predictions * runs, request, overrides_of, model=model, steps=steps, say=say,
+        runs_of * runs, request, overrides_of, model=model, steps=steps, say=say,
         measure=measure,
     )  # fmt: skip
-    factors: dict[int, float] = {}
-    measured: list[tuple[Scored, list[Any]]] = []
-    for i, predicted in enumerate(predictions):
-        mine = done[i :: len(predictions)]
+    references, measured = _medians(runs_of, done, steps, said)
+    measured = [(p, ok) for p, ok in measured if p not in piped]  # pp = 1 fits the bytes
+    plain = [ref for ref in references if ref.predicted not in piped]
+    if not plain:
+        return costs_for, hw, "; not calibrated: " + "; ".join(said)
+
+    def scorer_at(factors: dict[int, float], per_action: float) -> Scorer:
+        scaled = _scaled(costs_for, factors) if factors else costs_for
+        return Scorer(config, free, scaled, dataclasses.replace(hw, per_action=per_action))
+
+    per_action, factors = 0.0, reference_factors(plain, 0.0, scorer)
+    action_said = ""
+    if len(references) > len(plain):
+        per_action, factors = fit_per_action(plain, references[-1], scorer_at)
+        action_said = (
+            f"; each action (F, B, I or W) {per_action * 1e3:.2f} ms beyond its layers, "
+            f"which {references[-1].predicted.layout.describe()} measured"
+        )
+    said.append(
+        "compute x " + ", ".join(f"{factors[s]:.2f} at micro-batch {s}" for s in sorted(factors))
+    )
+    between = " (between the sizes by the logarithm of the size)" if len(factors) > 1 else ""
+    hw, memory_said = _calibrated_memory(dataclasses.replace(hw, per_action=per_action), measured)
+    return (
+        _scaled(costs_for, factors), hw,
+        "; calibrated " + "; ".join(said) + between + action_said + memory_said,
+    )  # fmt: skip
+
+
+def _medians(
+    runs_of: list[Scored], done: list[Any], steps: int, said: list[str]
+) -> tuple[list[Reference], list[tuple[Scored, list[Any]]]]:
+    """Each reference's median step over its runs that trained (``done`` alternates over
+    ``runs_of``), and those runs; what was measured, or why not, added to ``said``."""
+    references, measured = [], []
+    for i, predicted in enumerate(runs_of):
+        mine = done[i :: len(runs_of)]
         ok = [run for run in mine if run.ok and run.step_time > 0]
         if not ok:
             failed = next((run.error for run in mine if run.error), "no step timed")
             said.append(f"not by {predicted.layout.describe()} (failed: {failed[:80]})")
             continue
-        step = statistics.median(run.step_time for run in ok)
-        # The step's all-reduce and update keep their measured links; the rest is compute.
-        compute = step - predicted.dp_time - predicted.update_time
-        factor = max(compute, 0.1 * step) / predicted.pipeline_time
-        factors[scorer.microbatch_size(predicted.layout)] = factor
+        references.append(Reference(predicted, statistics.median(run.step_time for run in ok)))
         measured.append((predicted, ok))
         said.append(
             f"by {predicted.layout.describe()}: predicted {predicted.step_time * 1e3:.0f} ms, "
             f"measured {_listed(run.step_time * 1e3 for run in ok)} ms over {steps} steps "
-            f"(median of {len(ok)} runs), compute x {factor:.2f}"
+            f"(median of {len(ok)} runs)"
         )
-    if not factors:
-        return costs_for, hw, "; not calibrated: " + "; ".join(said)
+    return references, measured
+
+
+def _pipelined(scorer: Scorer, request: AutoRequest, predictions: list[Scored]) -> list[Scored]:
+    """The pipelined reference, at the size of the references' smallest micro-batch, that
+    the model can be simulated under: [it], or [] (none; the processes do not pair up)."""
+    if not predictions:
+        return []
+    smallest = max(predictions, key=lambda p: p.layout.microbatches).layout
+    for layout in pipelined_references(request, smallest):
+        scored = scorer.evaluate(layout)
+        if scored is not None and scored.pipeline_time > 0:
+            return [scored]
+    return []
+
+
+def _scaled(costs_for: CostsFor, factors: dict[int, float]) -> CostsFor:
+    """``costs_for`` with every layer's compute at a micro-batch size scaled by
+    ``factor_at`` that size."""
 
     def calibrated(tp: int, mb: int) -> list[LayerCost]:
         return scaled_times(costs_for(tp, mb), factor_at(factors, mb))
 
-    between = " (between the sizes by the logarithm of the size)" if len(factors) > 1 else ""
-    hw, memory_said = _calibrated_memory(hw, measured)
-    return calibrated, hw, "; calibrated " + "; ".join(said) + between + memory_said
+    return calibrated
 
 
 def _calibrated_memory(

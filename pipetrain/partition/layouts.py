@@ -55,6 +55,10 @@ class Hardware:
     # Cores that all the processes share (a CPU; their costs measured with every process
     # busy at once); 0 = a device per process. sim/shared_cores.py: a bubble frees cores.
     shared_cores: float = 0.0
+    # Seconds each action (an F, B, I or W of one stage) costs beyond its layers: the
+    # executor, autograd's entry and, where processes share cores, the switch between
+    # them. 0 unmeasured; the calibration's pipelined reference fits it (plan_calibrate).
+    per_action: float = 0.0
 
     def allreduce_link(self, group: int, tp: bool = False) -> tuple[float, float]:
         """(latency, ring bandwidth) of an all-reduce over ``group`` ranks: the measured

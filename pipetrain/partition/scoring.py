@@ -13,6 +13,7 @@ from pipetrain.partition.balance import (
     MemoryModel,
     Partition,
     PartitionError,
+    split_explicit,
 )
 from pipetrain.partition.expert_costs import expert_parallel_costs
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
@@ -108,19 +109,20 @@ class Scorer:
         m = layout.microbatches
         scale = m if get_spec(layout.schedule).whole_batch else 1
         per_layer = self.hw.per_layer
+        split = get_spec(layout.schedule).splits_backward or layout.early_grads
+        own = self.hw.per_action / scale  # an action's own cost, once however much it carries
         forward = [
-            f * mb + per_layer * len(layers)
+            f * mb + per_layer * len(layers) + own
             for f, layers in zip(partition.forward, partition.stages, strict=True)
         ]
-        backward = [
-            b * mb + 2 * per_layer * len(layers)
+        backward = [  # a split backward is two actions, I and W
+            b * mb + 2 * per_layer * len(layers) + own * (1 + split)
             for b, layers in zip(partition.backward, partition.stages, strict=True)
         ]
-        split = get_spec(layout.schedule).splits_backward or layout.early_grads
         # After a rank's last B the gradient still runs back through the stages before it;
         # with split backwards its last I does, and Ws may follow that I.
         back = [
-            (bi * mb + per_layer * len(layers)) if split else b
+            (bi * mb + per_layer * len(layers) + own) if split else b
             for bi, b, layers in zip(
                 partition.backward_input, backward, partition.stages, strict=True
             )
@@ -138,7 +140,7 @@ class Scorer:
             tail = min(chain[j] for j in held)
             if split:
                 weights = sum(
-                    w * mb + per_layer * len(partition.stages[j])
+                    w * mb + per_layer * len(partition.stages[j]) + own
                     for j, w in ((j, partition.backward_weight[j]) for j in held)
                 )
                 tail = max(0.0, tail - weights * share)
@@ -245,6 +247,16 @@ class Scorer:
         except PartitionError:
             return scored  # no split fits: the time-balanced one stands for the layout
         return self.score(layout, schedule, partition, True)
+
+    def rescore(self, scored: Scored) -> Scored:
+        """``scored``'s layout at its split (blocks per stage), under this scorer's costs and
+        hardware: a calibration compares a run with its own split, where ties between
+        equally balanced splits could otherwise fall another way."""
+        schedule = self.schedule(scored.layout)
+        partition = split_explicit(
+            self.layout_costs(scored.layout), scored.split, stage_ranks_of(schedule.placement)
+        )
+        return self.score(scored.layout, schedule, partition, scored.memory_balanced)
 
     def _memory_model(
         self, layout: Layout, schedule: Schedule, scored: Scored, limit: float
@@ -376,6 +388,7 @@ class Scorer:
             partition,
             mb,
             per_layer=self.hw.per_layer,
+            per_action=self.hw.per_action,
             latency=self.hw.latency,
             bandwidth=self.hw.link_bandwidth,
             message_bytes=self.message_bytes(mb),

@@ -21,6 +21,7 @@ def simulate_split(
     microbatch_size: int,
     *,
     per_layer: float = 0.0,
+    per_action: float = 0.0,
     latency: float = 0.0,
     bandwidth: float | None = None,
     message_bytes: float = 0.0,
@@ -29,20 +30,23 @@ def simulate_split(
 ) -> SimResult:
     """``schedule`` replayed with ``partition``'s per-sample stage sums at micro-batch
     ``microbatch_size``: ``per_layer`` seconds added per layer to every F, I and W (twice
-    to a B), messages of ``message_bytes`` taking ``latency`` plus their bytes over
+    to a B) and ``per_action`` to every action, messages of ``message_bytes`` taking ``latency`` plus their bytes over
     ``bandwidth``; ``batch_scale`` micro-batches per action (naive model parallel: m);
     ``speeds``, one per rank, divide that rank's times."""
     mb = microbatch_size
     fixed = [per_layer * len(layers) for layers in partition.stages]
+    # The simulator multiplies an action's time by ``batch_scale``; one action's own cost
+    # is paid once however many micro-batches it carries.
+    own = per_action / batch_scale
 
-    def per_action(values: Sequence[float], times: int) -> tuple[float, ...]:
-        return tuple(v * mb + times * f for v, f in zip(values, fixed, strict=True))
+    def durations(values: Sequence[float], times: int) -> tuple[float, ...]:
+        return tuple(v * mb + times * f + own for v, f in zip(values, fixed, strict=True))
 
     costs = Costs(
-        forward=per_action(partition.forward, 1),
-        backward=per_action(partition.backward, 2),
-        backward_input=per_action(partition.backward_input, 1),
-        backward_weight=per_action(partition.backward_weight, 1),
+        forward=durations(partition.forward, 1),
+        backward=durations(partition.backward, 2),
+        backward_input=durations(partition.backward_input, 1),
+        backward_weight=durations(partition.backward_weight, 1),
         latency=latency,
         bandwidth=bandwidth,
         message_bytes=message_bytes,

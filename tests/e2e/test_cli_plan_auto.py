@@ -68,7 +68,11 @@ def test_plan_auto_profiles_every_microbatch_size_on_as_many_processes() -> None
     assert said.rstrip().endswith("x at 4"), said
     # One real run of the reference layout scales the profile's compute.
     assert "calibrated by 1f1b pp=1 dp=2 tp=1 m=1: predicted " in planned.stdout
-    assert "over 3 steps (median of 2 runs), compute x " in planned.stdout
+    assert "over 3 steps (median of 2 runs); " in planned.stdout
+    assert "compute x " in planned.stdout and " at micro-batch 2" in planned.stdout
+    # A pipelined reference with more actions a process prices an action.
+    assert "; by interleaved-1f1b v=2 pp=2 dp=1 tp=1 m=2: predicted " in planned.stdout
+    assert "each action (F, B, I or W) " in planned.stdout
     # ... and the bytes its processes held beyond the profile's step enter every layout.
     assert "MiB a process (the profile's step: " in planned.stdout
     assert "winner:" in planned.stdout

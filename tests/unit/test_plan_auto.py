@@ -16,6 +16,7 @@ from pipetrain.partition.auto import AutoRequest, search
 from pipetrain.partition.estimate import estimate_costs
 from pipetrain.partition.layouts import Hardware, enumerate_layouts
 from pipetrain.partition.scoring import Scorer
+from pipetrain.partition.split_sim import simulate_split
 from pipetrain.schedules.actions import Kind
 from pipetrain.schedules.early_grads import early_grads
 from pipetrain.schedules.registry import get_spec
@@ -46,11 +47,16 @@ def _exhaustive(model: str, req: AutoRequest, hw: Hardware) -> list[tuple[float,
     return sorted(out, key=lambda t: (t[0], str(t[1])))
 
 
-@pytest.mark.parametrize(("world", "cores"), [(2, 0.0), (4, 0.0), (4, 2.0)])
-def test_pruning_keeps_the_exact_top_of_a_small_space(world: int, cores: float) -> None:
+@pytest.mark.parametrize(
+    ("world", "cores", "per_action"), [(2, 0.0, 0.0), (4, 0.0, 0.0), (4, 2.0, 0.0), (4, 2.0, 1e-3)]
+)
+def test_pruning_keeps_the_exact_top_of_a_small_space(
+    world: int, cores: float, per_action: float
+) -> None:
     # cores 2: four processes share two cores, and the bound must stay below the
-    # makespan that a bubble's freed cores shorten (sim/shared_cores.py).
-    hw = replace(CPU, shared_cores=cores)
+    # makespan that a bubble's freed cores shorten (sim/shared_cores.py); a cost per
+    # action must not lift it above a layout's simulated step either.
+    hw = replace(CPU, shared_cores=cores, per_action=per_action)
     req = AutoRequest(world, 8, 32, top=4)
     config, costs = _costs_for("llama-tiny", 32, hw)
     plan = search(config, req, costs, hw)
@@ -187,6 +193,33 @@ def test_chimera_replicas_are_charged_the_flat_copies_they_all_reduce() -> None:
         assert m.gradients == pytest.approx(m.optimizer) and m.gradients > 0
     for m in plain.memory:
         assert m.gradients == pytest.approx(m.optimizer / 2)
+
+
+def test_a_cost_per_action_is_paid_by_every_f_b_i_and_w_once() -> None:
+    from pipetrain.partition.layouts import Layout
+
+    config, costs = _costs_for("llama-tiny", 32, CPU)
+    a = 1e-3
+    plain = Scorer(config, AutoRequest(2, 8, 32), costs, CPU)
+    charged = Scorer(config, AutoRequest(2, 8, 32), costs, replace(CPU, per_action=a))
+
+    def extra(layout: Layout) -> float:
+        before, after = plain.evaluate(layout), charged.evaluate(layout)
+        assert before is not None and after is not None
+        return after.pipeline_time - before.pipeline_time
+
+    # One process a replica, 4 micro-batches: an F and a B each, one after the other.
+    assert extra(Layout("1f1b", 1, 2, 1, 1, 4, False, False)) == pytest.approx(8 * a)
+    # A split backward is two actions: ZB-H1's ranks each run 4 F, 4 I and 4 W.
+    zb = Layout("zb-h1", 2, 1, 1, 1, 4, False, False)
+    busy = [
+        simulate_split(s.schedule(zb), s.split_for_placement(zb, s.placement(zb)), 4,
+                       per_action=s.hw.per_action).busy
+        for s in (plain, charged)
+    ]  # fmt: skip
+    assert [y - x for x, y in zip(*busy, strict=True)] == pytest.approx([12 * a, 12 * a])
+    # Naive model parallel: one action carries the whole batch, on each of 2 stages in turn.
+    assert extra(Layout("naive", 2, 1, 1, 1, 4, False, False)) == pytest.approx(4 * a)
 
 
 def test_bad_input_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
