@@ -86,8 +86,9 @@ def fit_per_action(
         return 0.0, factors
     # No action costs more than the whole measured step shared over a rank's actions.
     lo, hi = 0.0, pipelined.step / _actions_per_rank(pipelined.predicted.layout)
-    if predicted(hi)[0] <= pipelined.step:
-        return hi, predicted(hi)[1]
+    at_hi, factors = predicted(hi)
+    if at_hi <= pipelined.step:
+        return hi, factors
     for _ in range(_STEPS):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if predicted(mid)[0] < pipelined.step else (lo, mid)

@@ -30,9 +30,9 @@ def simulate_split(
 ) -> SimResult:
     """``schedule`` replayed with ``partition``'s per-sample stage sums at micro-batch
     ``microbatch_size``: ``per_layer`` seconds added per layer to every F, I and W (twice
-    to a B) and ``per_action`` to every action, messages of ``message_bytes`` taking ``latency`` plus their bytes over
-    ``bandwidth``; ``batch_scale`` micro-batches per action (naive model parallel: m);
-    ``speeds``, one per rank, divide that rank's times."""
+    to a B) and ``per_action`` to every action, messages of ``message_bytes`` taking
+    ``latency`` plus their bytes over ``bandwidth``; ``batch_scale`` micro-batches per
+    action (naive model parallel: m); ``speeds``, one per rank, divide that rank's times."""
     mb = microbatch_size
     fixed = [per_layer * len(layers) for layers in partition.stages]
     # The simulator multiplies an action's time by ``batch_scale``; one action's own cost
