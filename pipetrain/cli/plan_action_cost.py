@@ -48,13 +48,11 @@ def pipelined_references(request: AutoRequest, like: Layout) -> tuple[Layout, ..
     return tuple(Layout("interleaved-1f1b", 2, world // 2, 1, v, m, False, False) for v in (4, 2))
 
 
-def reference_factors(
-    references: Sequence[Reference], per_action: float, scorer: Scorer
-) -> dict[int, float]:
+def reference_factors(references: Sequence[Reference], scorer: Scorer) -> dict[int, float]:
     """Micro-batch size -> the factor on the profile's compute that makes each pp = 1
-    reference's prediction meet its run once each of its actions costs ``per_action``
-    seconds (``scorer``: the profile's costs, with that cost). The step's all-reduce and
-    update keep their modelled times; a tenth of the step at least is compute."""
+    reference's prediction meet its run once each of its actions costs what ``scorer``'s
+    hardware says (``scorer``: the profile's costs). The step's all-reduce and update keep
+    their modelled times; a tenth of the step at least is compute."""
     factors = {}
     for ref in references:
         predicted = ref.predicted
@@ -78,7 +76,7 @@ def fit_per_action(
     ``factors`` (by micro-batch size; {}: unscaled) and that cost per action."""
 
     def predicted(per_action: float) -> tuple[float, dict[int, float]]:
-        factors = reference_factors(references, per_action, score({}, per_action))
+        factors = reference_factors(references, score({}, per_action))
         return score(factors, per_action).rescore(pipelined.predicted).step_time, factors
 
     at_zero, factors = predicted(0.0)

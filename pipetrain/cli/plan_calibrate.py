@@ -174,7 +174,7 @@ def calibrate(
             said.append(f"not by {layout.describe()} (it cannot be simulated)")
         else:
             predictions.append(predicted)
-    piped = _pipelined(scorer, free, predictions)
+    piped = _pipelined(scorer, predictions)
     runs_of = predictions + piped
     # Alternating (a, b, a, b, ...): a machine that drifts moves every reference alike.
     done = measure_top(
@@ -184,6 +184,7 @@ def calibrate(
     references, measured = _medians(runs_of, done, steps, said)
     measured = [(p, ok) for p, ok in measured if p not in piped]  # pp = 1 fits the bytes
     plain = [ref for ref in references if ref.predicted not in piped]
+    many = [ref for ref in references if ref.predicted in piped]  # the pipelined one, timed
     if not plain:
         return costs_for, hw, "; not calibrated: " + "; ".join(said)
 
@@ -191,13 +192,13 @@ def calibrate(
         scaled = _scaled(costs_for, factors) if factors else costs_for
         return Scorer(config, free, scaled, dataclasses.replace(hw, per_action=per_action))
 
-    per_action, factors = 0.0, reference_factors(plain, 0.0, scorer)
+    per_action, factors = 0.0, reference_factors(plain, scorer)
     action_said = ""
-    if len(references) > len(plain):
-        per_action, factors = fit_per_action(plain, references[-1], scorer_at)
+    if many:
+        per_action, factors = fit_per_action(plain, many[0], scorer_at)
         action_said = (
             f"; each action (F, B, I or W) {per_action * 1e3:.2f} ms beyond its layers, "
-            f"which {references[-1].predicted.layout.describe()} measured"
+            f"which {many[0].predicted.layout.describe()} measured"
         )
     said.append(
         "compute x " + ", ".join(f"{factors[s]:.2f} at micro-batch {s}" for s in sorted(factors))
@@ -233,13 +234,13 @@ def _medians(
     return references, measured
 
 
-def _pipelined(scorer: Scorer, request: AutoRequest, predictions: list[Scored]) -> list[Scored]:
+def _pipelined(scorer: Scorer, predictions: list[Scored]) -> list[Scored]:
     """The pipelined reference, at the size of the references' smallest micro-batch, that
     the model can be simulated under: [it], or [] (none; the processes do not pair up)."""
     if not predictions:
         return []
     smallest = max(predictions, key=lambda p: p.layout.microbatches).layout
-    for layout in pipelined_references(request, smallest):
+    for layout in pipelined_references(scorer.req, smallest):
         scored = scorer.evaluate(layout)
         if scored is not None and scored.pipeline_time > 0:
             return [scored]
