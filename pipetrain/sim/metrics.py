@@ -165,10 +165,11 @@ def live_activations(
     one stage's activations for one micro-batch). A forward with no backward in the
     timeline (an inference run, a truncated trace) stays live to the end.
 
-    Where the backward is split: ``deferred[stage]`` is what it holds besides, from the
-    start of its I to the end of its W (the output gradients its weight products wait
-    for); ``freed[stage]``, the part of ``sizes[stage]`` that the end of its I lets go (the
-    saved tensors that are no linear's input, which W does not need).
+    Where the backward is split: ``deferred[stage]`` is what it holds besides until the end
+    of its W (the output gradients its weight products wait for), all of it from the end
+    of its I and, within the I, what exceeds ``freed[stage]``: the part of
+    ``sizes[stage]`` that the end of its I lets go (the saved tensors that are no linear's
+    input, which W does not need).
     """
     release = _release_times(timeline)
     spans = _input_grads(timeline) if deferred is not None or freed is not None else {}
@@ -186,15 +187,18 @@ def live_activations(
             changes[e.rank].append((end, 0, -amount))
     for (stage, mb), (start, end, rank) in spans.items():
         done = release[(stage, mb)]
-        if deferred is not None:
-            held = float(deferred[stage])
-            changes[rank].append((start, 1, held))
-            changes[rank].append((done, 0, -held))
-        if freed is not None:
-            # Let go at I's end rather than at W's: moved, not added.
-            early = float(freed[stage])
-            changes[rank].append((end, 0, -early))
-            changes[rank].append((done, 0, early))
+        # What the end of the I lets go (the saved tensors no linear takes), moved from
+        # the W's end rather than added.
+        early = 0.0 if freed is None else float(freed[stage])
+        # The I walks its layers backwards, each queueing its output gradients as it lets
+        # go of its saved tensors: within the I only what it queues beyond what it frees
+        # adds to the forward's activations; from its end, all of it.
+        held = 0.0 if deferred is None else float(deferred[stage])
+        excess = max(0.0, held - early)
+        if excess:
+            changes[rank].append((start, 1, excess))
+        changes[rank].append((end, 0, held - excess - early))
+        changes[rank].append((done, 0, early - held))
     curves: list[tuple[tuple[float, float], ...]] = []
     for rank_changes in changes:
         level = 0.0

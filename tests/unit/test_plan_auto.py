@@ -103,16 +103,19 @@ def _walked_peak(
 ) -> float:
     """The most bytes live on ``rank`` walking its actions in order: a micro-batch's
     activations from its F to its B, or to its I for the part no linear takes (``freed``)
-    and to its W for the rest; its pending gradients from its I to its W."""
+    and to its W for the rest; its pending gradients from its I to its W, within the I
+    only what exceeds the part it frees."""
     level = peak = 0.0
     for action in schedule.actions[rank]:
         stage = schedule.placement.model_stage(action.stage)
         if action.kind is Kind.F:
             level += acts[stage]
         elif action.kind is Kind.I:
-            level += pending[stage]
-            peak = max(peak, level)
-            level -= freed[stage]
+            # Layer by layer the I queues output gradients as it frees saved tensors:
+            # within it only the gradients beyond what it frees add up.
+            excess = max(0.0, pending[stage] - freed[stage])
+            peak = max(peak, level + excess)
+            level += pending[stage] - freed[stage]
         elif action.kind is Kind.B:
             level -= acts[stage]
         elif action.kind is Kind.W:

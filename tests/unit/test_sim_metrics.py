@@ -105,6 +105,24 @@ def test_split_backward_lets_go_at_i_what_no_linear_takes() -> None:
     assert peak_activation_bytes(whole, [10.0], [4.0], [6.0]) == (20.0,)
 
 
+def test_within_i_only_the_gradients_beyond_what_it_frees_add_up() -> None:
+    # Two micro-batches live (10 each) when I0 starts. The I queues 4 of output gradients
+    # as it frees 6 of saved tensors, layer by layer: within it the level stays at 20 (not
+    # 24, as if every gradient were queued before anything was freed); from its end micro-
+    # batch 0 holds 4 + 4 beside micro-batch 1's 10.
+    tl = timeline(["0F0@0-1 0F1@1-2 0I0@2-3 0W0@3-4 0I1@4-5 0W1@5-6"])
+    curve = live_activations(tl, [10.0], [4.0], [6.0])[0]
+    assert max(level for time, level in curve if time < 3) == 20.0
+    assert [level for time, level in curve if time == 3] == [18.0]
+    assert peak_activation_bytes(tl, [10.0], [4.0], [6.0]) == (20.0,)
+    # Gradients larger than what the I frees (9 against 6): the 3 beyond it are held from
+    # the I's start, the rest from its end.
+    assert peak_activation_bytes(tl, [10.0], [9.0], [6.0]) == (23.0,)
+    curve = live_activations(tl, [10.0], [9.0], [6.0])[0]
+    assert [level for time, level in curve if time == 2] == [23.0]
+    assert curve[-1] == (6, 0)
+
+
 def test_activation_bytes_weigh_each_stage() -> None:
     # Rank 0 holds stages 0 and 3 (V placement); stage 3 activations are 10x larger.
     tl = timeline(
