@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import platform
 
-__all__ = ["keep_heap", "release_free_heap"]
+__all__ = ["MAPPED_TENSORS", "keep_heap", "release_free_heap"]
 
 # <malloc.h>
 _M_TRIM_THRESHOLD = -1
@@ -25,6 +25,10 @@ _M_MMAP_THRESHOLD = -3
 # glibc's own ceiling for the dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
 _MMAP_THRESHOLD = 32 * 1024 * 1024
 _TRIM_THRESHOLD = 1024 * 1024 * 1024
+# glibc's own default mmap threshold: at it every activation of a pipeline stage is mapped
+# on its own and unmapped when freed (run.map_tensors), so the resident set follows the
+# tensors' bytes; each allocation then faults its pages in afresh.
+MAPPED_TENSORS = 128 * 1024
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -35,7 +35,7 @@ from pipetrain.config.schema import (
 )
 from pipetrain.data import load_tokenizer
 from pipetrain.diagnose.profile import open_profiler, profiled_step
-from pipetrain.heap import keep_heap
+from pipetrain.heap import MAPPED_TENSORS, keep_heap
 from pipetrain.launch.rendezvous import join_process_group, report_failure
 from pipetrain.launch.role import ProcessRole
 from pipetrain.parallel import Mesh, build_mesh, replica_mean, state_bytes
@@ -121,8 +121,9 @@ def _set_up(
         use_device(device)
         if device.type == "cpu":
             torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
-            # Activations live in the C heap: keep its freed pages for the next step.
-            keep_heap()
+            # Activations live in the C heap: keep its freed pages for the next step, or
+            # map each tensor on its own where the memory is to be measured without holes.
+            keep_heap(MAPPED_TENSORS) if config.run.map_tensors else keep_heap()
         lock = rank_zero_lock(config, out, announced=announced) if role.reporter else RunLock()
     except Exception as exc:
         report_failure(role, exc)
