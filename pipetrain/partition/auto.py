@@ -13,7 +13,9 @@ lower bound on its memory (its state spread evenly); layouts are simulated in or
 the bound until the bound passes the ``top``-th fastest fitting time, so the ``top``
 fastest layouts with plain backwards are exactly those of the whole space. Early input
 gradients, whose choice replays the schedule many times, are tried on the ``top``
-fastest only, and only where the schedule is small (``_EARLY_MAX_ACTIONS``).
+fastest only, and only where the schedule is small (``_EARLY_MAX_ACTIONS``); so are the
+splits as balanced as the balancer's (``ties.fastest_tie``), which can only make a layout
+of the top faster.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pipetrain.partition.layouts import (
     enumerate_layouts,
 )
 from pipetrain.partition.scoring import Scorer
+from pipetrain.partition.ties import fastest_tie
 
 __all__ = ["AutoPlan", "AutoRequest", "Hardware", "Layout", "Scored", "search"]
 
@@ -103,11 +106,15 @@ def search(
     pruned = len(bounded) - simulated  # bounded out, or over the limit by state alone
     fitting.extend(_recomputing_some_ranks(scorer, over, req))
     fitting.sort(key=_rank_key)
+    # The top's splits: the fastest of those as balanced as the balancer's (ties.py).
+    fitting[: req.top] = [fastest_tie(scorer, scored) for scored in fitting[: req.top]]
     for scored in list(fitting[: req.top]):
         lay = scored.layout
         if lay.pp == 1 or lay.pp * lay.microbatches * lay.chunks > _EARLY_MAX_ACTIONS:
             continue
         early = scorer.evaluate(replace(lay, early_grads=True))
+        if early is not None and early.fits:
+            early = fastest_tie(scorer, early)
         if early is not None and early.fits and early.step_time < scored.step_time:
             fitting.append(early)
     fitting.sort(key=_rank_key)
