@@ -35,7 +35,7 @@ _MIB = 2**20
 _HW = HARDWARE["cpu"]
 
 
-def _processes(run: Path) -> list[tuple[str, float, float, float, float]]:
+def counted_processes(run: Path) -> list[tuple[str, float, float, float, float]]:
     """(layout, measured, counted, in flight, peak activations) in MiB, per process."""
     config = load_config(run / "config.toml", {}, check_paths=False)
     p = config.pipeline
@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument("runs", nargs="+", help="run folders, or patterns of them")
     args = p.parse_args()
     rows = [row for pattern in args.runs for run in sorted(glob.glob(pattern))
-            for row in _processes(Path(run))]  # fmt: skip
+            for row in counted_processes(Path(run))]  # fmt: skip
     if not rows:
         raise SystemExit(
             "no run folder with a memory check matched: pass plan_auto.py's --out runs"

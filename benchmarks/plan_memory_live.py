@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from plan_memory_fit import _processes
+from plan_memory_fit import counted_processes
 
 _MIB = 2**20
 
@@ -47,7 +47,7 @@ def main() -> None:
     print("| run | layout | process | counted MiB | measured MiB | gap |")
     print("|---|---|---|---|---|---|")
     for run in (Path(r) for pattern in args.runs for r in sorted(glob.glob(pattern))):
-        counted = _processes(run)
+        counted = counted_processes(run)
         if not counted:
             continue
         for process, (row, live) in enumerate(

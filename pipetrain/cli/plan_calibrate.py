@@ -157,9 +157,9 @@ def calibrate(
     with the seconds an action costs beyond its layers (fitted on a pipelined reference,
     ``plan_action_cost``) and the bytes a process holds beyond the profile's step, and a
     line saying what was measured (or why nothing was). ``hw`` is a profile's (no fixed
-    part per layer: every second of the pipeline is in the costs scaled). ``runs`` runs of ``steps`` steps per
-    reference: the median run counts, as runs of one layout here differ by up to a third
-    (BENCHMARKS.md). ``measure``: ``plan_measure.measure_layout``; ``overrides_of``: a
+    part per layer: every second of the pipeline is in the costs scaled). ``runs`` runs of
+    ``steps`` steps per reference: the median run counts, as runs of one layout here differ
+    by up to a third (BENCHMARKS.md). ``measure``: ``plan_measure.measure_layout``; ``overrides_of``: a
     layout's config fields; ``say``: the runs' progress."""
     layouts = reference_layouts(request)
     if not layouts:

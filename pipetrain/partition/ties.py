@@ -101,8 +101,8 @@ def tied_block_counts(
 
 def fastest_tie(scorer: Scorer, scored: Scored) -> Scored:
     """``scored`` at the fastest of its time-balanced split's ties that fits (itself where
-    none is faster); a split balanced under the memory limit, or one for ranks of
-    different speeds, is kept as it is."""
+    none is faster); a split balanced under the memory limit, or one balanced as if the
+    ranks that recompute ran slower (``recompute_ranks``), is kept as it is."""
     layout = scored.layout
     if layout.pp == 1 or scored.memory_balanced or layout.recompute_ranks:
         return scored

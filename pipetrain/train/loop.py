@@ -123,7 +123,10 @@ def _set_up(
             torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
             # Activations live in the C heap: keep its freed pages for the next step, or
             # map each tensor on its own where the memory is to be measured without holes.
-            keep_heap(MAPPED_TENSORS) if config.run.map_tensors else keep_heap()
+            if config.run.map_tensors:
+                keep_heap(MAPPED_TENSORS)
+            else:
+                keep_heap()
         lock = rank_zero_lock(config, out, announced=announced) if role.reporter else RunLock()
     except Exception as exc:
         report_failure(role, exc)

@@ -61,7 +61,8 @@ def test_exact_ties_are_every_arrangement_of_the_same_stage_times() -> None:
     assert tied_block_counts(costs, (6, 6)) == [(6, 6)]
 
 
-def test_the_enumeration_stops_at_its_limit_fast_on_a_deep_model() -> None:
+def test_a_deep_model_finds_its_limit_of_ties_within_the_visit_budget() -> None:
+    # Options nearest an even share come first: taken in order, the budget found one.
     config = get_model_config("llama3-70b")
     costs = estimate_costs(config, 4096, flops_per_second=1e15, tp=8)
     ties = tied_block_counts(costs, (4,) * 8 + (3,) * 16, limit=64)
