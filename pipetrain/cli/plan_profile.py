@@ -21,6 +21,7 @@ from pipetrain.partition.estimate import estimate_costs
 from pipetrain.partition.layer_costs import scaled_times
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, enumerate_layouts
 from pipetrain.partition.memory import fit_overhead, recompute_costs
+from pipetrain.partition.workspace import backward_workspace_bytes
 from pipetrain.sim.tensor_parallel import layer_collectives, tp_time
 
 if TYPE_CHECKING:
@@ -287,10 +288,13 @@ def _memory_fitted(
     recomputing), and the source line saying so."""
     curve = measured.curve
     layers = curve.at(curve.sizes[0])
+    # A one-process step runs its backwards whole (1F1B at pp=1).
+    running = max(backward_workspace_bytes(config, seq_len).values())
     overhead = fit_overhead(
         measured.step_bytes,
         sum(c.activation_bytes_per_sample for c in layers),
         sum(c.param_bytes - c.tied_param_bytes for c in layers),
+        running,
     )
     # Recomputing, a step keeps each block's input and re-runs one block's forward.
     kept = recompute_costs(layers, float(4 * seq_len * config.d_model))
@@ -299,6 +303,7 @@ def _memory_fitted(
         measured.recompute_step_bytes,
         sum(c.activation_bytes_per_sample for c in kept) + block,
         sum(c.param_bytes - c.tied_param_bytes for c in layers),
+        running,
     )
     if overhead == (0.0, 0.0) and recomputed == (0.0, 0.0):
         return hw, source

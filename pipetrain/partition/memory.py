@@ -9,8 +9,11 @@ What one process (one tp rank of one pipeline rank of one replica) holds at its 
                                             live micro-batches' saved tensors
     transient                               with recomputation, the one block being re-run
                                             in the backward holds its full activations
-    buffers                                 messages in flight: one activation forward and
-                                            one gradient backward per pipeline neighbour
+    in backward                             the running backward's gradients beside the
+                                            saved tensors (``partition.workspace``)
+    buffers                                 messages in flight: a receive posted ahead from
+                                            each neighbour and an activation sent forward
+                                            (the gradients sent back are the simulator's)
 
 The per-layer figures and the formula term by term are docs/memory_model.md; the schedule
 decides the activations (``pipetrain.sim.simulator`` counts them per rank).
@@ -18,7 +21,7 @@ decides the activations (``pipetrain.sim.simulator`` counts them per rank).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pipetrain.partition.balance import LayerCost, Partition
@@ -55,6 +58,9 @@ class RankMemory:
     # What the workspace's fraction is of: one action's activations on the rank's largest
     # stage, plus the recomputed block's (``rank_memory``); a calibration refits on it.
     in_flight: float = 0.0
+    # What the running backward holds beside the saved tensors on the rank's largest
+    # layer kind (``partition.workspace``: its gradients before it frees any).
+    in_backward: float = 0.0
 
     @property
     def static(self) -> float:
@@ -63,25 +69,32 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.static + self.activations + self.transient + self.buffers + self.workspace
+        return (
+            self.static + self.activations + self.transient + self.in_backward + self.buffers
+            + self.workspace
+        )  # fmt: skip
 
 
 def fit_overhead(
-    step_bytes: dict[int, float], activation_bytes_per_sample: float, param_bytes: float
+    step_bytes: dict[int, float],
+    activation_bytes_per_sample: float,
+    param_bytes: float,
+    in_backward_per_sample: float = 0.0,
 ) -> tuple[float, float]:
     """(fraction of the activations, bytes per process) that a measured step holds beyond
     this model's count, fitted over the micro-batch sizes measured.
 
     ``step_bytes``: size -> the peak of a whole-model step in one process (the profile's
     ``step_memory``, which counts as the trainer's memory check counts), 0 where not
-    measured. The model counts 16 bytes a parameter (4 x ``param_bytes``, its fp32 bytes)
-    and the saved activations; what is
+    measured. The model counts 16 bytes a parameter (4 x ``param_bytes``, its fp32 bytes),
+    the saved activations and the running backward's gradients
+    (``in_backward_per_sample``); what is
     left grows with the activations (the fraction) or does not (the bytes per process):
     a least-squares line, both kept >= 0. (0, 0) when fewer than two sizes were measured.
     """
     points = [
         (activation_bytes_per_sample * size, measured - 4.0 * param_bytes
-         - activation_bytes_per_sample * size)
+         - (activation_bytes_per_sample + in_backward_per_sample) * size)
         for size, measured in sorted(step_bytes.items())
         if measured > 0
     ]  # fmt: skip
@@ -138,6 +151,7 @@ def rank_memory(
     recompute_ranks: Collection[int] | None = None,
     recompute_overhead: tuple[float, float] | None = None,
     batch_scale: int = 1,
+    in_backward: Mapping[str, float] | None = None,
 ) -> tuple[RankMemory, ...]:
     """Each rank's bytes: ``weight_bytes`` and ``peak_activation_bytes`` are the simulator's
     per rank; ``message_bytes`` one micro-batch's activation between stages;
@@ -145,7 +159,9 @@ def rank_memory(
     (0 without recomputation); ``overhead``: ``fit_overhead``'s (fraction, bytes).
     ``recompute_ranks``: the ranks that recompute (None: all, when recomputing), charged
     ``recompute_overhead`` (None: ``overhead``) instead of ``overhead``. ``batch_scale``:
-    micro-batches an action carries (naive model parallel: all of them).
+    micro-batches an action carries (naive model parallel: all of them). ``in_backward``:
+    per layer kind, what one sample's backward holds beside the saved tensors
+    (``partition.workspace``); a rank is charged its largest kind's, for one action.
 
     The workspace's fraction is of the activations of the backward in flight, one action's
     micro-batches on the rank's largest stage, not of every live micro-batch: what a
@@ -155,18 +171,23 @@ def rank_memory(
     ranks = partition.num_ranks
     grads = [0.0] * ranks
     has_block = [False] * ranks
-    neighbours = [0] * ranks
+    running = [0.0] * ranks
+    messages = [0] * ranks
     in_flight = [0.0] * ranks
     one_action = microbatch_size * batch_scale
     for stage, holders in enumerate(partition.stage_ranks):
         for rank in holders:
             grads[rank] += partition.param_bytes[stage]
             has_block[rank] |= any(costs[i].kind == "block" for i in partition.stages[stage])
+            if in_backward:
+                kinds = {costs[i].kind for i in partition.stages[stage]}
+                running[rank] = max(running[rank], *(in_backward.get(k, 0.0) for k in kinds))
             stage_bytes = partition.activation_bytes_per_sample[stage] * one_action
             in_flight[rank] = max(in_flight[rank], stage_bytes)
     for rank in range(ranks):
-        # Linear and looped placements both talk to the ranks either side of this one.
-        neighbours[rank] = (rank > 0) + (rank < ranks - 1)
+        # Linear and looped placements both talk to the ranks either side of this one: a
+        # receive posted ahead from each, and the activation sent on to the next.
+        messages[rank] = (rank > 0) + 2 * (rank < ranks - 1)
     bucket = 2 if dp > 1 else 1
     recomputing = set(range(ranks) if recompute_ranks is None else recompute_ranks)
     transient = [
@@ -184,9 +205,10 @@ def rank_memory(
             optimizer=OPTIMIZER_FACTOR * grads[r],
             activations=peak_activation_bytes[r],
             transient=transient[r],
-            buffers=2.0 * neighbours[r] * message_bytes,
+            buffers=messages[r] * message_bytes,
             workspace=charged[r][0] * (in_flight[r] + transient[r]) + charged[r][1],
             in_flight=in_flight[r] + transient[r],
+            in_backward=running[r] * one_action,
         )
         for r in range(ranks)
     )

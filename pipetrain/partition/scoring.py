@@ -21,6 +21,8 @@ from pipetrain.partition.memory import rank_memory, recompute_costs
 from pipetrain.partition.recompute_ranks import recompute_speeds, recomputed_on
 from pipetrain.partition.split_sim import simulate_split
 from pipetrain.partition.stages import rank_live_points, split_for, stage_ranks_of
+from pipetrain.partition.workspace import backward_workspace_bytes
+from pipetrain.schedules.actions import Kind
 from pipetrain.schedules.early_grads import early_grads
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.registry import get_spec
@@ -262,7 +264,7 @@ class Scorer:
         self, layout: Layout, schedule: Schedule, scored: Scored, limit: float
     ) -> MemoryModel | None:
         """The balancer's limit: the budget less what the split does not change."""
-        spare = max(m.transient + m.buffers for m in scored.memory)
+        spare = max(m.transient + m.in_backward + m.buffers for m in scored.memory)
         hw = self.hw
         fraction, per_process = hw.recompute_overhead if layout.recompute else hw.memory_overhead
         spare += per_process
@@ -333,6 +335,9 @@ class Scorer:
             recompute_ranks=None if layout.recompute else layout.recompute_ranks,
             recompute_overhead=hw.recompute_overhead,
             batch_scale=layout.microbatches if whole else 1,
+            in_backward=backward_workspace_bytes(
+                self.config, req.seq_len, layout.tp, _has_split_backward(schedule)
+            ),
         )
         limit = req.memory_limit
         fits = limit is None or all(m.total <= limit for m in memory)
@@ -394,6 +399,11 @@ class Scorer:
             message_bytes=self.message_bytes(mb),
             batch_scale=m if whole else 1,
         )
+
+
+def _has_split_backward(schedule: Schedule) -> bool:
+    """Whether any backward of ``schedule`` runs as I then W."""
+    return any(a.kind is Kind.I for actions in schedule.actions for a in actions)
 
 
 def _blocks_per_stage(costs: Sequence[LayerCost], partition: Partition) -> tuple[int, ...]:

@@ -61,4 +61,5 @@ def simulate_split(
         batch_scale=batch_scale,
         deferred_bytes=deferred_bytes(partition, mb),
         freed_bytes=freed_at_input_bytes(partition, mb),
+        sent_bytes=message_bytes,
     )

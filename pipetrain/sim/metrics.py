@@ -157,6 +157,7 @@ def live_activations(
     sizes: Sequence[float] | None = None,
     deferred: Sequence[float] | None = None,
     freed: Sequence[float] | None = None,
+    sent: Sequence[float] | None = None,
 ) -> tuple[tuple[tuple[float, float], ...], ...]:
     """Per rank, the step function of live activations as ``(time, amount)`` points.
 
@@ -170,6 +171,10 @@ def live_activations(
     of its I and, within the I, what exceeds ``freed[stage]``: the part of
     ``sizes[stage]`` that the end of its I lets go (the saved tensors that are no linear's
     input, which W does not need).
+
+    ``sent[stage]``: the input gradient each backward of the stage sends to another rank,
+    held from the end of its B or I to the end of the rank's step (the transport frees a
+    step's gradient sends when the step ends; docs/memory_model.md).
     """
     release = _release_times(timeline)
     spans = _input_grads(timeline) if deferred is not None or freed is not None else {}
@@ -199,6 +204,8 @@ def live_activations(
             changes[rank].append((start, 1, excess))
         changes[rank].append((end, 0, held - excess - early))
         changes[rank].append((done, 0, early - held))
+    if sent is not None:
+        _add_sent_gradients(timeline, sent, changes)
     curves: list[tuple[tuple[float, float], ...]] = []
     for rank_changes in changes:
         level = 0.0
@@ -208,6 +215,20 @@ def live_activations(
             points.append((time, level))
         curves.append(tuple(points))
     return tuple(curves)
+
+
+def _add_sent_gradients(
+    timeline: Timeline, sent: Sequence[float], changes: list[list[tuple[float, int, float]]]
+) -> None:
+    """Each B or I's sent input gradient, from its end to the end of its rank's step."""
+    step_end = [0.0] * timeline.num_ranks
+    for e in timeline.events:
+        step_end[e.rank] = max(step_end[e.rank], e.end)
+    for e in timeline.events:
+        a = e.action
+        if a.kind in (Kind.B, Kind.I) and a.microbatch is not None and sent[a.stage]:
+            changes[e.rank].append((e.end, 1, float(sent[a.stage])))
+            changes[e.rank].append((step_end[e.rank], 0, -float(sent[a.stage])))
 
 
 def peak_activations(timeline: Timeline) -> tuple[int, ...]:
@@ -223,13 +244,15 @@ def peak_activation_bytes(
     sizes: Sequence[float],
     deferred: Sequence[float] | None = None,
     freed: Sequence[float] | None = None,
+    sent: Sequence[float] | None = None,
 ) -> tuple[float, ...]:
     """Per rank, the most activation bytes live at once; ``sizes[stage]`` is the bytes of
     one micro-batch's activations on each (virtual) stage, ``deferred[stage]`` what its
-    split backward holds from I to W, ``freed[stage]`` what its I's end lets go."""
+    split backward holds from I to W, ``freed[stage]`` what its I's end lets go,
+    ``sent[stage]`` the input gradient its backward sends to another rank."""
     return tuple(
         max((level for _, level in curve), default=0.0)
-        for curve in live_activations(timeline, sizes, deferred, freed)
+        for curve in live_activations(timeline, sizes, deferred, freed, sent)
     )
 
 

@@ -113,6 +113,12 @@ def _per_model_stage(
     return [float(value[placement.model_stage(s)]) for s in range(placement.num_stages)]
 
 
+def _sends_to_another_rank(placement: Placement, stage: int) -> bool:
+    """Whether ``stage``'s backward sends its input gradient to another rank."""
+    prev = placement.prev_stage(stage)
+    return prev is not None and placement.rank_of(prev) != placement.rank_of(stage)
+
+
 def analyse(
     timeline: Timeline,
     *,
@@ -125,6 +131,7 @@ def analyse(
     steps: int = 1,
     deferred_bytes: float | Sequence[float] | None = None,
     freed_bytes: float | Sequence[float] | None = None,
+    sent_bytes: float | None = None,
 ) -> SimResult:
     """The accounting of ``timeline``, simulated or measured, covering ``steps`` optimizer
     steps.
@@ -134,6 +141,8 @@ def analyse(
     ``deferred_bytes`` (per model stage, or one number): what one micro-batch's split
     backward holds from its I to its W besides (counted with the activations);
     ``freed_bytes`` (likewise), the part of its activations that the end of its I lets go.
+    ``sent_bytes``: one micro-batch's message between stages; each backward's input
+    gradient sent to another rank counts with the activations until the step ends.
     ``batch_scale`` is how many micro-batches one action carries (m for the naive
     schedule, which runs the whole batch at once): activations count that many units.
     """
@@ -148,8 +157,14 @@ def analyse(
         if freed_bytes is not None:
             freed = _per_model_stage(freed_bytes, placement, "freed_bytes")
             early = [batch_scale * f for f in freed]
+        sent = None
+        if sent_bytes:
+            sent = [
+                batch_scale * sent_bytes if _sends_to_another_rank(placement, v) else 0.0
+                for v in range(placement.num_stages)
+            ]
         act_bytes = peak_activation_bytes(
-            timeline, [batch_scale * s for s in sizes], held_back, early
+            timeline, [batch_scale * s for s in sizes], held_back, early, sent
         )
     held = None
     if weight_bytes is not None:
@@ -201,6 +216,7 @@ def simulate(
     batch_scale: int = 1,
     deferred_bytes: float | Sequence[float] | None = None,
     freed_bytes: float | Sequence[float] | None = None,
+    sent_bytes: float | None = None,
 ) -> SimResult:
     """Replay ``schedule`` under ``costs`` (default: unit costs) and measure it (see ``analyse``).
 
@@ -224,4 +240,5 @@ def simulate(
         steps=params.get("steps", 1),
         deferred_bytes=deferred_bytes,
         freed_bytes=freed_bytes,
+        sent_bytes=sent_bytes,
     )

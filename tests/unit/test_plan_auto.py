@@ -99,15 +99,26 @@ def test_the_winner_round_trips_through_a_train_config(tmp_path: Path) -> None:
 
 
 def _walked_peak(
-    schedule, rank: int, acts: list[float], pending: list[float], freed: list[float]
+    schedule,
+    rank: int,
+    acts: list[float],
+    pending: list[float],
+    freed: list[float],
+    message: float,
 ) -> float:
     """The most bytes live on ``rank`` walking its actions in order: a micro-batch's
     activations from its F to its B, or to its I for the part no linear takes (``freed``)
     and to its W for the rest; its pending gradients from its I to its W, within the I
-    only what exceeds the part it frees."""
+    only what exceeds the part it frees; from each B or I whose stage's previous stage is
+    on another rank, the input gradient sent there (``message``) to the step's end."""
+    placement = schedule.placement
     level = peak = 0.0
     for action in schedule.actions[rank]:
-        stage = schedule.placement.model_stage(action.stage)
+        stage = placement.model_stage(action.stage)
+        before = placement.prev_stage(action.stage)
+        sends = before is not None and placement.rank_of(before) != rank
+        if action.kind in (Kind.B, Kind.I) and sends:
+            level += message  # after what the action frees: the peak is checked below
         if action.kind is Kind.F:
             level += acts[stage]
         elif action.kind is Kind.I:
@@ -157,14 +168,31 @@ def _formula_bytes(winner, config, seq_len: int, batch: int) -> float:
     freed = [0.0 if lay.recompute else winner.split[s] * (block_a - block_l) for s in range(stages)]
     freed[0] += embed_a
     freed[-1] += head_a - 4 * seq_len * d
+    message = 4 * mb * seq_len * d
     live = _walked_peak(
-        schedule, rank, [a * mb for a in acts], [g * mb for g in pending], [x * mb for x in freed]
+        schedule,
+        rank,
+        [a * mb for a in acts],
+        [g * mb for g in pending],
+        [x * mb for x in freed],
+        message,
     )
     state = (4 + (lay.dp > 1)) * 4 * sum(params[s] for s in held)
     full = 4 * seq_len * per_token
     transient = full * mb if lay.recompute and any(winner.split[s] for s in held) else 0.0
-    neighbours = (rank > 0) + (rank < lay.pp - 1)
-    return state + live + transient + 2 * neighbours * 4 * mb * seq_len * d
+    # The running backward's gradients beside the saved tensors: a block's incoming one
+    # and its MLP's three (and the row-wise linears' two queued by a split backward's I),
+    # the head's logits' and log-softmax's; the rank's largest kind, for one micro-batch.
+    split = any(a.kind is Kind.I for actions in schedule.actions for a in actions)
+    running = []
+    if any(winner.split[s] for s in held):
+        running.append(d + 3 * f / t + (2 * d if split else 0))
+    if stages - 1 in held:
+        running.append(2 * vocab / t)
+    in_backward = 4 * seq_len * mb * max(running, default=0.0)
+    # Receives posted ahead from each neighbour, and the activation sent on to the next.
+    messages = (rank > 0) + 2 * (rank < lay.pp - 1)
+    return state + live + transient + in_backward + messages * message
 
 
 def test_llama3_70b_on_64_ranks_is_planned_fast_and_matches_the_formula() -> None:

@@ -123,6 +123,20 @@ def test_within_i_only_the_gradients_beyond_what_it_frees_add_up() -> None:
     assert curve[-1] == (6, 0)
 
 
+def test_gradients_sent_back_are_held_until_the_step_ends() -> None:
+    # 1F1B's last rank of two, four micro-batches of 1: each B (or I) sends its input
+    # gradient (0.5) to stage 0 on the other rank, and the transport keeps it to the end
+    # of the step. At the last F three are held beside one micro-batch's activations.
+    tl = timeline(["1F0@0-1 1B0@1-2 1F1@2-3 1B1@3-4 1F2@4-5 1I2@5-6 1W2@6-7 1F3@7-8 1B3@8-9"])
+    sent = [0.0, 0.5]
+    assert peak_activation_bytes(tl, [0.0, 1.0]) == (1.0,)
+    assert peak_activation_bytes(tl, [0.0, 1.0], sent=sent) == (2.5,)
+    curve = live_activations(tl, [0.0, 1.0], sent=sent)[0]
+    assert curve[-1] == (9.0, 0.0)  # all let go at the end
+    # A stage whose previous stage is on this rank sends nothing.
+    assert peak_activation_bytes(tl, [0.0, 1.0], sent=[0.0, 0.0]) == (1.0,)
+
+
 def test_activation_bytes_weigh_each_stage() -> None:
     # Rank 0 holds stages 0 and 3 (V placement); stage 3 activations are 10x larger.
     tl = timeline(
