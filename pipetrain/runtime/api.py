@@ -380,7 +380,7 @@ class Pipeline:
         # The barrier first: gloo's monitored barrier uses point-to-point tags that could
         # match receives posted early.
         dist_barrier(self._group, executors[0].rank, where, self._timeout_s, self.device)
-        self._transport.begin_step(step, [executors[0].wire], where)
+        self._transport.begin_step(step, [executors[0].wire], where, executors[0].acks)
         return self._run_dist(executors[0], where, tokens, training)
 
     def _run_local(

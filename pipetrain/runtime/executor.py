@@ -25,8 +25,10 @@ from pipetrain.runtime.errors import PipelineError, PipelineInputError
 from pipetrain.runtime.ranges import ranged_handlers
 from pipetrain.runtime.stage import StageRunner
 from pipetrain.runtime.timeline import ActionClock
-from pipetrain.runtime.wire_format import MessageKey
+from pipetrain.runtime.wire_format import Acks, MessageKey
 from pipetrain.schedules import Action, Kind, Schedule
+from pipetrain.schedules.acks import gradient_acks
+from pipetrain.schedules.messages import Message
 from pipetrain.schedules.wire import PeerOrders, peer_orders, wire_orders
 
 __all__ = [
@@ -67,7 +69,9 @@ class PipelineHooks:
 
 
 class Transport(Protocol):
-    def begin_step(self, step: int, wires: Sequence[PeerOrders], where: str = "") -> None: ...
+    def begin_step(
+        self, step: int, wires: Sequence[PeerOrders], where: str = "", acks: Acks | None = None
+    ) -> None: ...
     def end_step(self) -> None: ...
     def send(self, key: MessageKey, src_stage: int, tensors: tuple[torch.Tensor, ...]) -> None: ...
     def recv(self, key: MessageKey, src_stage: int) -> tuple[torch.Tensor, ...] | None: ...
@@ -145,6 +149,7 @@ class RankExecutor:
         self._ranges_on = False
         self._schedule = schedule
         self._wire: PeerOrders | None = None
+        self._acks: Acks | None = None
         self.clock = ActionClock(len(self.actions))
         self._inbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._outbox: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
@@ -171,6 +176,18 @@ class RankExecutor:
         if self._wire is None:
             self._wire = peer_orders(wire_orders(self._schedule), self.rank)
         return self._wire
+
+    @property
+    def acks(self) -> Acks:
+        """Each message this rank receives -> the gradients it sent whose arrival that
+        message proves (``pipetrain.schedules.acks``): the transport frees them then
+        rather than at the end of the step."""
+        if self._acks is None:
+            self._acks = {
+                _key(got): tuple(_key(sent) for sent in gradients)
+                for got, gradients in gradient_acks(self._schedule)[self.rank].items()
+            }
+        return self._acks
 
     # ----------------------------------------------------------------- driving
     def begin(
@@ -373,6 +390,10 @@ class RankExecutor:
             if value is not None:
                 total += float(value)
         return total
+
+
+def _key(message: Message) -> MessageKey:
+    return MessageKey(message.dst_stage, message.is_grad, message.microbatch)
 
 
 def _after_last_grads(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from pipetrain.runtime.errors import PipelineError
-from pipetrain.runtime.wire_format import MessageKey, header_values
+from pipetrain.runtime.wire_format import Acks, MessageKey, header_values
 from pipetrain.schedules.wire import PeerOrders
 
 __all__ = ["InMemoryTransport"]
@@ -25,8 +25,10 @@ class InMemoryTransport:
         self._box: dict[MessageKey, tuple[torch.Tensor, ...]] = {}
         self._where = "step 0"
 
-    def begin_step(self, step: int, wires: Sequence[PeerOrders], where: str = "") -> None:
-        del wires  # messages are matched by name in memory: there is no wire to order
+    def begin_step(
+        self, step: int, wires: Sequence[PeerOrders], where: str = "", acks: Acks | None = None
+    ) -> None:
+        del wires, acks  # matched by name in memory: no wire to order, no send to free
         self._where = where or f"step {step}"
         # A pass that failed part-way leaves its unreceived messages behind; their names
         # come again in this pass, which must not take them for its own.

@@ -29,6 +29,7 @@ from pipetrain.runtime.waits import finish, host_ints
 from pipetrain.runtime.wire_format import (
     HEADER_LEN,
     TAG,
+    Acks,
     Boundary,
     MessageKey,
     Specs,
@@ -106,14 +107,19 @@ class DistTransport:
         self._sent_guess: dict[Boundary, Specs] = {}
         self._recv_guess: dict[Boundary, Specs] = {}
         self._connected: set[int] = set()
+        self._acks: Acks = {}
 
     # ----------------------------------------------------------------- step bounds
-    def begin_step(self, step: int, wires: Sequence[PeerOrders], where: str = "") -> None:
+    def begin_step(
+        self, step: int, wires: Sequence[PeerOrders], where: str = "", acks: Acks | None = None
+    ) -> None:
         """Start a step; ``wires`` holds this rank's wire orders by peer (one program).
 
         ``step`` numbers the messages on the wire (every pass, the same on all ranks);
-        ``where`` names the step in errors as the caller counts it (default ``step N``).
+        ``where`` names the step in errors as the caller counts it (default ``step N``);
+        ``acks``: when its gradient sends are complete (``RankExecutor.acks``; else at the end).
         """
+        self._acks = acks or {}
         if len(wires) != 1:
             raise PipelineError(f"a DistTransport runs one rank's program, got {len(wires)}")
         self._step = step
@@ -387,10 +393,13 @@ class DistTransport:
             payload = pending.payload
         del self._pending[key]
         peer.ahead -= 1
+        # Sends this message proves complete, freed now rather than at the end of the step:
+        # the activations of k that a gradient of k was computed from, and our gradients
+        # that its sender had received before it sent it.
         if key.is_grad:
-            # The gradient of micro-batch k was computed from our activations of k: that
-            # send is complete, free its buffers now rather than at the end of the step.
             self._release(MessageKey(src_stage, False, key.microbatch))
+        for sent in self._acks.get(key, ()):
+            self._release(sent)
         return payload
 
     def _unpack(self, key: MessageKey, pending: Pending) -> tuple[torch.Tensor, ...]:
@@ -432,12 +441,9 @@ class DistTransport:
             if peer_stage is not None:
                 peer = self._stage_ranks[peer_stage]
         what = "gradient" if key.is_grad else "activations"
-        verb = (
-            f"sending {what} to stage {key.dst_stage}"
-            if sending
-            else f"receiving {what} for stage {key.dst_stage}"
-        )
+        verb = f"sending {what} to" if sending else f"receiving {what} for"
         return PipelineError(
-            f"rank {self._rank}: {self._where}, {verb} (micro-batch {key.microbatch}): "
+            f"rank {self._rank}: {self._where}, {verb} stage {key.dst_stage} (micro-batch "
+            f"{key.microbatch}): "
             f"peer rank {'?' if peer is None else peer} {describe_failure(exc, self._timeout_s)}"
         )

@@ -24,6 +24,7 @@ natural alignment.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "HEADER_LEN",
     "PACK_LIMIT",
     "TAG",
+    "Acks",
     "Boundary",
     "MessageKey",
     "Specs",
@@ -86,6 +88,11 @@ class MessageKey:
     def __str__(self) -> str:
         what = "gradient" if self.is_grad else "activations"
         return f"{what} for stage {self.dst_stage} of micro-batch {self.microbatch}"
+
+
+# Each message a rank receives -> the gradients it sent whose arrival that message proves
+# (``pipetrain.schedules.acks``), which its transport may then free.
+Acks = Mapping[MessageKey, tuple[MessageKey, ...]]
 
 
 def describe_failure(exc: BaseException, timeout_s: float) -> str:

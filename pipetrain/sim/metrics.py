@@ -12,7 +12,7 @@ asynchronous send) are merged, so no instant counts twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipetrain.schedules.actions import Kind
@@ -158,6 +158,7 @@ def live_activations(
     deferred: Sequence[float] | None = None,
     freed: Sequence[float] | None = None,
     sent: Sequence[float] | None = None,
+    acks: Mapping[tuple[int, int], tuple[int, int, bool]] | None = None,
 ) -> tuple[tuple[tuple[float, float], ...], ...]:
     """Per rank, the step function of live activations as ``(time, amount)`` points.
 
@@ -173,8 +174,10 @@ def live_activations(
     input, which W does not need).
 
     ``sent[stage]``: the input gradient each backward of the stage sends to another rank,
-    held from the end of its B or I to the end of the rank's step (the transport frees a
-    step's gradient sends when the step ends; docs/memory_model.md).
+    held from the end of its B or I until ``acks`` says it has arrived: (stage, micro-batch)
+    of the backward -> (stage, micro-batch, is a backward) of the action on the same rank
+    whose incoming message proves it (``pipetrain.schedules.acks``), from that action's
+    start; else to the end of the rank's step (docs/memory_model.md).
     """
     release = _release_times(timeline)
     spans = _input_grads(timeline) if deferred is not None or freed is not None else {}
@@ -205,7 +208,7 @@ def live_activations(
         changes[rank].append((end, 0, held - excess - early))
         changes[rank].append((done, 0, early - held))
     if sent is not None:
-        _add_sent_gradients(timeline, sent, changes)
+        _add_sent_gradients(timeline, sent, acks or {}, changes)
     curves: list[tuple[tuple[float, float], ...]] = []
     for rank_changes in changes:
         level = 0.0
@@ -218,17 +221,27 @@ def live_activations(
 
 
 def _add_sent_gradients(
-    timeline: Timeline, sent: Sequence[float], changes: list[list[tuple[float, int, float]]]
+    timeline: Timeline,
+    sent: Sequence[float],
+    acks: Mapping[tuple[int, int], tuple[int, int, bool]],
+    changes: list[list[tuple[float, int, float]]],
 ) -> None:
-    """Each B or I's sent input gradient, from its end to the end of its rank's step."""
+    """Each B or I's sent input gradient, from its end until the action that proves it
+    arrived starts, or to the end of its rank's step."""
     step_end = [0.0] * timeline.num_ranks
+    starts: dict[tuple[int, int, bool], float] = {}
     for e in timeline.events:
         step_end[e.rank] = max(step_end[e.rank], e.end)
+        a = e.action
+        if a.microbatch is not None and a.kind in (Kind.F, Kind.B, Kind.I):
+            starts.setdefault((a.stage, a.microbatch, a.kind is not Kind.F), e.start)
     for e in timeline.events:
         a = e.action
         if a.kind in (Kind.B, Kind.I) and a.microbatch is not None and sent[a.stage]:
+            ack = acks.get((a.stage, a.microbatch))
+            freed = step_end[e.rank] if ack is None else max(e.end, starts.get(ack, e.end))
             changes[e.rank].append((e.end, 1, float(sent[a.stage])))
-            changes[e.rank].append((step_end[e.rank], 0, -float(sent[a.stage])))
+            changes[e.rank].append((freed, 0, -float(sent[a.stage])))
 
 
 def peak_activations(timeline: Timeline) -> tuple[int, ...]:
@@ -245,14 +258,16 @@ def peak_activation_bytes(
     deferred: Sequence[float] | None = None,
     freed: Sequence[float] | None = None,
     sent: Sequence[float] | None = None,
+    acks: Mapping[tuple[int, int], tuple[int, int, bool]] | None = None,
 ) -> tuple[float, ...]:
     """Per rank, the most activation bytes live at once; ``sizes[stage]`` is the bytes of
     one micro-batch's activations on each (virtual) stage, ``deferred[stage]`` what its
     split backward holds from I to W, ``freed[stage]`` what its I's end lets go,
-    ``sent[stage]`` the input gradient its backward sends to another rank."""
+    ``sent[stage]`` the input gradient its backward sends to another rank, held until
+    ``acks`` (``live_activations``)."""
     return tuple(
         max((level for _, level in curve), default=0.0)
-        for curve in live_activations(timeline, sizes, deferred, freed, sent)
+        for curve in live_activations(timeline, sizes, deferred, freed, sent, acks)
     )
 
 

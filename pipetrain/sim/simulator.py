@@ -9,12 +9,15 @@ measured by the runtime.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from pipetrain.errors import InputError
+from pipetrain.schedules.acks import gradient_acks
 from pipetrain.schedules.execution import Costs, Timeline, replay
+from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.placement import Placement
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.sim.metrics import (
@@ -113,6 +116,22 @@ def _per_model_stage(
     return [float(value[placement.model_stage(s)]) for s in range(placement.num_stages)]
 
 
+@functools.lru_cache(maxsize=64)
+def gradient_releases(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int, bool]]:
+    """(stage, micro-batch) of each backward whose input gradient goes to another rank ->
+    (stage, micro-batch, is a backward) of the action on that rank whose incoming message
+    proves the gradient arrived, where one does (``pipetrain.schedules.acks``, on the
+    schedule as the runtime lowers it)."""
+    releases: dict[tuple[int, int], tuple[int, int, bool]] = {}
+    for by_message in gradient_acks(lower(schedule)).values():
+        for got, gradients in by_message.items():
+            for gradient in gradients:
+                releases[(gradient.src_stage, gradient.microbatch)] = (
+                    got.dst_stage, got.microbatch, got.is_grad,
+                )  # fmt: skip
+    return releases
+
+
 def _sends_to_another_rank(placement: Placement, stage: int) -> bool:
     """Whether ``stage``'s backward sends its input gradient to another rank."""
     prev = placement.prev_stage(stage)
@@ -132,6 +151,7 @@ def analyse(
     deferred_bytes: float | Sequence[float] | None = None,
     freed_bytes: float | Sequence[float] | None = None,
     sent_bytes: float | None = None,
+    acks: Mapping[tuple[int, int], tuple[int, int, bool]] | None = None,
 ) -> SimResult:
     """The accounting of ``timeline``, simulated or measured, covering ``steps`` optimizer
     steps.
@@ -142,7 +162,9 @@ def analyse(
     backward holds from its I to its W besides (counted with the activations);
     ``freed_bytes`` (likewise), the part of its activations that the end of its I lets go.
     ``sent_bytes``: one micro-batch's message between stages; each backward's input
-    gradient sent to another rank counts with the activations until the step ends.
+    gradient sent to another rank counts with the activations until ``acks`` says it
+    arrived (``metrics.live_activations``; ``gradient_releases`` of the schedule), or the
+    step ends.
     ``batch_scale`` is how many micro-batches one action carries (m for the naive
     schedule, which runs the whole batch at once): activations count that many units.
     """
@@ -164,7 +186,7 @@ def analyse(
                 for v in range(placement.num_stages)
             ]
         act_bytes = peak_activation_bytes(
-            timeline, [batch_scale * s for s in sizes], held_back, early, sent
+            timeline, [batch_scale * s for s in sizes], held_back, early, sent, acks
         )
     held = None
     if weight_bytes is not None:
@@ -241,4 +263,5 @@ def simulate(
         deferred_bytes=deferred_bytes,
         freed_bytes=freed_bytes,
         sent_bytes=sent_bytes,
+        acks=gradient_releases(schedule) if sent_bytes and not schedule.asynchronous else None,
     )

@@ -41,13 +41,12 @@ def test_llama3_8b_pp4_tp2_matches_the_hand_computation(capsys: pytest.CaptureFi
     #   rank 0: 4 * (16384 + 8*496123904) = 4 * 3969007616 = 15876030464
     #   rank 1: 3 * 3968991232 = 11906973696;  rank 2: 2 * 3968991232 = 7937982464
     #   rank 3: 1 * (3968991232 + 626024448) = 4595015680
-    # The input gradients sent back stay held until the step ends (one 2048 x 4096 fp32
-    # message, 33554432 bytes, each): at its peak, its last F, rank r >= 1 has sent
-    # m - (4 - r) of them: rank 1 5, rank 2 6, rank 3 7.
+    # An input gradient sent back (one 2048 x 4096 fp32 message, 33554432 bytes) is held
+    # until the previous rank sends an activation after receiving it: at its peak, its
+    # last F, rank r >= 1 holds the one of its last B, which no later activation follows.
     static = [18162384896, 13959692288, 13959692288, 18162450432]
     message = 2048 * 4096 * 4
-    acts = [15876030464, 11906973696 + 5 * message, 7937982464 + 6 * message,
-            4595015680 + 7 * message]  # fmt: skip
+    acts = [15876030464, 11906973696 + message, 7937982464 + message, 4595015680 + message]
     code, out, _ = _plan(capsys, CASE + " --json")
     assert code == 0
     plan = json.loads(out)
@@ -95,9 +94,11 @@ def _formula(name: str, tp: int) -> dict[str, list[float]]:
         acts.append(4 * seq * tokens * b)  # a micro-batch of b sequences
     live = [min(pp - r, m) for r in range(pp)]
     static = [16 * p for p in params]  # fp32 weight, gradient, AdamW's two moments
-    # 1F1B's peak is its last F, after m - (pp - r) backwards whose input gradients, one
-    # (b, seq, d) fp32 message each, are held until the step ends (none on rank 0).
-    sent = [(r > 0) * max(0, m - (pp - r)) * 4 * b * seq * d for r in range(pp)]
+    # 1F1B's peak is its last F, after m - (pp - r) backwards; each sent back its input
+    # gradient, one (b, seq, d) fp32 message, held until the previous rank sends an
+    # activation after receiving it, which every one but the last gets by then (none on
+    # rank 0).
+    sent = [(r > 0) * min(1, max(0, m - (pp - r))) * 4 * b * seq * d for r in range(pp)]
     peak_act = [n * a + g for n, a, g in zip(live, acts, sent, strict=True)]
     # tp collectives a step: 4 all-reduces a block, 1 for the embedding and the head, of
     # (b, seq, d) fp32 each, a ring moving 2 (tp - 1) / tp of it through every rank.

@@ -19,6 +19,7 @@ from pipetrain.partition.scoring import Scorer
 from pipetrain.partition.split_sim import simulate_split
 from pipetrain.schedules.actions import Kind
 from pipetrain.schedules.early_grads import early_grads
+from pipetrain.schedules.lowering import lower
 from pipetrain.schedules.registry import get_spec
 
 CPU = HARDWARE["cpu"]
@@ -110,14 +111,23 @@ def _walked_peak(
     activations from its F to its B, or to its I for the part no linear takes (``freed``)
     and to its W for the rest; its pending gradients from its I to its W, within the I
     only what exceeds the part it frees; from each B or I whose stage's previous stage is
-    on another rank, the input gradient sent there (``message``) to the step's end."""
+    on another rank, the input gradient sent there (``message``) until this rank receives
+    a message that rank sent after receiving it (``_acknowledged``), or the step ends."""
     placement = schedule.placement
+    acknowledged = _acknowledged(schedule, rank)
     level = peak = 0.0
+    held: set[tuple[int, int]] = set()
     for action in schedule.actions[rank]:
         stage = placement.model_stage(action.stage)
+        if action.kind in (Kind.F, Kind.B, Kind.I):
+            for sent in acknowledged.get((action.stage, action.microbatch, action.kind), ()):
+                if sent in held:
+                    held.discard(sent)
+                    level -= message
         before = placement.prev_stage(action.stage)
         sends = before is not None and placement.rank_of(before) != rank
         if action.kind in (Kind.B, Kind.I) and sends:
+            held.add((action.stage, action.microbatch))
             level += message  # after what the action frees: the peak is checked below
         if action.kind is Kind.F:
             level += acts[stage]
@@ -133,6 +143,30 @@ def _walked_peak(
             level -= acts[stage] - freed[stage] + pending[stage]
         peak = max(peak, level)
     return peak
+
+
+def _acknowledged(schedule, rank: int) -> dict[tuple, list[tuple[int, int]]]:
+    """The compute actions of ``rank`` -> the (stage, micro-batch) of its backwards whose
+    sent gradient the message they take proves received: the peer sent that message after
+    its RECV of the gradient (its program, lowered as the runtime lowers it)."""
+    lowered = lower(schedule)
+    placement = lowered.placement
+    out: dict[tuple, list[tuple[int, int]]] = {}
+    for peer, program in enumerate(lowered.actions):
+        if peer == rank:
+            continue
+        got: list[tuple[int, int]] = []  # our backwards whose gradient the peer received
+        for a in program:
+            if a.kind is Kind.RECV_B and placement.rank_of(a.stage + 1) == rank:
+                got.append((a.stage + 1, a.microbatch))
+            elif got and a.kind in (Kind.SEND_F, Kind.SEND_B):
+                dst = a.stage + 1 if a.kind is Kind.SEND_F else a.stage - 1
+                if placement.rank_of(dst) == rank:
+                    kind = Kind.F if a.kind is Kind.SEND_F else Kind.B
+                    out.setdefault((dst, a.microbatch, kind), []).extend(got)
+                    out.setdefault((dst, a.microbatch, Kind.I), []).extend(got)
+                    got = []
+    return out
 
 
 def _formula_bytes(winner, config, seq_len: int, batch: int) -> float:
