@@ -343,8 +343,8 @@ def explain(plan: AutoPlan) -> list[str]:
         f"{win.step_time * 1e3:.1f} ms a step (pipeline {win.pipeline_time * 1e3:.1f}, dp "
         f"all-reduce {win.dp_time * 1e3:.1f}, update {win.update_time * 1e3:.1f}), peak "
         f"{_size(win.peak_bytes)} on rank {win.peak_rank} (state {_size(m.static)}, "
-        f"activations {_size(m.activations)}, recompute {_size(m.transient)}, buffers "
-        f"{_size(m.buffers)})"
+        f"activations {_size(m.activations)}, recompute {_size(m.transient)}, backward "
+        f"{_size(m.in_backward)}, buffers {_size(m.buffers)})"
     ]
     if len(plan.ranked) > 1:
         second = plan.ranked[1]
