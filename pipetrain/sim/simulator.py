@@ -263,5 +263,5 @@ def simulate(
         deferred_bytes=deferred_bytes,
         freed_bytes=freed_bytes,
         sent_bytes=sent_bytes,
-        acks=gradient_releases(schedule) if sent_bytes and not schedule.asynchronous else None,
+        acks=gradient_releases(schedule) if sent_bytes else None,
     )

@@ -35,8 +35,6 @@ def test_a_gradient_is_freed_only_by_a_message_its_receiver_sent_after_receiving
     name: str,
 ) -> None:
     spec = get_spec(name)
-    if spec.asynchronous:
-        pytest.skip("asynchronous schedules stream steps")
     schedule = lower(spec.build(4, 8, 2 if spec.uses_chunks else None))
     freed = 0
     for rank, by_message in gradient_acks(schedule).items():
