@@ -342,8 +342,8 @@ class RunConfig:
     map_tensors: bool = False
     """On a CPU with glibc: give every tensor of 128 KiB or more a mapping of its own, returned
     when it is freed, so that the measured peak memory is the tensors' bytes without the
-    holes the heap keeps between them (docs/memory_model.md). Steps run about 1.8x slower:
-    for checking a plan's memory, not for training."""
+    holes the heap keeps between them (docs/memory_model.md); elsewhere the run says it has
+    no effect. Steps run about 1.8x slower: for checking a plan's memory, not training."""
     sample_tokens: int = 200
     """Bytes (tokens) of text to generate from the trained model at the end; 0 = none."""
     sample_temperature: float = 0.8

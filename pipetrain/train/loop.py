@@ -119,19 +119,30 @@ def _set_up(
         device = resolve_device(p.device, role.local_rank)
         # Before the process group: its object collectives on nccl use the current device.
         use_device(device)
+        mapped = False
         if device.type == "cpu":
             torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
             # Activations live in the C heap: keep its freed pages for the next step, or
             # map each tensor on its own where the memory is to be measured without holes.
-            if config.run.map_tensors:
-                keep_heap(MAPPED_TENSORS)
-            else:
+            mapped = config.run.map_tensors and keep_heap(MAPPED_TENSORS)
+            if not mapped:
                 keep_heap()
+        if config.run.map_tensors and not mapped and role.reporter:
+            print(map_tensors_unused(device.type), file=out, flush=True)
         lock = rank_zero_lock(config, out, announced=announced) if role.reporter else RunLock()
     except Exception as exc:
         report_failure(role, exc)
         raise
     return plan, device, lock
+
+
+def map_tensors_unused(device_type: str) -> str:
+    """The line that says ``run.map_tensors`` changed nothing on this device, and why."""
+    if device_type == "cpu":
+        why = "the C library is not glibc, whose malloc it tunes"
+    else:
+        why = f"on {device_type}, whose measured peak is the allocator's tensor bytes already"
+    return f"note: run.map_tensors has no effect here: {why}"
 
 
 def resolve_device(setting: str, local_rank: int) -> torch.device:

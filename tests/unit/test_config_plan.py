@@ -193,3 +193,14 @@ def test_more_stages_than_a_split_can_fill_are_refused(pp: int, balance: str) ->
     overrides = {"model.name": "llama-tiny", "data.seq_len": 16, "pipeline.balance": balance}
     with pytest.raises(ConfigError, match=f"on {pp} ranks has {pp} model stages but model "):
         _plan(**overrides, **{"pipeline.pp": pp})
+
+
+def test_map_tensors_that_changes_nothing_is_named() -> None:
+    # On CUDA the measured peak is the allocator's tensor bytes already; off glibc the
+    # setting has no malloc to tune: either way the run says so rather than measure the
+    # heap silently (the e2e run on glibc checks that a mapped run prints no such line).
+    from pipetrain.train.loop import map_tensors_unused
+
+    assert map_tensors_unused("cuda").startswith("note: run.map_tensors has no effect here")
+    assert "on cuda" in map_tensors_unused("cuda")
+    assert "glibc" in map_tensors_unused("cpu")
