@@ -139,7 +139,7 @@ def _set_up(
 def map_tensors_unused(device_type: str) -> str:
     """The line that says ``run.map_tensors`` changed nothing on this device, and why."""
     if device_type == "cpu":
-        why = "the C library is not glibc, whose malloc it tunes"
+        why = "the C library took no mmap threshold (it tunes glibc's malloc)"
     else:
         why = f"on {device_type}, whose measured peak is the allocator's tensor bytes already"
     return f"note: run.map_tensors has no effect here: {why}"
