@@ -45,12 +45,17 @@ LAYOUTS = (
 )
 
 
-def _train(flags: str, out: Path, name: str, steps: int, extra: list[str]) -> dict[str, list]:
-    """One run of the layout; its memory check (predicted and measured per process)."""
+def train_layout(
+    flags: str, out: Path, name: str, steps: int, extra: list[str],
+    env: dict[str, str] | None = None, timeout: float = 900,
+) -> dict[str, list[float]]:  # fmt: skip
+    """One run of the layout on llama-default (``env``: the processes' environment, None =
+    this one's); its memory check (predicted and measured per process)."""
     command = [sys.executable, "-m", "pipetrain.cli", "train", "--model", "llama-default",
                *shlex.split(flags), "--steps", str(steps), "--name", name,
                "--set", f"run.out_dir={out}", *extra]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=900)
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=timeout,
+                   env=env)  # fmt: skip
     lines = (out / name / "metrics.jsonl").read_text().splitlines()
     return next(r for r in map(json.loads, lines) if r.get("memory_check"))
 
@@ -75,7 +80,7 @@ def _tensor_peak(events: list[tuple[int, int]]) -> int:
     return peak
 
 
-class _MallInfo2(ctypes.Structure):
+class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
         "fordblks", "keepcost")]  # fmt: skip
@@ -87,7 +92,7 @@ def replay(events_file: Path) -> int:
 
     keep_heap()  # the thresholds the trainer's processes run with
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
+    libc.mallinfo2.restype = MallInfo2
     libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
                                     ctypes.c_size_t]  # fmt: skip
     libc.free.argtypes = [ctypes.c_void_p]
@@ -137,10 +142,10 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for i, flags in enumerate(args.layout or LAYOUTS):
-        kept = _train(flags, args.out, f"kept-{i}", args.steps, [])
-        mapped = _train(flags, args.out, f"mapped-{i}", args.steps,
+        kept = train_layout(flags, args.out, f"kept-{i}", args.steps, [])
+        mapped = train_layout(flags, args.out, f"mapped-{i}", args.steps,
                         ["--set", "run.map_tensors=true"])  # fmt: skip
-        _train(flags, args.out, f"traced-{i}", args.steps,
+        train_layout(flags, args.out, f"traced-{i}", args.steps,
                ["--profile", f"1-{args.steps}", "--set", "run.profile_memory=true"])  # fmt: skip
         for rank, measured in enumerate(kept["measured_peak"]):
             events = _tensor_events(args.out / f"traced-{i}" / "profile" / f"rank{rank}.trace.json")

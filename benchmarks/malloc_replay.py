@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from heap_replay import MallInfo2, train_layout
 
 _MIB = 2**20
 _SMALL = 1024
@@ -85,18 +85,6 @@ if os.environ.get("MALLOC_REPLAY_DIR"):
 """
 
 
-def _train(flags: str, out: Path, name: str, steps: int, extra: list[str],
-           env: dict[str, str] | None = None) -> dict[str, list[float]]:  # fmt: skip
-    """One run of the layout; its memory check (predicted and measured per process)."""
-    command = [sys.executable, "-m", "pipetrain.cli", "train", "--model", "llama-default",
-               *shlex.split(flags), "--steps", str(steps), "--name", name,
-               "--set", f"run.out_dir={out}", *extra]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=3600,
-                   env=env)  # fmt: skip
-    lines = (out / name / "metrics.jsonl").read_text().splitlines()
-    return next(r for r in map(json.loads, lines) if r.get("memory_check"))
-
-
 def _events(trace: Path, events: Path, smallest: int) -> int:
     """The trace's main-heap allocations of ``smallest`` bytes and more, and their frees, as
     lines ``a <id> <bytes> <alignment>`` / ``f <id>``; how many allocations."""
@@ -127,12 +115,6 @@ def _events(trace: Path, events: Path, smallest: int) -> int:
     return count
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]  # fmt: skip
-
-
 def replay(events: Path, count: int) -> int:
     """In this (fresh) process: the events through glibc with the trainer's thresholds; the
     main heap's largest growth."""
@@ -141,7 +123,7 @@ def replay(events: Path, count: int) -> int:
     blocks = (ctypes.c_void_p * (count + 1))()  # allocated once, before the replay starts
     keep_heap()
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
+    libc.mallinfo2.restype = MallInfo2
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
@@ -205,8 +187,8 @@ def main() -> None:
         paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
         env = dict(os.environ, LD_PRELOAD=_DEBUG_MALLOC, MALLOC_REPLAY_DIR=str(traces),
                    PYTHONPATH=os.pathsep.join(paths))  # fmt: skip
-        kept = _train(flags, args.out, f"traced-{i}", args.steps, [], env)
-        mapped = _train(flags, args.out, f"mapped-{i}", args.steps,
+        kept = train_layout(flags, args.out, f"traced-{i}", args.steps, [], env, timeout=3600)
+        mapped = train_layout(flags, args.out, f"mapped-{i}", args.steps,
                         ["--set", "run.map_tensors=true"])  # fmt: skip
         for rank, measured in enumerate(kept["measured_peak"]):
             trace = traces / f"trace.{rank}"
