@@ -119,16 +119,11 @@ def _set_up(
         device = resolve_device(p.device, role.local_rank)
         # Before the process group: its object collectives on nccl use the current device.
         use_device(device)
-        mapped = False
         if device.type == "cpu":
             torch.set_num_threads(threads_per_process(p.threads, role.local_world_size))
-            # Activations live in the C heap: keep its freed pages for the next step, or
-            # map each tensor on its own where the memory is to be measured without holes.
-            mapped = config.run.map_tensors and keep_heap(MAPPED_TENSORS)
-            if not mapped:
-                keep_heap()
-        if config.run.map_tensors and not mapped and role.reporter:
-            print(map_tensors_unused(device.type), file=out, flush=True)
+        unused = tune_heap(device, config.run.map_tensors)
+        if unused and role.reporter:
+            print(unused, file=out, flush=True)
         lock = rank_zero_lock(config, out, announced=announced) if role.reporter else RunLock()
     except Exception as exc:
         report_failure(role, exc)
@@ -136,12 +131,24 @@ def _set_up(
     return plan, device, lock
 
 
-def map_tensors_unused(device_type: str) -> str:
-    """The line that says ``run.map_tensors`` changed nothing on this device, and why."""
-    if device_type == "cpu":
+def tune_heap(device: torch.device, map_tensors: bool) -> str:
+    """Set this process's C heap for ``device``; the line to print where ``map_tensors``
+    was asked for and changed nothing (and why), else "".
+
+    On a CPU activations live in the C heap: keep its freed pages for the next step, or map
+    each tensor on its own where the memory is to be measured without holes (falling back
+    to the kept heap where glibc refuses).
+    """
+    if device.type == "cpu":
+        mapped = map_tensors and keep_heap(MAPPED_TENSORS)
+        if not mapped:
+            keep_heap()
         why = "the C library took no mmap threshold (it tunes glibc's malloc)"
     else:
-        why = f"on {device_type}, whose measured peak is the allocator's tensor bytes already"
+        mapped = False
+        why = f"on {device.type}, whose measured peak is the allocator's tensor bytes already"
+    if not map_tensors or mapped:
+        return ""
     return f"note: run.map_tensors has no effect here: {why}"
 
 

@@ -195,12 +195,31 @@ def test_more_stages_than_a_split_can_fill_are_refused(pp: int, balance: str) ->
         _plan(**overrides, **{"pipeline.pp": pp})
 
 
-def test_map_tensors_that_changes_nothing_is_named() -> None:
-    # On CUDA the measured peak is the allocator's tensor bytes already; off glibc the
-    # setting has no malloc to tune: either way the run says so rather than measure the
-    # heap silently (the e2e run on glibc checks that a mapped run prints no such line).
-    from pipetrain.train.loop import map_tensors_unused
+def test_map_tensors_that_changes_nothing_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA the measured peak is the allocator's tensor bytes already; where glibc takes
+    # no threshold the heap is kept as usual: either way the run says so rather than
+    # measure the heap silently (the e2e run on glibc checks that it prints nothing).
+    import torch
 
-    assert map_tensors_unused("cuda").startswith("note: run.map_tensors has no effect here")
-    assert "on cuda" in map_tensors_unused("cuda")
-    assert "glibc" in map_tensors_unused("cpu")
+    import pipetrain.train.loop as loop
+
+    calls: list[tuple[int, ...]] = []
+    took = {"mapped": True}
+
+    def keep_heap(*threshold: int) -> bool:
+        calls.append(threshold)
+        return took["mapped"] if threshold else True
+
+    monkeypatch.setattr(loop, "keep_heap", keep_heap)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert loop.tune_heap(cpu, True) == "" and calls == [(loop.MAPPED_TENSORS,)]
+    calls.clear()
+    assert loop.tune_heap(cpu, False) == "" and calls == [()]
+    calls.clear()
+    took["mapped"] = False
+    line = loop.tune_heap(cpu, True)
+    assert line.startswith("note: run.map_tensors has no effect here") and "glibc" in line
+    assert calls == [(loop.MAPPED_TENSORS,), ()]  # the kept heap instead
+    calls.clear()
+    assert "on cuda" in loop.tune_heap(cuda, True) and calls == []
+    assert loop.tune_heap(cuda, False) == "" and calls == []
