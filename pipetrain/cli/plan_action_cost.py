@@ -33,6 +33,9 @@ class Reference:
 
     predicted: Scored
     step: float
+    # Seconds a step its slowest pipeline rank waited for the dp all-reduce after its
+    # pipeline (the median run); None where the runs reported none (no replicas).
+    dp_wait: float | None = None
 
 
 def pipelined_references(request: AutoRequest, like: Layout) -> tuple[Layout, ...]:

@@ -7,7 +7,8 @@ of a sweep off by the same factor to within a few per cent; at two processes 0.9
 and so can its shape over the micro-batch size (the seventh sweep's profile put micro-batch
 4 a quarter slower a sample than 8). So after the profile, layouts without a bubble and
 with few messages (pp = 1, every process a data-parallel replica) train for a few steps
-through the real launcher, a few times each, at two micro-batch sizes; every layer's
+through the real launcher, a few times each, at two micro-batch sizes; the all-reduce of
+their replicas is refitted to the waits they measured (``plan_links``), and every layer's
 compute at a size is scaled by the median run's compute over the predicted one there
 (between the two sizes the factor follows the logarithm of the size, beyond them the
 nearest's holds); what their processes held beyond the count refits the workspace
@@ -35,6 +36,7 @@ from pipetrain.cli.plan_action_cost import (
     pipelined_references,
     reference_factors,
 )
+from pipetrain.cli.plan_links import refit_allreduce
 from pipetrain.cli.plan_measure import measure_layout, measure_top
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.layer_costs import LayerCost, scaled_times
@@ -187,6 +189,11 @@ def calibrate(
     many = [ref for ref in references if ref.predicted in piped]  # the pipelined one, timed
     if not plain:
         return costs_for, hw, "; not calibrated: " + "; ".join(said)
+    # The replicas' waits first: what is left of each step is the compute to fit.
+    hw, links_said = refit_allreduce(hw, references)
+    if links_said:
+        scorer = Scorer(config, free, costs_for, hw)
+        plain, many = ([_rescored(scorer, ref) for ref in refs] for refs in (plain, many))
 
     def scorer_at(factors: dict[int, float], per_action: float) -> Scorer:
         scaled = _scaled(costs_for, factors) if factors else costs_for
@@ -207,8 +214,12 @@ def calibrate(
     hw, memory_said = _calibrated_memory(dataclasses.replace(hw, per_action=per_action), measured)
     return (
         _scaled(costs_for, factors), hw,
-        "; calibrated " + "; ".join(said) + between + action_said + memory_said,
+        "; calibrated " + "; ".join(said) + between + action_said + links_said + memory_said,
     )  # fmt: skip
+
+
+def _rescored(scorer: Scorer, ref: Reference) -> Reference:
+    return dataclasses.replace(ref, predicted=scorer.rescore(ref.predicted))
 
 
 def _medians(
@@ -224,7 +235,14 @@ def _medians(
             failed = next((run.error for run in mine if run.error), "no step timed")
             said.append(f"not by {predicted.layout.describe()} (failed: {failed[:80]})")
             continue
-        references.append(Reference(predicted, statistics.median(run.step_time for run in ok)))
+        waits = [max(run.dp_wait) for run in ok if run.dp_wait]
+        references.append(
+            Reference(
+                predicted,
+                statistics.median(run.step_time for run in ok),
+                statistics.median(waits) if waits else None,
+            )
+        )
         measured.append((predicted, ok))
         said.append(
             f"by {predicted.layout.describe()}: predicted {predicted.step_time * 1e3:.0f} ms, "

@@ -41,6 +41,9 @@ class Measured:
     measured_peak: tuple[int, ...]  # per process, the run's memory check
     predicted_peak: tuple[float, ...]  # per process, as the run's memory check predicts
     error: str = ""  # the failed run's last line
+    # Per pipeline rank, seconds a step waited for the dp all-reduce after the pipeline
+    # (the run's ``dp_wait_s``); () where the run had no replicas.
+    dp_wait: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -60,6 +63,7 @@ class Measured:
             "measured_peak": list(self.measured_peak),
             "predicted_peak": list(self.predicted_peak),
             "error": self.error or None,
+            "dp_wait_s": list(self.dp_wait),
         }
 
 
@@ -101,6 +105,7 @@ def measure_layout(
     times = [r["step_time_s"] for r in records if "step_time_s" in r]
     summary: dict[str, Any] = next((r for r in records if r.get("summary")), {})
     check: dict[str, Any] = next((r for r in records if r.get("memory_check")), {})
+    dp: dict[str, Any] = next((r for r in records if "dp_wait_s" in r), {})
     timed = times[1:] or times
     return Measured(
         scored,
@@ -108,6 +113,7 @@ def measure_layout(
         float(summary.get("tokens_per_s", float("nan"))),
         tuple(int(b) for b in check.get("measured_peak", [])),
         tuple(float(b) for b in check.get("predicted_peak", [])),
+        dp_wait=tuple(float(w) for w in dp.get("dp_wait_s", []) if w == w),
     )
 
 

@@ -25,6 +25,7 @@ class _Run:
     step_time: float
     error: str = ""
     measured_peak: tuple[int, ...] = ()
+    dp_wait: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -211,3 +212,49 @@ def test_a_pipelined_reference_recovers_the_cost_of_an_action() -> None:
         scored = after.evaluate(layout)
         assert scored is not None
         assert scored.step_time == pytest.approx(machine.rescore(scored).step_time, rel=1e-3)
+
+
+def test_the_replicas_waits_refit_the_all_reduce_and_leave_the_compute_as_the_machines() -> None:
+    # The machine: the profile's compute, but its all-reduces 3x slower over 4 ranks and
+    # 2x over 2 than the profile's links say (replicas that finish apart wait longer).
+    config = get_model_config("llama-default")
+    req = AutoRequest(4, 32, 128)
+    links = ((2, 1e-3, 1e9), (4, 2e-3, 1e9))
+    hw0 = replace(CPU, allreduce=links, overlap_comm=False)
+    slow = replace(hw0, allreduce=((2, 1e-3, 0.5e9), (4, 2e-3, 1e9 / 3)))
+
+    def costs(tp: int, mb: int = 1) -> Any:
+        return estimate_costs(config, 128, flops_per_second=CPU.flops, tp=tp)
+
+    machine = Scorer(config, req, costs, slow)
+
+    def measure(scored: Any, overrides: dict[str, Any], **kw: Any) -> _Run:
+        run = machine.rescore(scored)
+        wait = (run.dp_time,) if scored.layout.dp > 1 else ()
+        return _Run(run.step_time, dp_wait=wait)
+
+    def unreported(scored: Any, overrides: dict[str, Any], **kw: Any) -> _Run:
+        return replace(measure(scored, overrides), dp_wait=())
+
+    fitted, hw, said = calibrate(
+        config, "llama-default", req, costs, hw0, steps=5, measure=measure,
+        overrides_of=auto_overrides, runs=1,
+    )  # fmt: skip
+    assert dict((g, bw) for g, _, bw in hw.allreduce) == pytest.approx({2: 0.5e9, 4: 1e9 / 3})
+    assert "4 ranks 0.33 GB/s (measured waits 3.00x the profile's 1.00 GB/s)" in said
+    assert "compute x 1.00 at micro-batch 4, 1.00 at micro-batch 8" in said
+    after = Scorer(config, req, fitted, hw)
+    for layout in (Layout("1f1b", 4, 1, 1, 1, 8, False, False),  # no replicas
+                   Layout("zb-h1", 2, 2, 1, 1, 4, False, False),
+                   Layout("1f1b", 1, 4, 1, 1, 2, False, False)):  # fmt: skip
+        scored = after.evaluate(layout)
+        assert scored is not None
+        assert scored.step_time == pytest.approx(machine.rescore(scored).step_time, rel=1e-3)
+    # Unreported waits land in the compute: the layout without replicas predicted slower.
+    fitted, hw, said = calibrate(
+        config, "llama-default", req, costs, hw0, steps=5, measure=unreported,
+        overrides_of=auto_overrides, runs=1,
+    )  # fmt: skip
+    assert hw.allreduce == links and "refitted" not in said
+    scored = Scorer(config, req, fitted, hw).evaluate(Layout("1f1b", 4, 1, 1, 1, 8, False, False))
+    assert scored is not None and scored.step_time > 1.01 * machine.rescore(scored).step_time
