@@ -4,12 +4,12 @@ The profile times all-reduces between idle processes (``profile_run``), but in a
 replicas of a step do not finish their backwards together where processes share the cores:
 each waits, after its pipeline, for the slowest one and then for the reduction. A run
 reports that wait (``dp_wait_s``: per pipeline rank, the mean over the steps after the first
-and the replicas). On llama-wide at 4 processes (BENCHMARKS.md, the thirteenth sweep) it was
-0.33-0.47 s a step where the profile's link predicted 0.08 s; the calibration had put the
-difference into the compute of every layer, so the layouts without replicas (pp = 4) came
-out 9% slower than predicted. Here each reference with replicas sets the all-reduce's
-bandwidth at its group size so that its modelled reduction meets its measured wait (the
-latency kept), and the compute is fitted on what is left of its step. Torch-free.
+and the replicas). Subtracting only the modelled reduction from a reference's step put the
+rest of the wait into the compute of every layer, so the layouts without replicas were
+predicted slower than they ran (docs/plan_auto.md, "The replicas' wait", has the figures). Each
+reference with replicas sets the all-reduce's bandwidth at its group size so that its
+modelled reduction meets its measured wait (the latency kept), and the compute is fitted on
+what is left of its step. Torch-free.
 """
 
 from __future__ import annotations
