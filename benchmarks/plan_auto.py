@@ -2,16 +2,17 @@
 
     .venv/bin/python benchmarks/plan_auto.py [--models llama-default,llama-wide]
         [--worlds 2,4] [--sweep 20] [--steps 6] [--rounds 3] [--calibrate-steps 8]
-        [--calibrate-runs 3] [--confirm 3] [--budget 0.8] [--only-budget] [--out runs/plan_auto]
+        [--calibrate-runs 3] [--confirm 3] [--top-rounds 0] [--budget 0.8] [--only-budget]
+        [--out runs/plan_auto]
 
 For each model and world size: per-layer costs are profiled once (``--balance profile``'s
 machinery), the planner searches, and then every layout of a sweep (the ``--sweep``
 layouts the planner predicts fastest, plus the default config's layout and the calibration's
-reference layouts) is trained for ``--steps`` steps through the real launcher, once in each of
-``--rounds`` rounds (each round in its own shuffled order; a layout's figures are the
-median over its rounds). Printed, as markdown: each layout's predicted and measured step
-time and peak model memory per process, then
-the acceptance figures (the choice's measured tokens/s against the best measured and the
+reference layouts) is trained for ``--steps`` steps through the real launcher, once in
+each of ``--rounds`` rounds (each round in its own shuffled order; a layout's figures are
+the median over its rounds; ``--top-rounds`` more rounds of the five predicted fastest
+alone follow, for the bar read on them). Printed, as markdown: each layout's predicted and
+measured step time and peak model memory per process, then the acceptance figures (the choice's measured tokens/s against the best measured and the
 default's; the predicted step time's error on the five predicted fastest; the predicted
 peak's error), a head-to-head where the choice is not the best measured (both trained
 ``--confirm`` more times, alternating: the best of some twenty noisy medians is picked for
@@ -68,23 +69,28 @@ def _train(
 
 
 def _rounds(
-    sweep: list[Scored], request: AutoRequest, model: str, world: int, args: argparse.Namespace
-) -> dict[Layout, dict[str, Any]]:
-    """Every layout of ``sweep`` trained once a round, ``args.rounds`` rounds, each round in
-    its own shuffled order (runs of one layout here differ by up to a third, and the machine
-    drifts over minutes: a layout's figure is the median of its rounds, and no layout is
-    always measured first). Per layout: the median step time and its tokens/s, the rounds'
-    step times, and the median peak per process."""
-    runs: dict[Layout, list[dict[str, Any]]] = {s.layout: [] for s in sweep}
-    for r in range(args.rounds):
+    sweep: list[Scored], request: AutoRequest, model: str, world: int, args: argparse.Namespace,
+    rounds: range, runs: dict[Layout, list[dict[str, Any]]],
+) -> None:  # fmt: skip
+    """Every layout of ``sweep`` trained once a round, each round in its own shuffled order
+    (runs of one layout here differ by up to a third, and the machine drifts over minutes:
+    no layout is always measured first); each run added to ``runs``."""
+    for r in rounds:
         order = list(range(len(sweep)))
         random.Random(r).shuffle(order)
         for i in order:
             s = sweep[i]
             m = _train(s, request, model, args.steps, args.out, f"{model}-w{world}-r{r}-{i}")
-            runs[s.layout].append(m)
+            runs.setdefault(s.layout, []).append(m)
             said = m["error"][0] if "error" in m else f"{m['step_time'] * 1e3:.0f} ms"
             print(f"round {r + 1}: {s.layout.describe()}: {said}", file=sys.stderr, flush=True)
+
+
+def _medians(
+    request: AutoRequest, runs: dict[Layout, list[dict[str, Any]]]
+) -> dict[Layout, dict[str, Any]]:
+    """Per layout: the median step time over its runs and its tokens/s, the runs' step
+    times, and the median peak per process (a layout whose runs all failed: its first)."""
     out: dict[Layout, dict[str, Any]] = {}
     for lay, done in runs.items():
         ok = [m for m in done if "error" not in m]
@@ -194,7 +200,15 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
         if default is not None:
             _budget(config, model, world, request, costs_for, hw, default, args)
         return
-    measured = _rounds(sweep, request, model, world, args)
+    runs: dict[Layout, list[dict[str, Any]]] = {}
+    _rounds(sweep, request, model, world, args, range(args.rounds), runs)
+    # The bar on the five predicted fastest is read on their medians: more runs of them,
+    # in rounds of their own after the sweep's, where asked.
+    top = [s for s in plan.ranked[:5] if s in sweep]
+    _rounds(
+        top, request, model, world, args, range(args.rounds, args.rounds + args.top_rounds), runs
+    )
+    measured = _medians(request, runs)
     print(
         "| layout | predicted ms | measured ms (median) | rounds, ms | tokens/s | "
         "predicted MiB | measured MiB |"
@@ -337,6 +351,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="each layout measured once a round")
     p.add_argument("--confirm", type=int, default=3,
                    help="fresh runs each of the choice and the best measured, head to head")  # fmt: skip
+    p.add_argument("--top-rounds", type=int, default=0,
+                   help="more rounds of the five predicted fastest alone, after the sweep's")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--budget", type=float, default=0.8)
     p.add_argument("--only-budget", action="store_true", help="skip the sweep: the budget runs")
