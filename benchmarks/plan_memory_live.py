@@ -9,6 +9,9 @@ predicted for it (its memory check, the reading the trainer prints).
     .venv/bin/python benchmarks/plan_memory_live.py --out /tmp/live \
         '/tmp/pa/runs-default/llama-default-w4-r0-*' '/tmp/pa/runs-default/llama-default-w2-r0-*'
 
+With ``--reuse`` the mapped runs already in ``--out`` are read instead of trained again,
+which sets a changed count against measured peaks in seconds.
+
 Prints a table per process and the largest and mean gaps; BENCHMARKS.md has the figures.
 """
 
@@ -26,14 +29,16 @@ from plan_memory_fit import counted_processes
 _MIB = 2**20
 
 
-def _mapped_peaks(run: Path, out: Path, steps: int) -> tuple[list[float], list[float]]:
-    """The run's config trained again with every tensor mapped: its processes' measured
-    peaks and what its run summary predicted for them, MiB."""
+def _mapped_peaks(run: Path, out: Path, steps: int, reuse: bool) -> tuple[list[float], list[float]]:
+    """The run's config trained again with every tensor mapped (``reuse``: the mapped run
+    already in ``out``, where there is one): its processes' measured peaks and what its run
+    summary predicted for them when it ran, MiB."""
     name = f"live-{run.name}"
-    command = [sys.executable, "-m", "pipetrain.cli", "train", "--config",
-               str(run / "config.toml"), "--name", name, "--steps", str(steps),
-               "--set", f"run.out_dir={out}", "--set", "run.map_tensors=true"]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=900)
+    if not (reuse and (out / name / "metrics.jsonl").is_file()):
+        command = [sys.executable, "-m", "pipetrain.cli", "train", "--config",
+                   str(run / "config.toml"), "--name", name, "--steps", str(steps),
+                   "--set", f"run.out_dir={out}", "--set", "run.map_tensors=true"]  # fmt: skip
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=900)
     lines = (out / name / "metrics.jsonl").read_text().splitlines()
     check = next(r for r in map(json.loads, lines) if r.get("memory_check"))
     return (
@@ -47,6 +52,9 @@ def main() -> None:
     p.add_argument("runs", nargs="+", help="run folders of a sweep, or patterns of them")
     p.add_argument("--out", type=Path, required=True, help="folder for the runs made here")
     p.add_argument("--steps", type=int, default=4, help="steps a run (default 4)")
+    p.add_argument("--reuse", action="store_true",
+                   help="read the mapped runs already in --out instead of training them again: "
+                        "the count is the current code's, the summary's prediction theirs")  # fmt: skip
     args = p.parse_args()
     gaps, said = [], []
     print("| run | layout | process | counted MiB | measured MiB | gap | run summary's "
@@ -56,7 +64,7 @@ def main() -> None:
         counted = counted_processes(run)
         if not counted:
             continue
-        measured, predicted = _mapped_peaks(run, args.out, args.steps)
+        measured, predicted = _mapped_peaks(run, args.out, args.steps, args.reuse)
         for process, (row, live, summary) in enumerate(
             zip(counted, measured, predicted, strict=True)
         ):
