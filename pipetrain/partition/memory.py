@@ -61,6 +61,11 @@ class RankMemory:
     # What the running backward holds beside the saved tensors on the rank's largest
     # layer kind (``partition.workspace``: its gradients before it frees any).
     in_backward: float = 0.0
+    # What of the gradients the peak does not meet, where the simulated timeline says
+    # (``rank_memory``'s ``peak_with_gradients``): the .grad tensors are made at a stage's
+    # first backward and the dp buckets after its last, so a peak at the end of the
+    # forwards holds neither.
+    unmet: float = 0.0
 
     @property
     def static(self) -> float:
@@ -71,7 +76,7 @@ class RankMemory:
     def total(self) -> float:
         return (
             self.static + self.activations + self.transient + self.in_backward + self.buffers
-            + self.workspace
+            + self.workspace - self.unmet
         )  # fmt: skip
 
 
@@ -152,6 +157,7 @@ def rank_memory(
     recompute_overhead: tuple[float, float] | None = None,
     batch_scale: int = 1,
     in_backward: Mapping[str, float] | None = None,
+    peak_with_gradients: Sequence[float] | None = None,
 ) -> tuple[RankMemory, ...]:
     """Each rank's bytes: ``weight_bytes`` and ``peak_activation_bytes`` are the simulator's
     per rank; ``message_bytes`` one micro-batch's activation between stages;
@@ -167,7 +173,11 @@ def rank_memory(
     micro-batches on the rank's largest stage, not of every live micro-batch: what a
     process holds beyond its saved tensors is that backward's gradients and temporaries
     (measured, docs/memory_model.md). A one-process step of the whole model, which the
-    fraction is fitted on, has the two alike."""
+    fraction is fitted on, has the two alike.
+
+    ``peak_with_gradients``: per rank, the simulator's peak of the activations with the
+    gradients and buckets made when the runtime makes them (None: both held throughout);
+    what of the gradients that peak does not meet is the rank's ``unmet``."""
     ranks = partition.num_ranks
     grads = [0.0] * ranks
     has_block = [False] * ranks
@@ -198,6 +208,12 @@ def rank_memory(
     charged = [
         kept if r in recomputing and recompute_block_bytes else overhead for r in range(ranks)
     ]
+    unmet = [0.0] * ranks
+    if peak_with_gradients is not None:
+        unmet = [
+            max(0.0, peak_activation_bytes[r] + bucket * grads[r] - peak_with_gradients[r])
+            for r in range(ranks)
+        ]
     return tuple(
         RankMemory(
             weights=weight_bytes[r],
@@ -209,6 +225,7 @@ def rank_memory(
             workspace=charged[r][0] * (in_flight[r] + transient[r]) + charged[r][1],
             in_flight=in_flight[r] + transient[r],
             in_backward=running[r] * one_action,
+            unmet=unmet[r],
         )
         for r in range(ranks)
     )

@@ -302,7 +302,8 @@ class Scorer:
             again = self.costs(layout.tp, True, mb, layout.ep)
             partition = recomputed_on(partition, again, layout.recompute_ranks)
         whole = get_spec(layout.schedule).whole_batch
-        sim = self._simulate(schedule, partition, mb, whole, layout.microbatches)
+        replicas = layout.dp * schedule.placement.replicas
+        sim = self._simulate(schedule, partition, mb, whole, layout.microbatches, replicas)
         pipeline_time = shared_core_makespan(
             sim.timeline,
             processes_per_rank=layout.dp * layout.tp,
@@ -338,6 +339,7 @@ class Scorer:
             in_backward=backward_workspace_bytes(
                 self.config, req.seq_len, layout.tp, _has_split_backward(schedule)
             ),
+            peak_with_gradients=sim.peak_with_gradient_bytes,
         )
         limit = req.memory_limit
         fits = limit is None or all(m.total <= limit for m in memory)
@@ -386,8 +388,9 @@ class Scorer:
         )
 
     def _simulate(
-        self, schedule: Schedule, partition: Partition, mb: int, whole: bool, m: int
-    ) -> SimResult:
+        self, schedule: Schedule, partition: Partition, mb: int, whole: bool, m: int,
+        replicas: int,
+    ) -> SimResult:  # fmt: skip
         return simulate_split(
             schedule,
             partition,
@@ -398,6 +401,7 @@ class Scorer:
             bandwidth=self.hw.link_bandwidth,
             message_bytes=self.message_bytes(mb),
             batch_scale=m if whole else 1,
+            replicas=replicas,
         )
 
 

@@ -27,12 +27,15 @@ def simulate_split(
     message_bytes: float = 0.0,
     batch_scale: int = 1,
     speeds: Sequence[float] | None = None,
+    replicas: int = 1,
 ) -> SimResult:
     """``schedule`` replayed with ``partition``'s per-sample stage sums at micro-batch
     ``microbatch_size``: ``per_layer`` seconds added per layer to every F, I and W (twice
     to a B) and ``per_action`` to every action, messages of ``message_bytes`` taking
     ``latency`` plus their bytes over ``bandwidth``; ``batch_scale`` micro-batches per
-    action (naive model parallel: m); ``speeds``, one per rank, divide that rank's times."""
+    action (naive model parallel: m); ``speeds``, one per rank, divide that rank's times;
+    ``replicas``: the size of each stage's gradient all-reduce (dp, times Chimera's
+    pipelines), whose flat copies count with the gradients where it is over 1."""
     mb = microbatch_size
     fixed = [per_layer * len(layers) for layers in partition.stages]
     # The simulator multiplies an action's time by ``batch_scale``; one action's own cost
@@ -53,13 +56,16 @@ def simulate_split(
     )
     if speeds is not None:  # a stage on a rank of speed 0.5 takes twice as long
         costs = with_rank_speeds(costs, schedule.placement, speeds)
+    grads = tuple(float(b) for b in partition.param_bytes)
     return simulate(
         schedule,
         costs,
         activation_bytes=tuple(a * mb for a in partition.activation_bytes_per_sample),
-        weight_bytes=tuple(float(b) for b in partition.param_bytes),
+        weight_bytes=grads,
         batch_scale=batch_scale,
         deferred_bytes=deferred_bytes(partition, mb),
         freed_bytes=freed_at_input_bytes(partition, mb),
         sent_bytes=message_bytes,
+        gradient_bytes=grads,
+        bucket_bytes=grads if replicas > 1 else None,
     )

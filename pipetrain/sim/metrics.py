@@ -26,6 +26,7 @@ __all__ = [
     "live_activations",
     "peak_activation_bytes",
     "peak_activations",
+    "peak_with_gradients",
     "rank_times",
     "stage_weight_versions",
     "weight_versions",
@@ -179,6 +180,27 @@ def live_activations(
     whose incoming message proves it (``pipetrain.schedules.acks``), from that action's
     start; else to the end of the rank's step (docs/memory_model.md).
     """
+    changes = _activation_changes(timeline, sizes, deferred, freed, sent, acks)
+    curves: list[tuple[tuple[float, float], ...]] = []
+    for rank_changes in changes:
+        level = 0.0
+        points: list[tuple[float, float]] = []
+        for time, _, delta in sorted(rank_changes):
+            level += delta
+            points.append((time, level))
+        curves.append(tuple(points))
+    return tuple(curves)
+
+
+def _activation_changes(
+    timeline: Timeline,
+    sizes: Sequence[float] | None,
+    deferred: Sequence[float] | None,
+    freed: Sequence[float] | None,
+    sent: Sequence[float] | None,
+    acks: Mapping[tuple[int, int], tuple[int, int, bool]] | None,
+) -> list[list[tuple[float, int, float]]]:
+    """Per rank, ``live_activations``' changes as (time, order, delta)."""
     release = _release_times(timeline)
     spans = _input_grads(timeline) if deferred is not None or freed is not None else {}
     # Per rank: (time, order, delta). At equal times a release (order 0) comes before an
@@ -209,15 +231,48 @@ def live_activations(
         changes[rank].append((done, 0, early - held))
     if sent is not None:
         _add_sent_gradients(timeline, sent, acks or {}, changes)
-    curves: list[tuple[tuple[float, float], ...]] = []
+    return changes
+
+
+def peak_with_gradients(
+    timeline: Timeline,
+    gradients: Sequence[float],
+    buckets: Sequence[float],
+    sizes: Sequence[float] | None = None,
+    deferred: Sequence[float] | None = None,
+    freed: Sequence[float] | None = None,
+    sent: Sequence[float] | None = None,
+    acks: Mapping[tuple[int, int], tuple[int, int, bool]] | None = None,
+) -> tuple[float, ...]:
+    """Per rank, the most bytes of activations (``live_activations``, the same arguments)
+    and weight gradients live at once. A stage's ``gradients[stage]`` (its ``.grad``
+    tensors, set to None every step) count from the end of its first B or W on its rank,
+    which makes them layer by layer as it lets go of the micro-batch's saved tensors, to
+    the step's end; its ``buckets[stage]`` (the flat copies that the data-parallel
+    all-reduce sums, 0 without replicas) from the end of its last."""
+    changes = _activation_changes(timeline, sizes, deferred, freed, sent, acks)
+    first: dict[int, tuple[float, int]] = {}
+    last: dict[int, tuple[float, int]] = {}
+    for e in timeline.events:
+        stage = e.action.stage
+        if e.action.kind not in (Kind.B, Kind.W):
+            continue
+        if stage not in first or e.end < first[stage][0]:
+            first[stage] = (e.end, e.rank)
+        if stage not in last or e.end > last[stage][0]:
+            last[stage] = (e.end, e.rank)
+    for stage, (end, rank) in first.items():
+        changes[rank].append((end, 1, float(gradients[stage])))
+    for stage, (end, rank) in last.items():
+        changes[rank].append((end, 1, float(buckets[stage])))
+    peaks = []
     for rank_changes in changes:
-        level = 0.0
-        points: list[tuple[float, float]] = []
-        for time, _, delta in sorted(rank_changes):
+        level = peak = 0.0
+        for _, _, delta in sorted(rank_changes):
             level += delta
-            points.append((time, level))
-        curves.append(tuple(points))
-    return tuple(curves)
+            peak = max(peak, level)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def _add_sent_gradients(

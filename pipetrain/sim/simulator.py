@@ -25,6 +25,7 @@ from pipetrain.sim.metrics import (
     bubble,
     peak_activation_bytes,
     peak_activations,
+    peak_with_gradients,
     rank_times,
     stage_weight_versions,
     weight_versions,
@@ -59,6 +60,9 @@ class SimResult:
     weight_bytes: tuple[float, ...] | None = None
     # Optimizer steps the timeline covers: asynchronous schedules stream several.
     steps: int = 1
+    # The most bytes of activations and weight gradients (with the dp buckets) live at once,
+    # where gradient sizes were given (``metrics.peak_with_gradients``).
+    peak_with_gradient_bytes: tuple[float, ...] | None = None
 
     @property
     def schedule(self) -> str:
@@ -99,6 +103,8 @@ class SimResult:
             out["peak_activation_bytes"] = list(self.peak_activation_bytes)
         if self.weight_bytes is not None:
             out["weight_bytes"] = list(self.weight_bytes)
+        if self.peak_with_gradient_bytes is not None:
+            out["peak_with_gradient_bytes"] = list(self.peak_with_gradient_bytes)
         return out
 
 
@@ -152,6 +158,8 @@ def analyse(
     freed_bytes: float | Sequence[float] | None = None,
     sent_bytes: float | None = None,
     acks: Mapping[tuple[int, int], tuple[int, int, bool]] | None = None,
+    gradient_bytes: Sequence[float] | None = None,
+    bucket_bytes: Sequence[float] | None = None,
 ) -> SimResult:
     """The accounting of ``timeline``, simulated or measured, covering ``steps`` optimizer
     steps.
@@ -167,9 +175,12 @@ def analyse(
     step ends.
     ``batch_scale`` is how many micro-batches one action carries (m for the naive
     schedule, which runs the whole batch at once): activations count that many units.
+    ``gradient_bytes`` and ``bucket_bytes`` (per model stage): its weight gradients and the
+    flat copies its data-parallel all-reduce sums, for the peak of both with the
+    activations (``metrics.peak_with_gradients``).
     """
     times = rank_times(timeline)
-    act_bytes = None
+    act_bytes = joint = None
     if activation_bytes is not None:
         sizes = _per_model_stage(activation_bytes, placement, "activation_bytes")
         held_back = early = None
@@ -185,9 +196,13 @@ def analyse(
                 batch_scale * sent_bytes if _sends_to_another_rank(placement, v) else 0.0
                 for v in range(placement.num_stages)
             ]
-        act_bytes = peak_activation_bytes(
-            timeline, [batch_scale * s for s in sizes], held_back, early, sent, acks
-        )
+        live = ([batch_scale * s for s in sizes], held_back, early, sent, acks)
+        act_bytes = peak_activation_bytes(timeline, *live)
+        if gradient_bytes is not None:
+            grads = _per_model_stage(gradient_bytes, placement, "gradient_bytes")
+            flat = _per_model_stage(bucket_bytes or [0.0] * len(gradient_bytes), placement,
+                                    "bucket_bytes")  # fmt: skip
+            joint = peak_with_gradients(timeline, grads, flat, *live)
     held = None
     if weight_bytes is not None:
         sizes = _per_model_stage(weight_bytes, placement, "weight_bytes")
@@ -208,6 +223,7 @@ def analyse(
         weight_versions=weight_versions(timeline),
         peak_activation_bytes=act_bytes,
         weight_bytes=held,
+        peak_with_gradient_bytes=joint,
         steps=steps,
     )
 
@@ -239,6 +255,8 @@ def simulate(
     deferred_bytes: float | Sequence[float] | None = None,
     freed_bytes: float | Sequence[float] | None = None,
     sent_bytes: float | None = None,
+    gradient_bytes: Sequence[float] | None = None,
+    bucket_bytes: Sequence[float] | None = None,
 ) -> SimResult:
     """Replay ``schedule`` under ``costs`` (default: unit costs) and measure it (see ``analyse``).
 
@@ -264,4 +282,6 @@ def simulate(
         freed_bytes=freed_bytes,
         sent_bytes=sent_bytes,
         acks=gradient_releases(schedule) if sent_bytes else None,
+        gradient_bytes=gradient_bytes,
+        bucket_bytes=bucket_bytes,
     )

@@ -242,6 +242,29 @@ def test_llama3_70b_on_64_ranks_is_planned_fast_and_matches_the_formula() -> Non
     assert winner.peak_bytes == pytest.approx(expected, rel=1e-12)
 
 
+def test_gradients_and_buckets_are_charged_where_the_timeline_meets_them() -> None:
+    # One stage, one micro-batch, two replicas: the peak of the activations comes at the
+    # end of the forward, the .grad tensors at the end of the backward that let go of
+    # them, the dp buckets after it: the process holds the larger of the two, not both.
+    from pipetrain.partition.layouts import Layout
+
+    config, costs = _costs_for("llama-tiny", 32, HARDWARE["cpu"])
+    scorer = Scorer(config, AutoRequest(2, 8, 32), costs, HARDWARE["cpu"])
+    alone = scorer.evaluate(Layout("1f1b", 1, 2, 1, 1, 1, False, False))
+    assert alone is not None
+    (m,) = alone.memory
+    assert m.unmet > 0
+    assert m.unmet == pytest.approx(min(m.activations, m.gradients))
+    assert m.total == pytest.approx(
+        m.weights + m.optimizer + max(m.activations, m.gradients) + m.transient
+        + m.in_backward + m.buffers + m.workspace
+    )  # fmt: skip
+    # 1F1B's steady state runs forwards after the first backward: its first rank's peak
+    # holds the gradients beside the activations, as the count charges them (dp = 1).
+    steady = scorer.evaluate(Layout("1f1b", 2, 1, 1, 1, 8, False, False))
+    assert steady is not None and steady.memory[0].unmet == 0.0
+
+
 def test_chimera_replicas_are_charged_the_flat_copies_they_all_reduce() -> None:
     # Each process of Chimera holds a stage of each pipeline and sums its gradients with
     # the other pipeline's replica through a flat copy (runtime/collectives.py), as dp's

@@ -12,6 +12,7 @@ from pipetrain.sim.metrics import (
     live_activations,
     peak_activation_bytes,
     peak_activations,
+    peak_with_gradients,
     rank_times,
     stage_weight_versions,
     weight_versions,
@@ -135,6 +136,24 @@ def test_gradients_sent_back_are_held_until_the_step_ends() -> None:
     assert curve[-1] == (9.0, 0.0)  # all let go at the end
     # A stage whose previous stage is on this rank sends nothing.
     assert peak_activation_bytes(tl, [0.0, 1.0], sent=[0.0, 0.0]) == (1.0,)
+
+
+def test_gradients_count_from_a_stage_s_first_backward_and_buckets_from_its_last() -> None:
+    # GPipe's rank 0 peaks at the end of its forwards (2), before any .grad exists: the
+    # first B's end lets go of a micro-batch and has made the stage's gradients (1 + 5),
+    # the last B's end the flat copies the dp all-reduce sums (0 + 5 + 5).
+    sizes = [1.0, 1.0]
+    assert peak_with_gradients(GPIPE_2_2, [5.0, 3.0], [0.0, 0.0], sizes) == (6.0, 4.0)
+    assert peak_with_gradients(GPIPE_2_2, [5.0, 3.0], [5.0, 3.0], sizes) == (10.0, 6.0)
+    # Small gradients leave the activations' peak as it was.
+    assert peak_with_gradients(GPIPE_2_2, [0.5, 0.5], [0.5, 0.5], sizes) == (2.0, 2.0)
+    # 1F1B's last rank runs a forward after its first B: its steady state holds one
+    # micro-batch beside the gradients, all of both, as a count would charge them.
+    assert peak_with_gradients(ONE_F_ONE_B_2_2, [5.0, 3.0], [0.0, 0.0], sizes)[1] == 4.0
+    # A split backward makes its weight gradients in W, which lets go of the micro-batch.
+    split = timeline(["0F0@0-1 0I0@1-2 0W0@2-3"])
+    assert peak_with_gradients(split, [5.0], [0.0], [1.0]) == (5.0,)
+    assert peak_with_gradients(split, [0.5], [0.0], [1.0]) == (1.0,)
 
 
 def test_activation_bytes_weigh_each_stage() -> None:
