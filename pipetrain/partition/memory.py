@@ -80,6 +80,14 @@ class RankMemory:
         )  # fmt: skip
 
 
+def _unmet(
+    activations: Sequence[float], gradients: float, joint: Sequence[float] | None, rank: int
+) -> float:
+    """What of ``rank``'s ``gradients`` (with the buckets) the ``joint`` peak of both with
+    the activations leaves out; 0 where there is no joint peak."""
+    return 0.0 if joint is None else max(0.0, activations[rank] + gradients - joint[rank])
+
+
 def fit_overhead(
     step_bytes: dict[int, float],
     activation_bytes_per_sample: float,
@@ -176,8 +184,7 @@ def rank_memory(
     fraction is fitted on, has the two alike.
 
     ``peak_with_gradients``: per rank, the simulator's peak of the activations with the
-    gradients and buckets made when the runtime makes them (None: both held throughout);
-    what of the gradients that peak does not meet is the rank's ``unmet``."""
+    gradients and buckets as the runtime makes them (None: held throughout), for ``unmet``."""
     ranks = partition.num_ranks
     grads = [0.0] * ranks
     has_block = [False] * ranks
@@ -208,12 +215,6 @@ def rank_memory(
     charged = [
         kept if r in recomputing and recompute_block_bytes else overhead for r in range(ranks)
     ]
-    unmet = [0.0] * ranks
-    if peak_with_gradients is not None:
-        unmet = [
-            max(0.0, peak_activation_bytes[r] + bucket * grads[r] - peak_with_gradients[r])
-            for r in range(ranks)
-        ]
     return tuple(
         RankMemory(
             weights=weight_bytes[r],
@@ -225,7 +226,7 @@ def rank_memory(
             workspace=charged[r][0] * (in_flight[r] + transient[r]) + charged[r][1],
             in_flight=in_flight[r] + transient[r],
             in_backward=running[r] * one_action,
-            unmet=unmet[r],
+            unmet=_unmet(peak_activation_bytes, bucket * grads[r], peak_with_gradients, r),
         )
         for r in range(ranks)
     )

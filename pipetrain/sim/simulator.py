@@ -182,27 +182,10 @@ def analyse(
     times = rank_times(timeline)
     act_bytes = joint = None
     if activation_bytes is not None:
-        sizes = _per_model_stage(activation_bytes, placement, "activation_bytes")
-        held_back = early = None
-        if deferred_bytes is not None:
-            pending = _per_model_stage(deferred_bytes, placement, "deferred_bytes")
-            held_back = [batch_scale * h for h in pending]
-        if freed_bytes is not None:
-            freed = _per_model_stage(freed_bytes, placement, "freed_bytes")
-            early = [batch_scale * f for f in freed]
-        sent = None
-        if sent_bytes:
-            sent = [
-                batch_scale * sent_bytes if _sends_to_another_rank(placement, v) else 0.0
-                for v in range(placement.num_stages)
-            ]
-        live = ([batch_scale * s for s in sizes], held_back, early, sent, acks)
-        act_bytes = peak_activation_bytes(timeline, *live)
-        if gradient_bytes is not None:
-            grads = _per_model_stage(gradient_bytes, placement, "gradient_bytes")
-            flat = _per_model_stage(bucket_bytes or [0.0] * len(gradient_bytes), placement,
-                                    "bucket_bytes")  # fmt: skip
-            joint = peak_with_gradients(timeline, grads, flat, *live)
+        act_bytes, joint = _activation_peaks(
+            timeline, placement, activation_bytes, batch_scale, deferred_bytes, freed_bytes,
+            sent_bytes, acks, gradient_bytes, bucket_bytes,
+        )  # fmt: skip
     held = None
     if weight_bytes is not None:
         sizes = _per_model_stage(weight_bytes, placement, "weight_bytes")
@@ -226,6 +209,42 @@ def analyse(
         peak_with_gradient_bytes=joint,
         steps=steps,
     )
+
+
+def _activation_peaks(
+    timeline: Timeline,
+    placement: Placement,
+    activation_bytes: float | Sequence[float],
+    batch_scale: int,
+    deferred_bytes: float | Sequence[float] | None,
+    freed_bytes: float | Sequence[float] | None,
+    sent_bytes: float | None,
+    acks: Mapping[tuple[int, int], tuple[int, int, bool]] | None,
+    gradient_bytes: Sequence[float] | None,
+    bucket_bytes: Sequence[float] | None,
+) -> tuple[tuple[float, ...], tuple[float, ...] | None]:
+    """``analyse``'s peak of activation bytes per rank, and of activations with gradients
+    where ``gradient_bytes`` are given (else None)."""
+    sizes = _per_model_stage(activation_bytes, placement, "activation_bytes")
+    held_back = early = None
+    if deferred_bytes is not None:
+        pending = _per_model_stage(deferred_bytes, placement, "deferred_bytes")
+        held_back = [batch_scale * h for h in pending]
+    if freed_bytes is not None:
+        freed = _per_model_stage(freed_bytes, placement, "freed_bytes")
+        early = [batch_scale * f for f in freed]
+    sent = None
+    if sent_bytes:
+        sent = [
+            batch_scale * sent_bytes if _sends_to_another_rank(placement, v) else 0.0
+            for v in range(placement.num_stages)
+        ]
+    live = ([batch_scale * s for s in sizes], held_back, early, sent, acks)
+    if gradient_bytes is None:
+        return peak_activation_bytes(timeline, *live), None
+    grads = _per_model_stage(gradient_bytes, placement, "gradient_bytes")
+    flat = _per_model_stage(bucket_bytes or [0.0] * len(gradient_bytes), placement, "bucket_bytes")
+    return peak_activation_bytes(timeline, *live), peak_with_gradients(timeline, grads, flat, *live)
 
 
 def _scaled(value: float | tuple[float, ...], factor: float) -> float | tuple[float, ...]:
