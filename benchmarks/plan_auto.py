@@ -12,9 +12,9 @@ reference layouts) is trained for ``--steps`` steps through the real launcher, o
 each of ``--rounds`` rounds (each round in its own shuffled order; a layout's figures are
 the median over its rounds; ``--top-rounds`` more rounds of the five predicted fastest
 alone follow, for the bar read on them). Printed, as markdown: each layout's predicted and
-measured step time and peak model memory per process, then the acceptance figures (the choice's measured tokens/s against the best measured and the
-default's; the predicted step time's error on the five predicted fastest; the predicted
-peak's error), a head-to-head where the choice is not the best measured (both trained
+measured step time and peak model memory per process, then the acceptance figures (the
+choice's measured tokens/s against the best measured and the default's; the predicted
+step time's error on the five predicted fastest; the predicted peak's error), a head-to-head where the choice is not the best measured (both trained
 ``--confirm`` more times, alternating: the best of some twenty noisy medians is picked for
 being high, so the sweep's own figure of it is biased up; fresh runs are not), and a
 budget run: a memory limit of ``--budget`` times the default

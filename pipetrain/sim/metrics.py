@@ -181,15 +181,17 @@ def live_activations(
     start; else to the end of the rank's step (docs/memory_model.md).
     """
     changes = _activation_changes(timeline, sizes, deferred, freed, sent, acks)
-    curves: list[tuple[tuple[float, float], ...]] = []
-    for rank_changes in changes:
-        level = 0.0
-        points: list[tuple[float, float]] = []
-        for time, _, delta in sorted(rank_changes):
-            level += delta
-            points.append((time, level))
-        curves.append(tuple(points))
-    return tuple(curves)
+    return tuple(tuple(_levels(rank_changes)) for rank_changes in changes)
+
+
+def _levels(changes: list[tuple[float, int, float]]) -> list[tuple[float, float]]:
+    """(time, amount live after it) at each of one rank's (time, order, delta) changes."""
+    level = 0.0
+    points = []
+    for time, _, delta in sorted(changes):
+        level += delta
+        points.append((time, level))
+    return points
 
 
 def _activation_changes(
@@ -265,14 +267,7 @@ def peak_with_gradients(
         changes[rank].append((end, 1, float(gradients[stage])))
     for stage, (end, rank) in last.items():
         changes[rank].append((end, 1, float(buckets[stage])))
-    peaks = []
-    for rank_changes in changes:
-        level = peak = 0.0
-        for _, _, delta in sorted(rank_changes):
-            level += delta
-            peak = max(peak, level)
-        peaks.append(peak)
-    return tuple(peaks)
+    return tuple(max((lv for _, lv in _levels(c)), default=0.0) for c in changes)
 
 
 def _add_sent_gradients(
