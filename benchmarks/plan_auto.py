@@ -14,12 +14,13 @@ the median over its rounds; ``--top-rounds`` more rounds of the five predicted f
 alone follow, for the bar read on them). Printed, as markdown: each layout's predicted and
 measured step time and peak model memory per process, then the acceptance figures (the
 choice's measured tokens/s against the best measured and the default's; the predicted
-step time's error on the five predicted fastest; the predicted peak's error), a head-to-head where the choice is not the best measured (both trained
-``--confirm`` more times, alternating: the best of some twenty noisy medians is picked for
-being high, so the sweep's own figure of it is biased up; fresh runs are not), and a
-budget run: a memory limit of ``--budget`` times the default
-layout's predicted peak, the five fastest predicted to fit under it trained as
-``plan --auto --measure 5`` trains them, and the fastest whose measured peak fits kept.
+step time's error on the five predicted fastest; the predicted peak's error), a
+head-to-head where the choice is not the best measured (both trained ``--confirm`` more
+times, alternating: the best of some twenty noisy medians is picked for being high, so
+the sweep's own figure of it is biased up; fresh runs are not), and a budget run: a memory
+limit of ``--budget`` times the default layout's predicted peak, the five fastest predicted
+to fit under it trained as ``plan --auto --measure 5`` trains them, and the fastest whose
+measured peak fits kept.
 """
 
 from __future__ import annotations

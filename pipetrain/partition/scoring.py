@@ -302,6 +302,7 @@ class Scorer:
             again = self.costs(layout.tp, True, mb, layout.ep)
             partition = recomputed_on(partition, again, layout.recompute_ranks)
         whole = get_spec(layout.schedule).whole_batch
+        # Chimera's replicas sum their gradients through flat copies as dp's buckets do.
         replicas = layout.dp * schedule.placement.replicas
         sim = self._simulate(schedule, partition, mb, whole, layout.microbatches, replicas)
         pipeline_time = shared_core_makespan(
@@ -329,8 +330,7 @@ class Scorer:
             peak_activation_bytes=sim.peak_activation_bytes or (0.0,) * len(weights),
             microbatch_size=mb,
             message_bytes=self.message_bytes(mb) if layout.pp > 1 else 0.0,
-            # Chimera's replicas sum their gradients through flat copies as dp's buckets do.
-            dp=layout.dp * schedule.placement.replicas,
+            dp=replicas,
             recompute_block_bytes=full_block if layout.recompute or layout.recompute_ranks else 0.0,
             overhead=hw.memory_overhead,
             recompute_ranks=None if layout.recompute else layout.recompute_ranks,
