@@ -212,7 +212,9 @@ def run_auto(args: argparse.Namespace, config: ModelConfig) -> int:
     seq_len = _check(args, config)
     limit = parse_size(args.memory_limit) if args.memory_limit is not None else None
     hw = hardware_for(args.hardware, args.world_size)
-    request = AutoRequest(args.world_size, args.batch_size, seq_len, limit, top=args.top)
+    request = AutoRequest(
+        args.world_size, args.batch_size, seq_len, limit, top=args.top, grad_views=True
+    )
     profile = request if args.balance == "profile" else None
     costs_for, source, hw = auto_costs(args, config, seq_len, hw, profile)
     if profile is not None:
@@ -265,6 +267,7 @@ def auto_overrides(scored: Scored, request: AutoRequest) -> dict[str, Any]:
         "pipeline.recompute": lay.recompute,
         "pipeline.recompute_ranks": ",".join(map(str, lay.recompute_ranks)),
         "pipeline.early_grads": lay.early_grads,
+        "pipeline.grad_as_bucket_view": lay.grad_views,
         "data.batch_size": request.batch_size,
         "data.seq_len": request.seq_len,
     }
@@ -416,7 +419,9 @@ def auto_config(config: Any, args: argparse.Namespace) -> Any:
     model = get_model_config(config.model.name)
     hw = hardware_for(args.hardware, world)
     costs_for, source, hw = auto_costs(args, model, config.data.seq_len, hw, None)
-    request = AutoRequest(world, config.data.batch_size, config.data.seq_len, limit)
+    request = AutoRequest(
+        world, config.data.batch_size, config.data.seq_len, limit, grad_views=True
+    )
     plan = search(model, request, costs_for, hw)
     sys.stdout.write(render(plan, model.name, source))
     if plan.winner is None:

@@ -131,6 +131,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "--compile": ("pipeline.compile", "torch.compile each stage"),
     "--single-process": ("pipeline.single_process", "run every rank in this process (debug mode)"),
     "--shard": ("pipeline.shard", "shard each stage over the --dp replicas (FSDP2 fully_shard)"),
+    "--grad-as-bucket-view": (
+        "pipeline.grad_as_bucket_view",
+        "with --dp: .grad as views of persistent all-reduce buckets (no copies)",
+    ),
     "--sequence-parallel": (
         "pipeline.sequence_parallel",
         "with --tp: norms and residuals on 1/tp of the sequence",

@@ -82,6 +82,12 @@ class PipelineConfig:
     """Shard each stage's parameters, gradients and optimizer state over the dp replicas
     (FSDP2's fully_shard; pipetrain.parallel.sharded) instead of replicating them. Needs
     dp > 1."""
+    grad_as_bucket_view: bool = False
+    """With replicated dp > 1: keep the all-reduce's flat buckets for the whole run and make
+    every .grad a view into them (DDP's gradient_as_bucket_view): no copy into the buckets
+    and back each step, and one gradient copy held throughout the step instead of the .grad
+    tensors from the first backward plus the buckets after the last (docs/memory_model.md
+    says which peak is lower). Not with shard or tp > 1."""
     tp: int = 1
     """Tensor-parallel ranks per stage: each block's projections, the embedding and the head
     are split over tp neighbouring processes (pipetrain.parallel.tp, on torch's DTensor):
@@ -192,6 +198,12 @@ class PipelineConfig:
         if self.shard and self.compile:
             raise ConfigError(
                 "pipeline.shard with pipeline.compile is not supported: drop --compile or --shard"
+            )
+        if self.grad_as_bucket_view and (self.shard or self.tp > 1):
+            what = "--shard" if self.shard else f"--tp {self.tp}"
+            raise ConfigError(
+                f"pipeline.grad_as_bucket_view makes .grad views of replicated dp buckets, which "
+                f"{what} does not have: drop --grad-as-bucket-view or {what}"
             )
         if self.tp > 1 and self.single_process:
             raise ConfigError(

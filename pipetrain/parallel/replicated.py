@@ -7,6 +7,13 @@ W) has run, its gradients are copied into flat buckets and summed over the dp gr
 asynchronous all-reduces, while the rank goes on with the rest of its schedule (the
 cool-down); ``finish`` waits for them before the optimizer and divides by ``dp``.
 
+With ``grad_views`` (``pipeline.grad_as_bucket_view``, DDP's ``gradient_as_bucket_view``)
+the flat buckets are allocated once and every ``.grad`` is a view into its bucket, set at
+``begin`` wherever the optimizer left it None: the backward accumulates into the bucket in
+place and the all-reduce sums it where it lies, with no copy either way. A process then
+holds one gradient copy for the whole step instead of the ``.grad`` tensors from the first
+backward and the buckets from the last (docs/memory_model.md).
+
 Weights tied across pipeline ranks (and Chimera's replicated stages) are summed by the
 pipeline at the end of its step, after these buckets would have been filled: their dp
 all-reduce runs after the pipeline step instead (a sum over both is a sum in any order).
@@ -69,6 +76,23 @@ def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Paramet
     return buckets
 
 
+def _views(params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """A zeroed flat buffer for ``params`` and each one's gradient as a view into it; None
+    where they cannot share one (a DTensor, or different dtypes or devices)."""
+    if any(_local(p) is not p for p in params):
+        return None
+    if len({(p.dtype, p.device) for p in params}) != 1:
+        return None
+    flat = torch.zeros(
+        sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+    )
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return flat, views
+
+
 @dataclass(frozen=True)
 class _Launched:
     """One bucket in flight: the collective's handle, its flat buffer, its parameters."""
@@ -94,9 +118,11 @@ class ReplicaGradients:
         timeout_s: float,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         experts: ExpertGradients | None = None,
+        grad_views: bool = False,
     ) -> None:
         """``experts``: expert parallelism; the routed experts' gradients are reduced over
-        their own replicas by it, after the dense buckets, instead of over dp."""
+        their own replicas by it, after the dense buckets, instead of over dp.
+        ``grad_views``: the ``.grad`` tensors are views into persistent flat buckets."""
         if bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes is {bucket_bytes}: use a positive size")
         self._mesh = mesh
@@ -116,6 +142,9 @@ class ReplicaGradients:
         self.bytes_per_step = 0
         self._experts = experts
         self._expert_params: list[nn.Parameter] = []
+        self._grad_views = grad_views
+        # Per bucket (by the id of its parameter list): its flat buffer and the views.
+        self._flats: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     # ----------------------------------------------------------------- set-up
     def attach(self, pipeline: Pipeline) -> None:
@@ -139,8 +168,10 @@ class ReplicaGradients:
             # Reverse order: the last layers' gradients are the first ones ready in a B.
             self._stage_buckets[stage] = _buckets(mine[::-1], self._bucket_bytes) if mine else []
         self._late = _buckets(late, self._bucket_bytes) if late else []
-        buckets = [b for bs in self._stage_buckets.values() for b in bs] + self._late
+        buckets = self._all_buckets()
         self.bytes_per_step = sum(_nbytes(p) for b in buckets for p in b)
+        if self._grad_views:
+            self._flats = {id(b): v for b in buckets if (v := _views(b)) is not None}
         rank = dist.get_rank(self._mesh.pp_group) if self._mesh.pp_group is not None else 0
         self._plan(pipeline.schedule.actions[rank])
 
@@ -150,8 +181,32 @@ class ReplicaGradients:
 
     # ----------------------------------------------------------------- per step
     def begin(self, sync: bool) -> None:
-        """Before a pipeline step: ``sync`` on the last step of a gradient accumulation."""
+        """Before a pipeline step: ``sync`` on the last step of a gradient accumulation.
+        With views, a gradient the optimizer set to None is its zeroed view again."""
         self._sync = sync
+        for bucket in self._all_buckets():
+            flat_views = self._flats.get(id(bucket))
+            if flat_views is None:
+                continue
+            for p, view in zip(bucket, flat_views[1], strict=True):
+                if p.grad is None:
+                    view.zero_()
+                    p.grad = view
+
+    def _all_buckets(self) -> list[list[nn.Parameter]]:
+        return [b for bs in self._stage_buckets.values() for b in bs] + self._late
+
+    def _viewed(self, params: list[nn.Parameter]) -> torch.Tensor | None:
+        """The flat buffer that every gradient of ``params`` lies in, or None (no views, or
+        one was replaced since ``begin``)."""
+        flat_views = self._flats.get(id(params))
+        if flat_views is None:
+            return None
+        flat, views = flat_views
+        for p, view in zip(params, views, strict=True):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                return None
+        return flat
 
     def grads_hook(self, stage: int) -> None:
         """The pipeline's hook: ``stage`` has run its last B or W of the step."""
@@ -173,7 +228,9 @@ class ReplicaGradients:
             self._start(bucket, f"stage {stage}")
 
     def _start(self, params: list[nn.Parameter], what: str) -> None:
-        flat = torch.cat([g.reshape(-1) for g in _grads_of(params)])
+        flat = self._viewed(params)
+        if flat is None:
+            flat = torch.cat([g.reshape(-1) for g in _grads_of(params)])
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._mesh.dp_group, async_op=True)
         self._in_flight.append(_Launched(work, flat, params, what))
 
@@ -201,6 +258,8 @@ class ReplicaGradients:
                     f"{self._mesh.pp_rank}): a peer {describe_failure(exc, self._timeout_s)}"
                 ) from exc
             launched.flat.mul_(scale)
+            if self._viewed(launched.params) is launched.flat:
+                continue  # the gradients are views of it: averaged in place
             offset = 0
             for grad in _grads_of(launched.params):
                 n = grad.numel()

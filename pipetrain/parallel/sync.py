@@ -61,11 +61,17 @@ class GradientSync(Protocol):
 
 
 def gradient_sync(
-    mesh: Mesh | None, *, shard: bool, timeout_s: float, experts: ExpertGradients | None = None
+    mesh: Mesh | None,
+    *,
+    shard: bool,
+    timeout_s: float,
+    experts: ExpertGradients | None = None,
+    grad_views: bool = False,
 ) -> GradientSync | None:
     """Replicated (or, with ``shard``, sharded) stages over ``mesh``'s dp groups; None when
     there is no replica to keep in step. ``experts``: expert parallelism (replicated only),
-    the routed experts reduced over their own replicas."""
+    the routed experts reduced over their own replicas; ``grad_views``: replicated only,
+    the gradients as views of persistent flat buckets."""
     if mesh is None or mesh.dp == 1:
         return None
     # Imported here: FSDP2 only for runs that shard.
@@ -75,7 +81,7 @@ def gradient_sync(
         return ShardedGradients(mesh, timeout_s=timeout_s)
     from pipetrain.parallel.replicated import ReplicaGradients
 
-    return ReplicaGradients(mesh, timeout_s=timeout_s, experts=experts)
+    return ReplicaGradients(mesh, timeout_s=timeout_s, experts=experts, grad_views=grad_views)
 
 
 @dataclass(frozen=True)

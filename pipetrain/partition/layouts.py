@@ -87,6 +87,9 @@ class AutoRequest:
     # Layouts whose schedule has more than this many forwards (p x m x v) are not simulated:
     # a replay of 64 x 64 takes seconds. Pruning: docs/plan_auto.md.
     max_forwards: int = 1024
+    # Where dp > 1, score the .grad tensors as views of the buckets too
+    # (pipeline.grad_as_bucket_view) and keep them where the fullest process holds less.
+    grad_views: bool = False
 
 
 @dataclass(frozen=True, order=True)
@@ -106,6 +109,8 @@ class Layout:
     ep: int = 1
     # Only these pipeline ranks recompute (pipeline.recompute_ranks; recompute is False).
     recompute_ranks: tuple[int, ...] = ()
+    # The .grad tensors are views of persistent dp buckets (pipeline.grad_as_bucket_view).
+    grad_views: bool = False
 
     def describe(self) -> str:
         v = f" v={self.chunks}" if get_spec(self.schedule).uses_chunks else ""
@@ -116,6 +121,7 @@ class Layout:
                 " recompute" if self.recompute else "",
                 f" recompute-ranks={some}" if some else "",
                 " early-grads" if self.early_grads else "",
+                " grad-views" if self.grad_views else "",
             )
         )
         return (

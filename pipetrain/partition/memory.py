@@ -31,6 +31,7 @@ __all__ = [
     "RankMemory",
     "fit_line",
     "fit_overhead",
+    "gradient_copies",
     "rank_memory",
     "recompute_costs",
 ]
@@ -86,6 +87,14 @@ def _unmet(
     """What of ``rank``'s ``gradients`` (with the buckets) the ``joint`` peak of both with
     the activations leaves out; 0 where there is no joint peak."""
     return 0.0 if joint is None else max(0.0, activations[rank] + gradients - joint[rank])
+
+
+def gradient_copies(dp: int, pipelines: int, grad_views: bool) -> int:
+    """Copies of a stage's gradients a process holds at the end of a step: the .grad
+    tensors, and the flat buckets that sum them where the stage has more than one copy
+    (``dp`` replicas, Chimera's ``pipelines``), unless the .grad tensors are views of the
+    dp buckets (``grad_views``; Chimera's own sum still copies)."""
+    return 1 + (pipelines > 1 or (dp > 1 and not grad_views))
 
 
 def fit_overhead(
@@ -158,7 +167,7 @@ def rank_memory(
     peak_activation_bytes: Sequence[float],
     microbatch_size: int,
     message_bytes: float,
-    dp: int,
+    copies: int = 1,
     recompute_block_bytes: float = 0.0,
     overhead: tuple[float, float] = (0.0, 0.0),
     recompute_ranks: Collection[int] | None = None,
@@ -166,6 +175,7 @@ def rank_memory(
     batch_scale: int = 1,
     in_backward: Mapping[str, float] | None = None,
     peak_with_gradients: Sequence[float] | None = None,
+    gradients_held: bool = False,
 ) -> tuple[RankMemory, ...]:
     """Each rank's bytes: ``weight_bytes`` and ``peak_activation_bytes`` are the simulator's
     per rank; ``message_bytes`` one micro-batch's activation between stages;
@@ -183,8 +193,10 @@ def rank_memory(
     (measured, docs/memory_model.md). A one-process step of the whole model, which the
     fraction is fitted on, has the two alike.
 
-    ``peak_with_gradients``: per rank, the simulator's peak of the activations with the
-    gradients and buckets as the runtime makes them (None: held throughout), for ``unmet``."""
+    ``copies``: ``gradient_copies``. ``peak_with_gradients``: per rank, the simulator's
+    peak of the activations with the gradients and buckets as the runtime makes them (None:
+    held throughout), for ``unmet``; with ``gradients_held`` the .grad tensors are views
+    of persistent buckets, held all step, which that peak leaves out and this adds."""
     ranks = partition.num_ranks
     grads = [0.0] * ranks
     has_block = [False] * ranks
@@ -205,7 +217,8 @@ def rank_memory(
         # Linear and looped placements both talk to the ranks either side of this one: a
         # receive posted ahead from each, and the activation sent on to the next.
         messages[rank] = (rank > 0) + 2 * (rank < ranks - 1)
-    bucket = 2 if dp > 1 else 1
+    if peak_with_gradients is not None and gradients_held:
+        peak_with_gradients = [peak + grads[r] for r, peak in enumerate(peak_with_gradients)]
     recomputing = set(range(ranks) if recompute_ranks is None else recompute_ranks)
     transient = [
         recompute_block_bytes * microbatch_size if has_block[r] and r in recomputing else 0.0
@@ -218,7 +231,7 @@ def rank_memory(
     return tuple(
         RankMemory(
             weights=weight_bytes[r],
-            gradients=bucket * grads[r],
+            gradients=copies * grads[r],
             optimizer=OPTIMIZER_FACTOR * grads[r],
             activations=peak_activation_bytes[r],
             transient=transient[r],
@@ -226,7 +239,7 @@ def rank_memory(
             workspace=charged[r][0] * (in_flight[r] + transient[r]) + charged[r][1],
             in_flight=in_flight[r] + transient[r],
             in_backward=running[r] * one_action,
-            unmet=_unmet(peak_activation_bytes, bucket * grads[r], peak_with_gradients, r),
+            unmet=_unmet(peak_activation_bytes, copies * grads[r], peak_with_gradients, r),
         )
         for r in range(ranks)
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import (
@@ -17,7 +18,7 @@ from pipetrain.partition.balance import (
 )
 from pipetrain.partition.expert_costs import expert_parallel_costs
 from pipetrain.partition.layouts import AutoRequest, CostsFor, Hardware, Layout, Scored
-from pipetrain.partition.memory import rank_memory, recompute_costs
+from pipetrain.partition.memory import gradient_copies, rank_memory, recompute_costs
 from pipetrain.partition.recompute_ranks import recompute_speeds, recomputed_on
 from pipetrain.partition.split_sim import simulate_split
 from pipetrain.partition.stages import rank_live_points, split_for, stage_ranks_of
@@ -106,7 +107,8 @@ class Scorer:
         # Some ranks recomputing: the fewest bytes any of them can save, a lower bound.
         saved = self.costs(layout.tp, True, mb, layout.ep) if layout.recompute_ranks else costs
         acts = sum(c.activation_bytes_per_sample for c in saved) * mb
-        state = placement.replicas * (4 + (layout.dp > 1)) * params
+        copies = gradient_copies(layout.dp, placement.replicas, layout.grad_views)
+        state = placement.replicas * (3 + copies) * params
         static = (state + acts) / layout.pp
         m = layout.microbatches
         scale = m if get_spec(layout.schedule).whole_batch else 1
@@ -281,7 +283,10 @@ class Scorer:
             points = tuple(tuple(tuple(n * scale for n in p) for p in r) for r in points)
         if limit - spare <= 0:
             return None
-        state = 4.0 + (layout.dp > 1)
+        # Per parameter byte: weights, AdamW's two moments, the gradients' copies (the
+        # scored layout's: with views where the score chose them).
+        views = scored.layout.grad_views
+        state = 3.0 + gradient_copies(layout.dp, schedule.placement.replicas, views)
         return MemoryModel(
             # The activations' measured overhead, charged on everything: on the safe side.
             limit_bytes=(limit - spare) / (1.0 + fraction),
@@ -302,9 +307,9 @@ class Scorer:
             again = self.costs(layout.tp, True, mb, layout.ep)
             partition = recomputed_on(partition, again, layout.recompute_ranks)
         whole = get_spec(layout.schedule).whole_batch
-        # Chimera's replicas sum their gradients through flat copies as dp's buckets do.
-        replicas = layout.dp * schedule.placement.replicas
-        sim = self._simulate(schedule, partition, mb, whole, layout.microbatches, replicas)
+        copies = gradient_copies(layout.dp, schedule.placement.replicas, layout.grad_views)
+        held = layout.grad_views and layout.dp > 1
+        sim = self._simulate(schedule, partition, mb, whole, layout.microbatches, copies, held)
         pipeline_time = shared_core_makespan(
             sim.timeline,
             processes_per_rank=layout.dp * layout.tp,
@@ -323,14 +328,14 @@ class Scorer:
             ),
             default=0.0,
         )
-        memory = rank_memory(
+        count = partial(
+            rank_memory,
             partition,
             costs,
             weight_bytes=weights,
             peak_activation_bytes=sim.peak_activation_bytes or (0.0,) * len(weights),
             microbatch_size=mb,
             message_bytes=self.message_bytes(mb) if layout.pp > 1 else 0.0,
-            dp=replicas,
             recompute_block_bytes=full_block if layout.recompute or layout.recompute_ranks else 0.0,
             overhead=hw.memory_overhead,
             recompute_ranks=None if layout.recompute else layout.recompute_ranks,
@@ -339,8 +344,16 @@ class Scorer:
             in_backward=backward_workspace_bytes(
                 self.config, req.seq_len, layout.tp, _has_split_backward(schedule)
             ),
-            peak_with_gradients=sim.peak_with_gradient_bytes,
         )
+        memory = count(
+            copies=copies, peak_with_gradients=sim.peak_with_gradient_bytes, gradients_held=held
+        )
+        if req.grad_views and copies > 1 and _may_view(layout, schedule):
+            # The .grad tensors as views of the buckets, held all step: one copy, off the
+            # timeline (the same simulation), kept where that lowers the fullest process.
+            viewed = count(copies=1)
+            if max(m.total for m in viewed) < max(m.total for m in memory):
+                layout, memory = replace(layout, grad_views=True), viewed
         limit = req.memory_limit
         fits = limit is None or all(m.total <= limit for m in memory)
         return Scored(
@@ -389,7 +402,7 @@ class Scorer:
 
     def _simulate(
         self, schedule: Schedule, partition: Partition, mb: int, whole: bool, m: int,
-        replicas: int,
+        copies: int, held: bool,
     ) -> SimResult:  # fmt: skip
         return simulate_split(
             schedule,
@@ -401,8 +414,15 @@ class Scorer:
             bandwidth=self.hw.link_bandwidth,
             message_bytes=self.message_bytes(mb),
             batch_scale=m if whole else 1,
-            replicas=replicas,
+            buckets=copies > 1,
+            gradients_held=held,
         )
+
+
+def _may_view(layout: Layout, schedule: Schedule) -> bool:
+    """Whether ``pipeline.grad_as_bucket_view`` may run ``layout`` and the count above holds
+    for it: replicated dp, one tp rank, no experts, no Chimera (whose own sum copies)."""
+    return layout.dp > 1 and layout.tp == 1 and layout.ep == 1 and schedule.placement.replicas == 1
 
 
 def _has_split_backward(schedule: Schedule) -> bool:

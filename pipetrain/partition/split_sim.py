@@ -27,15 +27,18 @@ def simulate_split(
     message_bytes: float = 0.0,
     batch_scale: int = 1,
     speeds: Sequence[float] | None = None,
-    replicas: int = 1,
+    buckets: bool = False,
+    gradients_held: bool = False,
 ) -> SimResult:
     """``schedule`` replayed with ``partition``'s per-sample stage sums at micro-batch
     ``microbatch_size``: ``per_layer`` seconds added per layer to every F, I and W (twice
     to a B) and ``per_action`` to every action, messages of ``message_bytes`` taking
     ``latency`` plus their bytes over ``bandwidth``; ``batch_scale`` micro-batches per
     action (naive model parallel: m); ``speeds``, one per rank, divide that rank's times;
-    ``replicas``: the size of each stage's gradient all-reduce (dp, times Chimera's
-    pipelines), whose flat copies count with the gradients where it is over 1."""
+    ``buckets``: flat copies of the gradients are summed after a stage's last backward
+    (``partition.memory.gradient_copies`` says where), and count with them;
+    ``gradients_held``: the .grad tensors are held all step (views of persistent buckets),
+    so the timeline leaves them out and the memory count adds them throughout."""
     mb = microbatch_size
     fixed = [per_layer * len(layers) for layers in partition.stages]
     # The simulator multiplies an action's time by ``batch_scale``; one action's own cost
@@ -66,6 +69,6 @@ def simulate_split(
         deferred_bytes=deferred_bytes(partition, mb),
         freed_bytes=freed_at_input_bytes(partition, mb),
         sent_bytes=message_bytes,
-        gradient_bytes=grads,
-        bucket_bytes=grads if replicas > 1 else None,
+        gradient_bytes=tuple(0.0 for _ in grads) if gradients_held else grads,
+        bucket_bytes=grads if buckets else None,
     )

@@ -97,7 +97,7 @@ def predicted_bytes(
     some = tuple(sorted(p.recomputing_ranks)) if not p.recompute else ()
     layout = Layout(
         p.schedule, p.pp, p.dp, p.tp, p.chunks, p.microbatches, p.recompute, False,
-        recompute_ranks=some,
+        recompute_ranks=some, grad_views=p.grad_as_bucket_view,
     )  # fmt: skip
     costs = scorer.costs(p.tp, p.recompute, batch // p.dp // p.microbatches)
     bounds = [(stage[0], stage[-1] + 1) for stage in split]

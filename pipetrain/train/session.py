@@ -163,6 +163,7 @@ def open_session(
         shard=p.shard,
         timeout_s=p.timeout_s,
         experts=ExpertGradients(experts, p.dp) if experts is not None else None,
+        grad_views=p.grad_as_bucket_view,
     )
     everyone = mesh.world_group if mesh is not None else group
 

@@ -4,7 +4,8 @@ Every rank also trains the single-process reference itself (the tiny model costs
 so each one compares its own stage: per-step losses, gradient norms and final weights to
 1e-5 relative over 5 AdamW steps with clipping engaged, for 1F1B and ZB-H1, plus gradient
 accumulation, the (pp, dp) mesh layout, the all-reduce starting inside the pipeline step,
-and a NaN on one rank making all four skip.
+and a NaN on one rank making all four skip. With the gradients as views of the buckets
+(``grad_views``), the same cases equal the copying runs bit for bit.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ WORKER = textwrap.dedent(
             rows.append([loss, o.grad_norm, o.clip_factor])
         return rows, {n: p.detach().clone() for n, p in pipe.named_parameters()}
 
-    def data_parallel(schedule, accum, chunks):
-        replicas = ReplicaGradients(mesh, timeout_s=60, bucket_bytes=20_000)
+    def data_parallel(schedule, accum, chunks, views=False):
+        replicas = ReplicaGradients(mesh, timeout_s=60, bucket_bytes=20_000, grad_views=views)
         pipe = build_pipeline(spec, schedule=schedule, microbatches=2, group=mesh.pp_group,
                               chunks=chunks, device="cpu", timeout_s=60,
                               split=block_split(config.n_layers, 2 * (chunks or 1)),
@@ -75,7 +76,7 @@ WORKER = textwrap.dedent(
         opt = build_optimizer(pipe.named_parameters(), optim)
         update = GuardedUpdate(opt, optim, total_steps=STEPS, group=mesh.world_group)
         grads = norm_share(Gradients.of(list(pipe.parameters())), mesh)
-        rows, early = [], []
+        rows, early, viewed = [], [], []
         for step in range(STEPS):
             losses = []
             for micro in range(accum):
@@ -84,29 +85,43 @@ WORKER = textwrap.dedent(
                 losses.append(pipe.step(shard.inputs, shard.targets).loss)
             replicas.finish(step)
             early.append(list(replicas.launched_in_step))
+            viewed.append(all(replicas._viewed(b) is not None for b in replicas._all_buckets()))
             loss = replica_mean([sum(losses) / len(losses)], mesh, torch.device("cpu"))[0]
             o = update.apply(step, grads, loss, accumulated=accum)
             rows.append([loss, o.grad_norm, o.clip_factor])
-        return pipe, replicas, update, grads, rows, early
+        return pipe, replicas, update, grads, rows, early, viewed
 
     def rel(a, b):
         return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
-    cases = {}
-    for name, schedule, accum, chunks in (
-        ("1f1b", "1f1b", 1, None),
-        ("zb-h1", "zb-h1", 1, None),
-        ("1f1b-accum2", "1f1b", 2, None),
+    cases, copied = {}, {}
+    for name, schedule, accum, chunks, views in (
+        ("1f1b", "1f1b", 1, None, False),
+        ("zb-h1", "zb-h1", 1, None, False),
+        ("1f1b-accum2", "1f1b", 2, None, False),
         # Two stages per rank: each stage's all-reduce starts after its own last B.
-        ("interleaved", "interleaved-1f1b", 1, 2),
+        ("interleaved", "interleaved-1f1b", 1, 2, False),
+        # The same with .grad as views of the buckets: W and accumulation add in place.
+        ("zb-h1-views", "zb-h1", 1, None, True),
+        ("1f1b-accum2-views", "1f1b", 2, None, True),
+        ("interleaved-views", "interleaved-1f1b", 1, 2, True),
     ):
         ref_rows, ref_params = reference(accum)
-        pipe, replicas, update, grads, rows, early = data_parallel(schedule, accum, chunks)
+        pipe, replicas, update, grads, rows, early, viewed = data_parallel(
+            schedule, accum, chunks, views
+        )
+        params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        twin = copied.get(name.removesuffix("-views")) if views else None
+        copied[name] = params
         cases[name] = {
             "rows": rows,
             "ref_rows": ref_rows,
-            "weight_errors": {n: rel(p.detach(), ref_params[n]) for n, p in pipe.named_parameters()},
+            "weight_errors": {n: rel(p, ref_params[n]) for n, p in params.items()},
             "early": early,
+            "viewed": viewed,
+            "bitwise_as_copies": None if twin is None else (
+                all(torch.equal(p, twin[n]) for n, p in params.items())
+            ),
             "stages": list(pipe.stages),
             "buckets": len(replicas._stage_buckets[pipe.stages[0]]),
             "bytes": replicas.bytes_per_step,
@@ -159,7 +174,13 @@ def test_mesh_is_pp_by_dp(results: list[dict]) -> None:
         assert out["dp_members"] == [rank - rank % 2, rank - rank % 2 + 1]
 
 
-@pytest.mark.parametrize("case", ["1f1b", "zb-h1", "1f1b-accum2", "interleaved"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "1f1b", "zb-h1", "1f1b-accum2", "interleaved",
+        "zb-h1-views", "1f1b-accum2-views", "interleaved-views",
+    ],
+)  # fmt: skip
 def test_equals_one_process_on_the_full_batch(results: list[dict], case: str) -> None:
     for out in results:
         got = out["cases"][case]
@@ -192,6 +213,16 @@ def test_allreduce_starts_inside_the_step_in_buckets(results: list[dict]) -> Non
         interleaved = out["cases"]["interleaved"]
         stages = interleaved["stages"]
         assert interleaved["early"][0] == (stages[::-1] if out["pp_rank"] == 0 else stages)
+
+
+@pytest.mark.parametrize("case", ["zb-h1", "1f1b-accum2", "interleaved"])
+def test_grads_as_bucket_views_match_the_copies_bit_for_bit(results: list[dict], case: str) -> None:
+    for out in results:
+        views, copies = out["cases"][case + "-views"], out["cases"][case]
+        assert views["viewed"] == [True] * 5  # every .grad lay in its bucket at each finish
+        assert copies["viewed"] == [False] * 5
+        assert views["rows"] == copies["rows"]
+        assert views["bitwise_as_copies"] is True
 
 
 def test_a_nan_on_one_rank_makes_every_rank_skip(results: list[dict]) -> None:

@@ -265,6 +265,45 @@ def test_gradients_and_buckets_are_charged_where_the_timeline_meets_them() -> No
     assert steady is not None and steady.memory[0].unmet == 0.0
 
 
+def test_grads_as_bucket_views_hold_one_copy_all_step_and_are_chosen_where_lower() -> None:
+    # pipeline.grad_as_bucket_view: the .grad tensors are views of persistent buckets, so a
+    # replica holds one gradient copy from the step's start (beside every activation) and
+    # no second one at its end.
+    from pipetrain.partition.layouts import Layout
+
+    chosen_views = []
+    # 32 sequences of 32 at once: the activations outweigh a second gradient copy at the
+    # step's end. 1 sequence of 8 at a time: they do not.
+    for seq_len, batch, m in ((32, 64, 1), (8, 8, 4)):
+        config, costs = _costs_for("llama-tiny", seq_len, CPU)
+        scorer = Scorer(config, AutoRequest(2, batch, seq_len), costs, CPU)
+        copied = scorer.evaluate(Layout("1f1b", 1, 2, 1, 1, m, False, False))
+        viewed = scorer.evaluate(Layout("1f1b", 1, 2, 1, 1, m, False, False, grad_views=True))
+        assert copied is not None and viewed is not None
+        (c,), (v,) = copied.memory, viewed.memory
+        assert v.gradients == pytest.approx(v.optimizer / 2) == pytest.approx(c.gradients / 2)
+        assert v.unmet == 0.0
+        assert v.total == pytest.approx(
+            v.weights + v.optimizer + v.gradients + v.activations + v.transient
+            + v.in_backward + v.buffers + v.workspace
+        )  # fmt: skip
+        assert viewed.step_time == copied.step_time
+        # Asked to, the scorer keeps the views where the process then holds less.
+        request = AutoRequest(2, batch, seq_len, grad_views=True)
+        chosen = Scorer(config, request, costs, CPU).evaluate(copied.layout)
+        assert chosen is not None
+        assert chosen.layout.grad_views == (v.total < c.total)
+        assert chosen.peak_bytes == pytest.approx(min(v.total, c.total))
+        chosen_views.append(chosen.layout.grad_views)
+    assert chosen_views == [False, True]
+    small = Scorer(config, request, costs, CPU)
+    # Never without replicas, nor under Chimera, whose own sum copies anyway.
+    for layout in (Layout("1f1b", 2, 1, 1, 1, 4, False, False),
+                   Layout("chimera", 2, 1, 1, 1, 2, False, False)):  # fmt: skip
+        scored = small.evaluate(layout)
+        assert scored is not None and not scored.layout.grad_views
+
+
 def test_chimera_replicas_are_charged_the_flat_copies_they_all_reduce() -> None:
     # Each process of Chimera holds a stage of each pipeline and sums its gradients with
     # the other pipeline's replica through a flat copy (runtime/collectives.py), as dp's
