@@ -11,8 +11,10 @@ sequences everywhere, so the layouts differ only in how the work is spread: pp=4
 32/4 = 8 micro-batches through 4 stages; pp=2 x dp=2 runs 16 rows per replica in 4
 micro-batches through 2 stages; dp=4 runs 8 rows per replica in 2 micro-batches of the
 whole model. "pp=2 x dp=2 --shard" is the mixed layout with each stage sharded over its
-replicas (FSDP2) instead of replicated. With tensor parallelism the tp ranks of a stage
-share its micro-batches: pp=2 x tp=2 runs 8 micro-batches through 2 stages whose layers
+replicas (FSDP2) instead of replicated; "--grad-as-bucket-view" keeps the replicas'
+gradients as views of persistent all-reduce buckets. ``--set FIELD=VALUE`` (repeatable)
+goes to every run, e.g. ``--set run.map_tensors=true`` to measure the tensors' bytes.
+With tensor parallelism the tp ranks of a stage share its micro-batches: pp=2 x tp=2 runs 8 micro-batches through 2 stages whose layers
 are split over 2 processes each; tp=4 runs them through one stage split over 4. tokens/s is the run summary's (steps after the first, all replicas
 together). The layouts alternate within each repetition; the table shows medians.
 Prints a Markdown table.
@@ -36,7 +38,9 @@ LAYOUTS: tuple[tuple[str, int, int, int, tuple[str, ...]], ...] = (
     ("pp=4", 4, 1, 1, ()),
     ("pp=2 x dp=2", 2, 2, 1, ()),
     ("pp=2 x dp=2 --shard", 2, 2, 1, ("--shard",)),
+    ("pp=2 x dp=2 --grad-as-bucket-view", 2, 2, 1, ("--grad-as-bucket-view",)),
     ("dp=4", 1, 4, 1, ()),
+    ("dp=4 --grad-as-bucket-view", 1, 4, 1, ("--grad-as-bucket-view",)),
     ("pp=2 x tp=2", 2, 1, 2, ()),
     ("pp=2 x tp=2 --sequence-parallel", 2, 1, 2, ("--sequence-parallel",)),
     ("tp=4", 1, 1, 4, ()),
@@ -59,6 +63,7 @@ def run(
         "--steps", str(args.steps), "--name", name,
         "--set", f"run.out_dir={json.dumps(str(out))}", "--set", "run.evaluate=false",
         "--set", "run.sample_tokens=0", "--set", "optim.warmup_steps=1",
+        *(flag for field in args.set for flag in ("--set", field)),
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=os.environ)
     if result.returncode != 0:
@@ -67,6 +72,7 @@ def run(
     summary = next(r for r in records if r.get("summary"))
     steps = [r for r in records if "loss" in r][1:]
     dp_record: dict[str, Any] = next((r for r in records if "dp_wait_s" in r), {})
+    check: dict[str, Any] = next((r for r in records if r.get("memory_check")), {})
     return {
         "tokens_per_s": float(summary["tokens_per_s"]),
         "step_s": statistics.median(r["step_time_s"] for r in steps),
@@ -74,8 +80,12 @@ def run(
         # The slowest pipeline rank's wait, the largest rank's share of the gradients.
         "dp_wait_ms": 1e3 * max(dp_record.get("dp_wait_s", [0.0])),
         "dp_mb": max(dp_record.get("dp_bytes_per_step", [0])) / 1e6,
-        "peak_mib": max(summary["peak_memory"]) / 2**20,
-        "peaks_mib": [b / 2**20 for b in summary["peak_memory"]],
+        # The memory check's measured peak (docs/memory_model.md: the resident peak less
+        # the process's baseline, plus the weights; on CUDA the allocator's).
+        "peak_mib": max(check["measured_peak"]) / 2**20,
+        "peaks_mib": [b / 2**20 for b in check["measured_peak"]],
+        # The run's memory check: the count of docs/memory_model.md for its fullest process.
+        "predicted_mib": max(check.get("predicted_peak") or [math.nan]) / 2**20,
         # Parameters + AdamW state of the largest rank, and of rank 0 (the first stage's
         # first tp rank).
         "state_mb": max(summary.get("state_bytes") or [math.nan]) / 1e6,
@@ -91,6 +101,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a config field for every run (repeatable)")  # fmt: skip
     parser.add_argument(
         "--layouts",
         default=",".join(label for label, *_ in LAYOUTS),
@@ -114,14 +126,16 @@ def main() -> None:
                 print(f"# rep {rep}: {label}: {results[label][-1]}", file=sys.stderr, flush=True)
     print(
         f"model {args.model}, batch {args.batch_size} x {args.seq_len}, micro-batches of "
-        f"{args.rows}, 1F1B, {args.steps} steps (first left out), medians of {args.reps}\n"
+        f"{args.rows}, 1F1B, {args.steps} steps (first left out), medians of {args.reps}"
+        + "".join(f", --set {field}" for field in args.set)
+        + "\n"
     )
     print(
         "| layout | tokens/s | step s | measured bubble | dp all-reduce MB/step/rank "
-        "| dp wait ms/step | peak MiB, largest rank | peak MiB, rank 0, 1, ... "
-        "| params + AdamW MB/rank (largest, rank 0) |"
+        "| dp wait ms/step | peak MiB, largest rank | counted MiB, largest rank "
+        "| peak MiB, rank 0, 1, ... | params + AdamW MB/rank (largest, rank 0) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, *_ in layouts:
         rows = results[label]
 
@@ -135,7 +149,8 @@ def main() -> None:
         print(
             f"| {label} | {med('tokens_per_s'):,.0f} | {med('step_s'):.2f} | "
             f"{med('bubble'):.1%} | {med('dp_mb'):.1f} | {med('dp_wait_ms'):.0f} | "
-            f"{med('peak_mib'):.0f} | {peaks} | {med('state_mb'):.2f}, {med('state0_mb'):.2f} |"
+            f"{med('peak_mib'):.0f} | {med('predicted_mib'):.0f} | {peaks} | "
+            f"{med('state_mb'):.2f}, {med('state0_mb'):.2f} |"
         )
 
 

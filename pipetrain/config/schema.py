@@ -87,7 +87,7 @@ class PipelineConfig:
     every .grad a view into them (DDP's gradient_as_bucket_view): no copy into the buckets
     and back each step, and one gradient copy held throughout the step instead of the .grad
     tensors from the first backward plus the buckets after the last (docs/memory_model.md
-    says which peak is lower). Not with shard or tp > 1."""
+    says which peak is lower). Not with shard."""
     tp: int = 1
     """Tensor-parallel ranks per stage: each block's projections, the embedding and the head
     are split over tp neighbouring processes (pipetrain.parallel.tp, on torch's DTensor):
@@ -199,11 +199,10 @@ class PipelineConfig:
             raise ConfigError(
                 "pipeline.shard with pipeline.compile is not supported: drop --compile or --shard"
             )
-        if self.grad_as_bucket_view and (self.shard or self.tp > 1):
-            what = "--shard" if self.shard else f"--tp {self.tp}"
+        if self.grad_as_bucket_view and self.shard:
             raise ConfigError(
-                f"pipeline.grad_as_bucket_view makes .grad views of replicated dp buckets, which "
-                f"{what} does not have: drop --grad-as-bucket-view or {what}"
+                "pipeline.grad_as_bucket_view makes .grad views of replicated dp buckets, which "
+                "--shard does not have: drop --grad-as-bucket-view or --shard"
             )
         if self.tp > 1 and self.single_process:
             raise ConfigError(

@@ -77,20 +77,34 @@ def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Paramet
 
 
 def _views(params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """A zeroed flat buffer for ``params`` and each one's gradient as a view into it; None
-    where they cannot share one (a DTensor, or different dtypes or devices)."""
-    if any(_local(p) is not p for p in params):
-        return None
-    if len({(p.dtype, p.device) for p in params}) != 1:
+    """A zeroed flat buffer for ``params``' local gradients and each one's gradient as a
+    view into it (a DTensor's with its parameter's layout); None where they cannot share
+    one (different dtypes or devices)."""
+    shards = [_local(p) for p in params]
+    if len({(t.dtype, t.device) for t in shards}) != 1:
         return None
     flat = torch.zeros(
-        sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        sum(t.numel() for t in shards), dtype=shards[0].dtype, device=shards[0].device
     )
     views, offset = [], 0
-    for p in params:
-        views.append(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
+    for p, t in zip(params, shards, strict=True):
+        view = flat[offset : offset + t.numel()].view_as(t)
+        views.append(view if t is p else _like(p, view))
+        offset += t.numel()
     return flat, views
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor laid out as ``param`` (a tensor-parallel weight), sharing its
+    storage: the backward then adds its gradient into the bucket in place, and leaves it
+    in the parameter's layout (``tp._grad_like_param`` has nothing to move)."""
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(param, DTensor)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False,
+        shape=param.shape, stride=param.stride(),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -190,7 +204,7 @@ class ReplicaGradients:
                 continue
             for p, view in zip(bucket, flat_views[1], strict=True):
                 if p.grad is None:
-                    view.zero_()
+                    _local(view).zero_()
                     p.grad = view
 
     def _all_buckets(self) -> list[list[nn.Parameter]]:
@@ -204,7 +218,7 @@ class ReplicaGradients:
             return None
         flat, views = flat_views
         for p, view in zip(params, views, strict=True):
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            if p.grad is None or _local(p.grad).data_ptr() != _local(view).data_ptr():
                 return None
         return flat
 

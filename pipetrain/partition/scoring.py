@@ -421,8 +421,8 @@ class Scorer:
 
 def _may_view(layout: Layout, schedule: Schedule) -> bool:
     """Whether ``pipeline.grad_as_bucket_view`` may run ``layout`` and the count above holds
-    for it: replicated dp, one tp rank, no experts, no Chimera (whose own sum copies)."""
-    return layout.dp > 1 and layout.tp == 1 and layout.ep == 1 and schedule.placement.replicas == 1
+    for it: replicated dp, no experts (reduced apart), no Chimera (whose own sum copies)."""
+    return layout.dp > 1 and layout.ep == 1 and schedule.placement.replicas == 1
 
 
 def _has_split_backward(schedule: Schedule) -> bool:

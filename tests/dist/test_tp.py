@@ -76,10 +76,12 @@ WORKER = textwrap.dedent(
         return rows, {n: p.detach().clone() for n, p in pipe.named_parameters()}
 
     def build(mesh, model, schedule, *, chunks=None, sp=False, fsdp=False,
-              precision="fp32", recompute=False):
+              precision="fp32", recompute=False, views=False):
         config = get_model_config(model)
-        kind = ShardedGradients if fsdp else ReplicaGradients
-        replicas = kind(mesh, timeout_s=60) if mesh.dp > 1 else None
+        replicas = None
+        if mesh.dp > 1:
+            replicas = (ShardedGradients(mesh, timeout_s=60) if fsdp
+                        else ReplicaGradients(mesh, timeout_s=60, grad_views=views))
         pipe = build_pipeline(
             model_spec(config), schedule=schedule, microbatches=2,
             group=mesh.pp_group if mesh.pp > 1 else None,
@@ -99,7 +101,8 @@ WORKER = textwrap.dedent(
         opt = build_optimizer(pipe.named_parameters(), optim)
         update = GuardedUpdate(opt, optim, total_steps=STEPS, group=mesh.world_group)
         grads = norm_share(local_gradients(pipe), mesh, sharded=fsdp)
-        return SimpleNamespace(pipe=pipe, replicas=replicas, update=update, grads=grads)
+        return SimpleNamespace(pipe=pipe, replicas=replicas, update=update, grads=grads,
+                               viewed=[])
 
     def train_step(run, mesh, step, batch):
         shard = shard_batch(batch, mesh.dp_rank, mesh.dp)
@@ -108,6 +111,9 @@ WORKER = textwrap.dedent(
         loss = run.pipe.step(shard.inputs, shard.targets).loss
         if run.replicas is not None:
             run.replicas.finish(step)
+        if isinstance(run.replicas, ReplicaGradients):  # every .grad still in its bucket?
+            buckets = run.replicas._all_buckets()
+            run.viewed.append(all(run.replicas._viewed(b) is not None for b in buckets))
         loss = replica_mean([loss], mesh, CPU)[0]
         return loss, run.update.apply(step, run.grads, loss)
 
@@ -127,6 +133,10 @@ WORKER = textwrap.dedent(
             want = ref_params[name] if name in ref_params else ref_params["embed.tok.weight"]
             errors[name] = float((whole.detach() - want).norm() / want.norm())
         got = {"rows": rows, "ref_rows": ref_rows, "weight_errors": errors, "sharded": sharded}
+        if isinstance(run.replicas, ReplicaGradients):  # to compare the two dp paths exactly
+            got["viewed"] = run.viewed
+            got["weights"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).tolist()
+                              for n, p in run.pipe.named_parameters()}
         return got, run
 
     def nan_step(run, mesh):
@@ -178,6 +188,9 @@ WORKER = textwrap.dedent(
         flat = build_mesh("cpu", 1, 2, 2)
         out["dp_members"] = dist.get_process_group_ranks(flat.dp_group)
         cases["dp2-tp2"], _ = parallel(flat, "llama-tiny", "1f1b")
+        # The gradients as views of the dp buckets, DTensors laid out as their weights.
+        cases["dp2-tp2-views"], _ = parallel(flat, "llama-tiny", "1f1b", views=True)
+        cases["dp2-tp2-zb-h1-views"], _ = parallel(flat, "llama-tiny", "zb-h1", views=True)
         # FSDP2 over dp on top of tp: each rank holds a quarter of every block's matrices.
         cases["dp2-tp2-shard"], _ = parallel(flat, "llama-tiny", "zb-h1", fsdp=True)
     out["cases"] = cases
@@ -196,7 +209,8 @@ WORKER = textwrap.dedent(
 CASES = [
     *((4, case) for case in (
         "1f1b", "zb-h1", "interleaved", "1f1b-sp", "zb-h1-sp-recompute", "interleaved-sp",
-        "chimera", "gpt2-tied", "dp2-tp2", "dp2-tp2-shard",
+        "chimera", "gpt2-tied", "dp2-tp2", "dp2-tp2-shard", "dp2-tp2-views",
+        "dp2-tp2-zb-h1-views",
     )),
     *((2, case) for case in ("1f1b", "zb-h1", "interleaved", "interleaved-sp")),
 ]  # fmt: skip
@@ -255,6 +269,15 @@ def test_equals_one_process_on_the_full_batch(launches: Launches, world: int, ca
         # 1e-7 relative per step), and AdamW's division by sqrt(v) magnifies that over 5
         # steps at lr 1e-2 (measured up to 2e-5). Losses and norms above hold to 1e-5.
         assert max(got["weight_errors"].values()) < 1e-4, got["weight_errors"]
+
+
+def test_grads_as_bucket_views_under_tp_match_the_copies_bit_for_bit(launches: Launches) -> None:
+    for out in launches(4):
+        views, copies = out["cases"]["dp2-tp2-views"], out["cases"]["dp2-tp2"]
+        assert views["viewed"] == out["cases"]["dp2-tp2-zb-h1-views"]["viewed"] == [True] * 5
+        assert copies["viewed"] == [False] * 5
+        assert views["rows"] == copies["rows"]
+        assert views["weights"] == copies["weights"]
 
 
 def test_bf16_under_tp_stays_close_to_fp32(launches: Launches) -> None:

@@ -107,10 +107,6 @@ def test_sharded_pp2_dp2_equals_one_process(
             ["--shard", "--dp", "2", "--grad-as-bucket-view"],
             "which --shard does not have: drop --grad-as-bucket-view or --shard",
         ),
-        (
-            ["--tp", "2", "--dp", "2", "--grad-as-bucket-view"],
-            "which --tp 2 does not have: drop --grad-as-bucket-view or --tp 2",
-        ),
     ],
 )
 def test_bad_shard_settings_are_one_line_and_exit_2(
