@@ -8,8 +8,8 @@ asynchronous all-reduces, while the rank goes on with the rest of its schedule (
 cool-down); ``finish`` waits for them before the optimizer and divides by ``dp``.
 
 With ``grad_views`` (``pipeline.grad_as_bucket_view``, DDP's ``gradient_as_bucket_view``)
-the flat buckets are allocated once and every ``.grad`` is a view into its bucket, set at
-``begin`` wherever the optimizer left it None: the backward accumulates into the bucket in
+the flat buckets are allocated once, at the first step, and every ``.grad`` is a view into
+its bucket, set at ``begin`` wherever the optimizer left it None: the backward accumulates into the bucket in
 place and the all-reduce sums it where it lies, with no copy either way. A process then
 holds one gradient copy for the whole step instead of the ``.grad`` tensors from the first
 backward and the buckets from the last (docs/memory_model.md).
@@ -184,8 +184,6 @@ class ReplicaGradients:
         self._late = _buckets(late, self._bucket_bytes) if late else []
         buckets = self._all_buckets()
         self.bytes_per_step = sum(_nbytes(p) for b in buckets for p in b)
-        if self._grad_views:
-            self._flats = {id(b): v for b in buckets if (v := _views(b)) is not None}
         rank = dist.get_rank(self._mesh.pp_group) if self._mesh.pp_group is not None else 0
         self._plan(pipeline.schedule.actions[rank])
 
@@ -198,6 +196,12 @@ class ReplicaGradients:
         """Before a pipeline step: ``sync`` on the last step of a gradient accumulation.
         With views, a gradient the optimizer set to None is its zeroed view again."""
         self._sync = sync
+        if self._grad_views and not self._flats:
+            # Made at the first step, not at ``attach``: a run's memory baseline, taken
+            # before its steps, then leaves them in its measured peak, as the .grad
+            # tensors they replace were.
+            buckets = self._all_buckets()
+            self._flats = {id(b): v for b in buckets if (v := _views(b)) is not None}
         for bucket in self._all_buckets():
             flat_views = self._flats.get(id(bucket))
             if flat_views is None:
