@@ -88,7 +88,7 @@ class AutoRequest:
     # a replay of 64 x 64 takes seconds. Pruning: docs/plan_auto.md.
     max_forwards: int = 1024
     # Where dp > 1, score the .grad tensors as views of the buckets too
-    # (pipeline.grad_as_bucket_view) and keep them where the fullest process holds less.
+    # (pipeline.grad_as_bucket_view) and keep them unless the fullest process holds more.
     grad_views: bool = False
 
 
