@@ -177,7 +177,7 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     config = get_model_config(model)
     pargs = _profile_args(world)
     hw = hardware_for("cpu", world)
-    request = AutoRequest(world, BATCH, args.seq_len, top=max(5, args.sweep))
+    request = AutoRequest(world, BATCH, args.seq_len, top=max(5, args.sweep), grad_views=True)
     costs_for, source, hw = auto_costs(pargs, config, args.seq_len, hw, request)
     if args.calibrate_steps:
         costs_for, hw, said = calibrate(
