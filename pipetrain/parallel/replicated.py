@@ -9,10 +9,11 @@ cool-down); ``finish`` waits for them before the optimizer and divides by ``dp``
 
 With ``grad_views`` (``pipeline.grad_as_bucket_view``, DDP's ``gradient_as_bucket_view``)
 the flat buckets are allocated once, at the first step, and every ``.grad`` is a view into
-its bucket, set at ``begin`` wherever the optimizer left it None: the backward accumulates into the bucket in
-place and the all-reduce sums it where it lies, with no copy either way. A process then
-holds one gradient copy for the whole step instead of the ``.grad`` tensors from the first
-backward and the buckets from the last (docs/memory_model.md).
+its bucket, set at ``begin`` wherever the optimizer left it None: the backward (and a
+split backward's W) adds into the bucket in place and the all-reduce sums it where it
+lies, with no copy either way. A process then holds one gradient copy for the whole step
+instead of the ``.grad`` tensors from the first backward and the buckets from the last
+(docs/memory_model.md).
 
 Weights tied across pipeline ranks (and Chimera's replicated stages) are summed by the
 pipeline at the end of its step, after these buckets would have been filled: their dp
