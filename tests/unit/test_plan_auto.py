@@ -84,19 +84,23 @@ def test_a_budget_drops_what_does_not_fit_and_says_what_it_gave_up() -> None:
     assert tight.winner is None and tight.ranked == ()
 
 
-def test_the_winner_round_trips_through_a_train_config(tmp_path: Path) -> None:
+def test_the_top_layouts_round_trip_through_a_train_config(tmp_path: Path) -> None:
     config, costs = _costs_for("llama-default", 128, CPU)
-    req = AutoRequest(4, 32, 128)
-    winner = search(config, req, costs, CPU).winner
-    assert winner is not None
-    path = tmp_path / "auto.toml"
-    _write(path, "llama-default", winner, req)
-    loaded = load_config(path, check_paths=False)
-    for key, value in auto_overrides(winner, req).items():
-        section, name = key.split(".")
-        assert getattr(getattr(loaded, section), name) == value, key
-    assert loaded.model.name == "llama-default"
-    assert loaded.pipeline.processes == 4
+    req = AutoRequest(4, 32, 128, grad_views=True)
+    top = search(config, req, costs, CPU).ranked[:5]
+    assert len(top) == 5
+    # The gradients as bucket views where a layout has replicas (ties keep them).
+    assert any(s.layout.grad_views for s in top)
+    for scored in top:
+        path = tmp_path / "auto.toml"
+        _write(path, "llama-default", scored, req)
+        loaded = load_config(path, check_paths=False)
+        for key, value in auto_overrides(scored, req).items():
+            section, name = key.split(".")
+            assert getattr(getattr(loaded, section), name) == value, key
+        assert loaded.pipeline.grad_as_bucket_view == scored.layout.grad_views
+        assert loaded.model.name == "llama-default"
+        assert loaded.pipeline.processes == 4
 
 
 def _walked_peak(
