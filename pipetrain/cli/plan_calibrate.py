@@ -11,11 +11,11 @@ through the real launcher, a few times each, at two micro-batch sizes; the all-r
 their replicas is refitted to the waits they measured (``plan_links``), and every layer's
 compute at a size is scaled by the median run's compute over the predicted one there
 (between the two sizes the factor follows the logarithm of the size, beyond them the
-nearest's holds); what their processes held beyond the count refits the workspace
-(a fraction of the micro-batch in flight and bytes a process) that every layout is
-charged. A third reference, interleaved 1F1B over 2 ranks at the smaller size, runs 4x
+nearest's holds). A third reference, interleaved 1F1B over 2 ranks at the smaller size, runs 4x
 (or 2x) the actions a process of the first: the seconds an action that make its prediction
-meet its run are charged to every action of every layout (``plan_action_cost``). The shape
+meet its run are charged to every action of every layout (``plan_action_cost``). What the
+processes of all three held beyond the count refits the workspace (a fraction of the
+micro-batch in flight and bytes a process) that every layout is charged. The shape
 of the predictions within one size stays the profile's; the scale becomes the runs'.
 docs/plan_auto.md has the figures.
 """
@@ -184,7 +184,6 @@ def calibrate(
         measure=measure,
     )  # fmt: skip
     references, measured = _medians(runs_of, done, steps, said)
-    measured = [(p, ok) for p, ok in measured if p not in piped]  # pp = 1 fits the bytes
     plain = [ref for ref in references if ref.predicted not in piped]
     many = [ref for ref in references if ref.predicted in piped]  # the pipelined one, timed
     if not plain:
@@ -278,21 +277,31 @@ def _scaled(costs_for: CostsFor, factors: dict[int, float]) -> CostsFor:
 def _calibrated_memory(
     hw: Hardware, measured: list[tuple[Scored, list[Any]]]
 ) -> tuple[Hardware, str]:
-    """``hw`` with the workspace refitted on the references' runs: what each run's fullest
-    process held beyond the count without a workspace (weights, gradients, optimizer
+    """``hw`` with the workspace refitted on the references' runs: what the fullest
+    process held beyond its count without a workspace (weights, gradients, optimizer
     state, saved activations, buffers), the median per reference, against the bytes in
-    flight of its prediction. Two references (in flight 2x to 4x apart) fit the fraction
+    flight of its prediction. References whose bytes in flight differ fit the fraction
     and the bytes per process (``fit_line``); one keeps the profile's fraction and fits
-    the bytes. A real run's process holds what the profile's one-process step does not
-    (its data, the replicas' reducer, the communicators, the heap it does not give back,
+    the bytes. The pipelined reference counts with the replicas: most layouts a search
+    ranks are pipelines, whose heaps keep more beyond the count than a replica's whose
+    gradients are views of its buckets (BENCHMARKS.md, the seventeenth sweep). A real
+    run's process holds what the profile's one-process step does not (its data, the
+    replicas' reducer, the communicators, the heap it does not give back,
     docs/memory_model.md); the recomputing workspace moves by the same bytes."""
     points = []
     for predicted, runs in measured:
-        peaks = [max(run.measured_peak) for run in runs if run.measured_peak]
-        if peaks:
-            counted = predicted.memory[0]
-            beyond = statistics.median(peaks) - (counted.total - counted.workspace)
-            points.append((counted.in_flight, beyond))
+        beyond: list[float] = []
+        in_flight = 0.0
+        for run in (run for run in runs if run.measured_peak):
+            peaks = run.measured_peak
+            # Processes in the launcher's order, pipeline rank first (pp-major).
+            counted = [predicted.memory[i * len(predicted.memory) // len(peaks)]
+                       for i in range(len(peaks))]  # fmt: skip
+            fullest = max(range(len(peaks)), key=lambda i: peaks[i])
+            beyond.append(peaks[fullest] - (counted[fullest].total - counted[fullest].workspace))
+            in_flight = counted[fullest].in_flight
+        if beyond:
+            points.append((in_flight, statistics.median(beyond)))
     if not points:
         return hw, "; memory not calibrated (the runs measured no peak)"
     fraction, per_process = hw.memory_overhead

@@ -131,22 +131,33 @@ def test_what_real_processes_hold_beyond_the_count_refits_the_workspace() -> Non
     first, second = reference_layouts(req)  # micro-batches of 4 and of 16: 4x in flight
     in_flight = {lay: scorer.evaluate(lay).memory[0].in_flight for lay in (first, second)}
     assert in_flight[second] == pytest.approx(4 * in_flight[first])
-    # Beyond the count, a real process holds 3e6 bytes and 10% of the micro-batch in
-    # flight; one run of each reference (they alternate) is an outlier the median drops.
+    # Beyond its count, a real process holds 3e6 bytes and 10% of the micro-batch in
+    # flight; one run of each replica reference (they alternate) is an outlier the median
+    # drops. The pipelined reference's processes count too, each against its own rank's
+    # count (the fullest measured is fitted).
     noise = {first: iter([0.0, -1e5, 9e6]), second: iter([0.0, 9e6, -1e5])}
+    fitted = []
 
     def measure(scored: Any, overrides: dict[str, Any], **kw: Any) -> _Run:
-        m = scorer.evaluate(scored.layout).memory[0]
-        if scored.layout not in noise:  # the pipelined reference's bytes are not fitted
-            return _Run(1.0, measured_peak=(10**9,))
-        peak = m.total - m.workspace + 3e6 + 0.1 * m.in_flight + next(noise[scored.layout])
-        return _Run(1.0, measured_peak=(int(peak) - 10**6, int(peak)))
+        memory = scorer.evaluate(scored.layout).memory  # per pipeline rank
+        processes = scored.layout.pp * scored.layout.dp
+        extra = next(noise[scored.layout]) if scored.layout in noise else 0.0
+        fitted.append(scored.layout)
+        peaks = []
+        for i in range(processes):
+            m = memory[i * len(memory) // processes]
+            peaks.append(int(m.total - m.workspace + 3e6 + 0.1 * m.in_flight + extra))
+        if scored.layout in noise:
+            peaks[0] -= 10**6  # a replica that holds less: the fullest one counts
+        return _Run(1.0, measured_peak=tuple(peaks))
 
     _, hw, said = calibrate(
         config, "llama-tiny", req, _costs, hw0, steps=5, measure=measure,
         overrides_of=auto_overrides,
     )  # fmt: skip
     assert hw.memory_overhead == pytest.approx((0.1, 3e6), rel=0.02)
+    assert any(lay.pp == 2 for lay in fitted)  # the pipelined reference ran
+    assert "a process held beyond the count 3, 3, 3 MiB" in said  # three references
     # The recomputing workspace keeps its fraction and moves by the same bytes.
     assert hw.recompute_overhead == pytest.approx((1.5, 2e6 + 3e6 - 1e6), rel=0.02)
     assert "workspace 10% of the micro-batch in flight and 2.9 MiB a process" in said
