@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipetrain.config.errors import ConfigError
+from pipetrain.config.processes import check_processes
 from pipetrain.config.steps import parse_steps
 from pipetrain.config.values import at_least as _at_least
 from pipetrain.config.values import check_split, recomputing_ranks, run_name_error
@@ -170,7 +171,7 @@ class PipelineConfig:
                 f"pipeline.timeout_s is {self.timeout_s}: give a positive number of seconds up "
                 f"to {_MAX_TIMEOUT_S:.0f} (a year), e.g. 300"
             )
-        self._check_processes()
+        check_processes(self)
         _check_values("pipeline", self)
 
     @property
@@ -182,43 +183,6 @@ class PipelineConfig:
     def recomputing_ranks(self) -> frozenset[int]:
         """The pipeline ranks that recompute their blocks' activations in backward."""
         return recomputing_ranks(self.recompute, self.recompute_ranks, self.pp)
-
-    def _check_processes(self) -> None:
-        """What runs in which process: one process, replicas, sharded replicas."""
-        if self.single_process and self.pp == 1:
-            raise ConfigError(
-                "pipeline.single_process needs several pipeline ranks to simulate: set --pp 2 "
-                "or more, or drop --single-process"
-            )
-        if self.shard and self.dp < 2:
-            raise ConfigError(
-                f"pipeline.shard shards each stage over data-parallel replicas but pipeline.dp "
-                f"is {self.dp}: add --dp 2 (or more) or drop --shard"
-            )
-        if self.shard and self.compile:
-            raise ConfigError(
-                "pipeline.shard with pipeline.compile is not supported: drop --compile or --shard"
-            )
-        if self.grad_as_bucket_view and self.shard:
-            raise ConfigError(
-                "pipeline.grad_as_bucket_view makes .grad views of replicated dp buckets, which "
-                "--shard does not have: drop --grad-as-bucket-view or --shard"
-            )
-        if self.tp > 1 and self.single_process:
-            raise ConfigError(
-                "pipeline.tp splits each layer over processes, which one process cannot "
-                "simulate: drop --single-process or use --tp 1"
-            )
-        if self.sequence_parallel and self.tp < 2:
-            raise ConfigError(
-                "pipeline.sequence_parallel splits the sequence over tensor-parallel ranks but "
-                f"pipeline.tp is {self.tp}: add --tp 2 (or more) or drop --sequence-parallel"
-            )
-        if self.dp > 1 and self.single_process:
-            raise ConfigError(
-                "pipeline.single_process runs one pipeline in one process: drop "
-                "--single-process or use --dp 1"
-            )
 
 
 @dataclass(frozen=True)

@@ -82,11 +82,18 @@ class RankMemory:
 
 
 def _unmet(
-    activations: Sequence[float], gradients: float, joint: Sequence[float] | None, rank: int
+    activations: Sequence[float],
+    gradients: float,
+    joint: Sequence[float] | None,
+    rank: int,
+    held: float = 0.0,
 ) -> float:
     """What of ``rank``'s ``gradients`` (with the buckets) the ``joint`` peak of both with
-    the activations leaves out; 0 where there is no joint peak."""
-    return 0.0 if joint is None else max(0.0, activations[rank] + gradients - joint[rank])
+    the activations leaves out; 0 where there is no joint peak. ``held``: gradients held
+    all step, which ``joint`` leaves out and every point of it holds."""
+    if joint is None:
+        return 0.0
+    return max(0.0, activations[rank] + gradients - joint[rank] - held)
 
 
 def gradient_copies(dp: int, pipelines: int, grad_views: bool) -> int:
@@ -187,16 +194,13 @@ def rank_memory(
     per layer kind, what one sample's backward holds beside the saved tensors
     (``partition.workspace``); a rank is charged its largest kind's, for one action.
 
-    The workspace's fraction is of the activations of the backward in flight, one action's
-    micro-batches on the rank's largest stage, not of every live micro-batch: what a
-    process holds beyond its saved tensors is that backward's gradients and temporaries
-    (measured, docs/memory_model.md). A one-process step of the whole model, which the
-    fraction is fitted on, has the two alike.
+    The workspace's fraction is of the backward in flight (one action's micro-batches on
+    the rank's largest stage), not of every live micro-batch (docs/memory_model.md).
 
     ``copies``: ``gradient_copies``. ``peak_with_gradients``: per rank, the simulator's
     peak of the activations with the gradients and buckets as the runtime makes them (None:
-    held throughout), for ``unmet``; with ``gradients_held`` the .grad tensors are views
-    of persistent buckets, held all step, which that peak leaves out and this adds."""
+    held throughout), for ``unmet``; ``gradients_held``: the .grad tensors are views of
+    persistent buckets, held all step, off that peak's timeline."""
     ranks = partition.num_ranks
     grads = [0.0] * ranks
     has_block = [False] * ranks
@@ -217,8 +221,7 @@ def rank_memory(
         # Linear and looped placements both talk to the ranks either side of this one: a
         # receive posted ahead from each, and the activation sent on to the next.
         messages[rank] = (rank > 0) + 2 * (rank < ranks - 1)
-    if peak_with_gradients is not None and gradients_held:
-        peak_with_gradients = [peak + grads[r] for r, peak in enumerate(peak_with_gradients)]
+    joint, held = peak_with_gradients, float(gradients_held)
     recomputing = set(range(ranks) if recompute_ranks is None else recompute_ranks)
     transient = [
         recompute_block_bytes * microbatch_size if has_block[r] and r in recomputing else 0.0
@@ -239,7 +242,7 @@ def rank_memory(
             workspace=charged[r][0] * (in_flight[r] + transient[r]) + charged[r][1],
             in_flight=in_flight[r] + transient[r],
             in_backward=running[r] * one_action,
-            unmet=_unmet(peak_activation_bytes, copies * grads[r], peak_with_gradients, r),
+            unmet=_unmet(peak_activation_bytes, copies * grads[r], joint, r, held * grads[r]),
         )
         for r in range(ranks)
     )

@@ -69,7 +69,7 @@ def test_the_workspace_is_charged_to_the_micro_batch_in_flight_not_to_every_live
     partition = make_partition("uniform", costs, [(0, 1), (1, 2)], [0, 1])
     memory = rank_memory(
         partition, costs, weight_bytes=[40.0, 40.0], peak_activation_bytes=[800.0, 600.0],
-        microbatch_size=2, message_bytes=0.0, dp=1, overhead=(0.5, 7.0),
+        microbatch_size=2, message_bytes=0.0, copies=1, overhead=(0.5, 7.0),
     )  # fmt: skip
     # Half of one micro-batch's activations on the rank's stage, plus the fixed part:
     # the same for 4 live micro-batches as for 1.
@@ -77,6 +77,6 @@ def test_the_workspace_is_charged_to_the_micro_batch_in_flight_not_to_every_live
     # Naive model parallel: one action carries all 4 micro-batches.
     naive = rank_memory(
         partition, costs, weight_bytes=[40.0, 40.0], peak_activation_bytes=[800.0, 2400.0],
-        microbatch_size=2, message_bytes=0.0, dp=1, overhead=(0.5, 7.0), batch_scale=4,
+        microbatch_size=2, message_bytes=0.0, copies=1, overhead=(0.5, 7.0), batch_scale=4,
     )  # fmt: skip
     assert [m.workspace for m in naive] == [0.5 * 800 + 7, 0.5 * 2400 + 7]

@@ -86,7 +86,7 @@ def test_a_rank_is_charged_its_largest_kinds_backward_for_one_action() -> None:
     def charged(**kw: object) -> list[float]:
         memory = rank_memory(
             partition, costs, weight_bytes=[40.0, 80.0], peak_activation_bytes=[0.0, 0.0],
-            microbatch_size=2, message_bytes=0.0, dp=1, **kw,  # type: ignore[arg-type]
+            microbatch_size=2, message_bytes=0.0, copies=1, **kw,  # type: ignore[arg-type]
         )  # fmt: skip
         return [m.in_backward for m in memory]
 
