@@ -116,6 +116,7 @@ class _Launched:
     flat: torch.Tensor
     params: list[nn.Parameter]
     what: str
+    viewed: bool = False  # the gradients are views of ``flat``: nothing to copy back
 
 
 class ReplicaGradients:
@@ -197,13 +198,15 @@ class ReplicaGradients:
         """Before a pipeline step: ``sync`` on the last step of a gradient accumulation.
         With views, a gradient the optimizer set to None is its zeroed view again."""
         self._sync = sync
-        if self._grad_views and not self._flats:
+        if not self._grad_views:
+            return
+        buckets = self._all_buckets()
+        if not self._flats:
             # Made at the first step, not at ``attach``: a run's memory baseline, taken
             # before its steps, then leaves them in its measured peak, as the .grad
             # tensors they replace were.
-            buckets = self._all_buckets()
             self._flats = {id(b): v for b in buckets if (v := _views(b)) is not None}
-        for bucket in self._all_buckets():
+        for bucket in buckets:
             flat_views = self._flats.get(id(bucket))
             if flat_views is None:
                 continue
@@ -247,11 +250,12 @@ class ReplicaGradients:
             self._start(bucket, f"stage {stage}")
 
     def _start(self, params: list[nn.Parameter], what: str) -> None:
-        flat = self._viewed(params)
-        if flat is None:
-            flat = torch.cat([g.reshape(-1) for g in _grads_of(params)])
+        viewed = self._viewed(params)
+        flat = (
+            viewed if viewed is not None else torch.cat([g.reshape(-1) for g in _grads_of(params)])
+        )
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._mesh.dp_group, async_op=True)
-        self._in_flight.append(_Launched(work, flat, params, what))
+        self._in_flight.append(_Launched(work, flat, params, what, viewed is not None))
 
     def finish(self, step: int) -> None:
         """Wait for every bucket (launching what is left), then average over the replicas."""
@@ -277,8 +281,8 @@ class ReplicaGradients:
                     f"{self._mesh.pp_rank}): a peer {describe_failure(exc, self._timeout_s)}"
                 ) from exc
             launched.flat.mul_(scale)
-            if self._viewed(launched.params) is launched.flat:
-                continue  # the gradients are views of it: averaged in place
+            if launched.viewed:
+                continue  # averaged in place
             offset = 0
             for grad in _grads_of(launched.params):
                 n = grad.numel()
