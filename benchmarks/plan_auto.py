@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.cli.plan_auto import auto_overrides, explain, hardware_for
-from pipetrain.cli.plan_calibrate import calibrate, reference_layouts
+from pipetrain.cli.plan_calibrate import calibrate, reference_layouts, size_reference
 from pipetrain.cli.plan_measure import (
     best_measured,
     lowered_limit,
@@ -192,7 +192,10 @@ def bench(model: str, world: int, args: argparse.Namespace) -> None:
     # The calibration's reference layout is trained in every round too: measured beside
     # the sweep, it shows how far the machine moved since the calibration runs set the
     # scale (a drift that no prediction made before the sweep can see).
-    references = [scorer.evaluate(lay) for lay in reference_layouts(request)]
+    sized = size_reference(request)
+    references = [
+        scorer.evaluate(lay) for lay in (*reference_layouts(request), *([sized] if sized else []))
+    ]
     for extra in (default, *references):
         if extra is not None and extra.layout not in {s.layout for s in sweep}:
             sweep.append(extra)

@@ -9,7 +9,9 @@ actions a process measured 10-30% over their predictions where those with 2 to 8
 theirs (BENCHMARKS.md, the ninth sweep). So a reference with many actions, at the micro-
 batch size of a calibrated one, is measured too, and the seconds an action that make its
 prediction meet its run are charged to every action of every layout
-(``Hardware.per_action``). docs/plan_auto.md has the figures.
+(``Hardware.per_action``). Where the pp = 1 references cannot reach a micro-batch size the
+search ranks, a pipelined reference with few actions at that size sets the factor on the
+compute there (``fit_size_factor``). docs/plan_auto.md has the figures.
 """
 
 from __future__ import annotations
@@ -20,10 +22,19 @@ from dataclasses import dataclass
 from pipetrain.partition.layouts import AutoRequest, Layout, Scored
 from pipetrain.partition.scoring import Scorer
 
-__all__ = ["Reference", "fit_per_action", "pipelined_references", "reference_factors"]
+__all__ = [
+    "Reference",
+    "fit_per_action",
+    "fit_size_factor",
+    "pipelined_references",
+    "reference_factors",
+]
 
 # Bisection steps on the seconds an action: 2^-40 of the range, far below any noise.
 _STEPS = 40
+# The range a size reference's factor is sought in: a profile off by more than 10x is
+# not one to calibrate.
+_FACTOR_RANGE = (0.1, 10.0)
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,33 @@ def fit_per_action(
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if predicted(mid)[0] < pipelined.step else (lo, mid)
     return lo, predicted(lo)[1]
+
+
+def fit_size_factor(
+    reference: Reference,
+    factors: dict[int, float],
+    per_action: float,
+    score: Callable[[dict[int, float], float], Scorer],
+) -> tuple[int, float]:
+    """(the reference's micro-batch size, the factor on the profile's compute there at
+    which its prediction meets its measured step), the other sizes' ``factors`` and the
+    cost an action kept; the factor is clamped to ``_FACTOR_RANGE``. ``score`` as for
+    ``fit_per_action``."""
+    size = score({}, per_action).microbatch_size(reference.predicted.layout)
+
+    def predicted(factor: float) -> float:
+        scorer = score({**factors, size: factor}, per_action)
+        return scorer.rescore(reference.predicted).step_time
+
+    lo, hi = _FACTOR_RANGE
+    if predicted(lo) >= reference.step:
+        return size, lo
+    if predicted(hi) <= reference.step:
+        return size, hi
+    for _ in range(_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < reference.step else (lo, mid)
+    return size, (lo + hi) / 2
 
 
 def _actions_per_rank(layout: Layout) -> int:

@@ -13,8 +13,10 @@ compute at a size is scaled by the median run's compute over the predicted one t
 (between the two sizes the factor follows the logarithm of the size, beyond them the
 nearest's holds). A third reference, interleaved 1F1B over 2 ranks at the smaller size, runs 4x
 (or 2x) the actions a process of the first: the seconds an action that make its prediction
-meet its run are charged to every action of every layout (``plan_action_cost``). What the
-processes of all three held beyond the count refits the workspace (a fraction of the
+meet its run are charged to every action of every layout (``plan_action_cost``). Where a
+replica's share of the batch is under 16, GPipe over 2 ranks at one micro-batch of twice
+that share (``size_reference``) sets the factor at its size. What the
+processes of the first three held beyond the count refits the workspace (a fraction of the
 micro-batch in flight and bytes a process) that every layout is charged. The shape
 of the predictions within one size stays the profile's; the scale becomes the runs'.
 docs/plan_auto.md has the figures.
@@ -33,6 +35,7 @@ from pipetrain.cli.errors import UsageError
 from pipetrain.cli.plan_action_cost import (
     Reference,
     fit_per_action,
+    fit_size_factor,
     pipelined_references,
     reference_factors,
 )
@@ -51,6 +54,7 @@ __all__ = [
     "check_calibrate_flags",
     "factor_at",
     "reference_layouts",
+    "size_reference",
 ]
 
 # The micro-batch sizes the references prefer: those the planner's winners use here
@@ -69,6 +73,20 @@ def reference_layouts(request: AutoRequest) -> tuple[Layout, ...]:
     counts = [m for m in range(1, local + 1) if local % m == 0]
     picked = [min(counts, key=lambda c: (abs(local // c - size), c)) for size in _PREFERRED_SIZES]
     return tuple(Layout("1f1b", 1, world, 1, 1, m, False, False) for m in dict.fromkeys(picked))
+
+
+def size_reference(request: AutoRequest) -> Layout | None:
+    """GPipe over 2 stages (1F1B's order at one micro-batch, which 1F1B refuses), half
+    the processes its replicas, one micro-batch of a replica's
+    share of the batch (twice a pp = 1 reference's largest), where that share is still
+    under the larger preferred size; else None. The search ranks such micro-batches (the
+    fastest layouts of llama-default at 4 processes run them), and beyond its largest
+    reference the factor of the nearest holds, which the profile's shape put 10% off there
+    (BENCHMARKS.md, the seventeenth sweep)."""
+    world, batch = request.world_size, request.batch_size
+    if world % 2 or batch % world or batch // world >= _PREFERRED_SIZES[-1]:
+        return None
+    return Layout("gpipe", 2, world // 2, 1, 1, 1, False, False)
 
 
 def factor_at(factors: dict[int, float], size: int) -> float:
@@ -177,22 +195,26 @@ def calibrate(
         else:
             predictions.append(predicted)
     piped = _pipelined(scorer, predictions)
-    runs_of = predictions + piped
+    sized = _simulable(scorer, size_reference(request))
+    runs_of = predictions + piped + sized
     # Alternating (a, b, a, b, ...): a machine that drifts moves every reference alike.
     done = measure_top(
         runs_of * runs, request, overrides_of, model=model, steps=steps, say=say,
         measure=measure,
     )  # fmt: skip
     references, measured = _medians(runs_of, done, steps, said)
-    plain = [ref for ref in references if ref.predicted not in piped]
+    plain = [ref for ref in references if ref.predicted not in piped + sized]
     many = [ref for ref in references if ref.predicted in piped]  # the pipelined one, timed
+    wide = [ref for ref in references if ref.predicted in sized]
     if not plain:
         return costs_for, hw, "; not calibrated: " + "; ".join(said)
     # The replicas' waits first: what is left of each step is the compute to fit.
     hw, links_said = refit_allreduce(hw, references)
     if links_said:
         scorer = Scorer(config, free, costs_for, hw)
-        plain, many = ([_rescored(scorer, ref) for ref in refs] for refs in (plain, many))
+        plain, many, wide = (
+            [_rescored(scorer, ref) for ref in refs] for refs in (plain, many, wide)
+        )
 
     def scorer_at(factors: dict[int, float], per_action: float) -> Scorer:
         scaled = _scaled(costs_for, factors) if factors else costs_for
@@ -206,10 +228,18 @@ def calibrate(
             f"; each action (F, B, I or W) {per_action * 1e3:.2f} ms beyond its layers, "
             f"which {many[0].predicted.layout.describe()} measured"
         )
+    if wide:
+        # Fitted last: the other references' sizes are all below it, so it moves none of
+        # their factors, and it runs 2 actions a rank, so the cost an action hardly moves it.
+        size, factor = fit_size_factor(wide[0], factors, per_action, scorer_at)
+        factors = {**factors, size: factor}
     said.append(
         "compute x " + ", ".join(f"{factors[s]:.2f} at micro-batch {s}" for s in sorted(factors))
     )
     between = " (between the sizes by the logarithm of the size)" if len(factors) > 1 else ""
+    # The workspace is fitted on the references the sweeps checked it against; the size
+    # reference is timed only.
+    measured = [(predicted, ok) for predicted, ok in measured if predicted not in sized]
     hw, memory_said = _calibrated_memory(dataclasses.replace(hw, per_action=per_action), measured)
     return (
         _scaled(costs_for, factors), hw,
@@ -262,6 +292,12 @@ def _pipelined(scorer: Scorer, predictions: list[Scored]) -> list[Scored]:
         if scored is not None and scored.pipeline_time > 0:
             return [scored]
     return []
+
+
+def _simulable(scorer: Scorer, layout: Layout | None) -> list[Scored]:
+    """[``layout`` scored] where there is one and it can be simulated, else []."""
+    scored = scorer.evaluate(layout) if layout is not None else None
+    return [scored] if scored is not None and scored.pipeline_time > 0 else []
 
 
 def _scaled(costs_for: CostsFor, factors: dict[int, float]) -> CostsFor:

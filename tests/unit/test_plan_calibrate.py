@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pipetrain.cli.plan_auto import HARDWARE, auto_overrides
-from pipetrain.cli.plan_calibrate import calibrate, factor_at, reference_layouts
+from pipetrain.cli.plan_calibrate import calibrate, factor_at, reference_layouts, size_reference
 from pipetrain.models.config import get_model_config
 from pipetrain.partition.estimate import estimate_costs
 from pipetrain.partition.layer_costs import scaled_times
@@ -62,8 +62,12 @@ def test_the_calibrated_references_predict_their_measured_steps() -> None:
     first, second = reference_layouts(req)  # micro-batches of 4 and of 8
     before = Scorer(config, req, _costs, CPU)
     seen: dict[str, Any] = {}
+    sized = size_reference(req)  # 8 samples a replica: micro-batches of 16 on 2 stages
+    assert sized == Layout("gpipe", 2, 2, 1, 1, 1, False, False)
     # Three runs each, alternating, the median counted: the slow outlier moves nothing.
-    scales = {first: iter([1.5, 3.0, 1.4]), second: iter([0.9, 1.0, 2.0])}
+    scales = {
+        first: iter([1.5, 3.0, 1.4]), second: iter([0.9, 1.0, 2.0]), sized: iter([1.3] * 3)
+    }  # fmt: skip
     order = []
 
     def measure(scored: Any, overrides: dict[str, Any], **kw: Any) -> _Run:
@@ -81,16 +85,20 @@ def test_the_calibrated_references_predict_their_measured_steps() -> None:
     )  # fmt: skip
     # Pipelined at micro-batches of 4 too: 2 stages a rank, as llama-tiny cannot be cut in 8.
     piped = Layout("interleaved-1f1b", 2, 2, 1, 2, 4, False, False)
-    assert order == [first, second, piped] * 3
+    assert order == [first, second, piped, sized] * 3
     after = Scorer(config, req, costs, hw)
-    # Each reference's prediction meets its median run (the all-reduce is not scaled,
-    # so the step is near, not at, its measured multiple).
+    # Each replica reference's prediction meets its median run (the all-reduce is not
+    # scaled, so the step is near, not at, its measured multiple); the size reference's
+    # meets it to the bisection's precision.
     for layout, scale in ((first, 1.5), (second, 1.0)):
         assert after.evaluate(layout).step_time == pytest.approx(
             before.evaluate(layout).step_time * scale, rel=0.05
         )
+    assert after.evaluate(sized).step_time == pytest.approx(
+        before.evaluate(sized).step_time * 1.3, rel=1e-6
+    )
     assert seen["pipeline.dp"] == 4 and seen["pipeline.pp"] == 1
-    assert len(set(seen["names"])) == 9  # each run its own folder: metrics refuse reuse
+    assert len(set(seen["names"])) == 12  # each run its own folder: metrics refuse reuse
     assert (
         "calibrated by 1f1b pp=1 dp=4 tp=1 m=2" in said and "; by 1f1b pp=1 dp=4 tp=1 m=1" in said
     )
@@ -103,7 +111,12 @@ def test_the_calibrated_references_predict_their_measured_steps() -> None:
     high /= _costs(1, 8)[1].forward
     assert low > high
     assert costs(1, 2)[1].forward / _costs(1, 2)[1].forward == pytest.approx(low)
-    assert costs(1, 16)[1].forward / _costs(1, 16)[1].forward == pytest.approx(high)
+    # The size reference's own factor at 16 (it ran 1.3x its prediction), and beyond it.
+    top = costs(1, 16)[1].forward / _costs(1, 16)[1].forward
+    assert top > high and "at micro-batch 16" in said
+    assert costs(1, 32)[1].forward / _costs(1, 32)[1].forward == pytest.approx(top)
+    assert size_reference(AutoRequest(2, 32, 32)) is None  # 16 a replica: pp = 1 reaches it
+    assert size_reference(AutoRequest(3, 36, 32)) is None  # the processes do not pair up
     # Every layer's compute moves by the same factor: the memory and the shape stay.
     a, b = _costs(1, 4), costs(1, 4)
     ratio = b[1].forward / a[1].forward
