@@ -220,6 +220,31 @@ def calibrate(
         scaled = _scaled(costs_for, factors) if factors else costs_for
         return Scorer(config, free, scaled, dataclasses.replace(hw, per_action=per_action))
 
+    per_action, factors, action_said = _fitted_compute(plain, many, wide, scorer, scorer_at)
+    said.append(
+        "compute x " + ", ".join(f"{factors[s]:.2f} at micro-batch {s}" for s in sorted(factors))
+    )
+    between = " (between the sizes by the logarithm of the size)" if len(factors) > 1 else ""
+    # The workspace is fitted on the references the sweeps checked it against; the size
+    # reference is timed only.
+    measured = [(predicted, ok) for predicted, ok in measured if predicted not in sized]
+    hw, memory_said = _calibrated_memory(dataclasses.replace(hw, per_action=per_action), measured)
+    return (
+        _scaled(costs_for, factors), hw,
+        "; calibrated " + "; ".join(said) + between + action_said + links_said + memory_said,
+    )  # fmt: skip
+
+
+def _fitted_compute(
+    plain: list[Reference],
+    many: list[Reference],
+    wide: list[Reference],
+    scorer: Scorer,
+    scorer_at: Callable[[dict[int, float], float], Scorer],
+) -> tuple[float, dict[int, float], str]:
+    """(the seconds an action, the factor on the compute by micro-batch size, the line on
+    the cost an action): the replicas' factors, with the cost an action where the
+    pipelined reference ran, and the size reference's factor at its size."""
     per_action, factors = 0.0, reference_factors(plain, scorer)
     action_said = ""
     if many:
@@ -233,18 +258,7 @@ def calibrate(
         # their factors, and it runs 2 actions a rank, so the cost an action hardly moves it.
         size, factor = fit_size_factor(wide[0], factors, per_action, scorer_at)
         factors = {**factors, size: factor}
-    said.append(
-        "compute x " + ", ".join(f"{factors[s]:.2f} at micro-batch {s}" for s in sorted(factors))
-    )
-    between = " (between the sizes by the logarithm of the size)" if len(factors) > 1 else ""
-    # The workspace is fitted on the references the sweeps checked it against; the size
-    # reference is timed only.
-    measured = [(predicted, ok) for predicted, ok in measured if predicted not in sized]
-    hw, memory_said = _calibrated_memory(dataclasses.replace(hw, per_action=per_action), measured)
-    return (
-        _scaled(costs_for, factors), hw,
-        "; calibrated " + "; ".join(said) + between + action_said + links_said + memory_said,
-    )  # fmt: skip
+    return per_action, factors, action_said
 
 
 def _rescored(scorer: Scorer, ref: Reference) -> Reference:
