@@ -73,6 +73,9 @@ def test_plan_auto_profiles_every_microbatch_size_on_as_many_processes() -> None
     # A pipelined reference with more actions a process prices an action.
     assert "; by interleaved-1f1b v=2 pp=2 dp=1 tp=1 m=2: predicted " in planned.stdout
     assert "each action (F, B, I or W) " in planned.stdout
+    # 2 samples a replica, under 16: a pipeline of one micro-batch of 4 sets that size.
+    assert "; by gpipe pp=2 dp=1 tp=1 m=1: predicted " in planned.stdout
+    assert " at micro-batch 4" in planned.stdout.split("compute x ")[1].split(";")[0]
     # ... and the bytes its processes held beyond the profile's step enter every layout.
     assert "MiB a process (the profile's step: " in planned.stdout
     assert "winner:" in planned.stdout
