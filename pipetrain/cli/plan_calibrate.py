@@ -341,7 +341,7 @@ def _calibrated_memory(
     points = []
     for predicted, runs in measured:
         beyond: list[float] = []
-        in_flight = 0.0
+        in_flight: list[float] = []
         for run in (run for run in runs if run.measured_peak):
             peaks = run.measured_peak
             # Processes in the launcher's order, pipeline rank first (pp-major).
@@ -349,9 +349,10 @@ def _calibrated_memory(
                        for i in range(len(peaks))]  # fmt: skip
             fullest = max(range(len(peaks)), key=lambda i: peaks[i])
             beyond.append(peaks[fullest] - (counted[fullest].total - counted[fullest].workspace))
-            in_flight = counted[fullest].in_flight
+            in_flight.append(counted[fullest].in_flight)
         if beyond:
-            points.append((in_flight, statistics.median(beyond)))
+            # Each run's fullest process may be another rank: the medians of both.
+            points.append((statistics.median(in_flight), statistics.median(beyond)))
     if not points:
         return hw, "; memory not calibrated (the runs measured no peak)"
     fraction, per_process = hw.memory_overhead
