@@ -76,13 +76,13 @@ def reference_layouts(request: AutoRequest) -> tuple[Layout, ...]:
 
 
 def size_reference(request: AutoRequest) -> Layout | None:
-    """GPipe over 2 stages (1F1B's order at one micro-batch, which 1F1B refuses), half
-    the processes its replicas, one micro-batch of a replica's
-    share of the batch (twice a pp = 1 reference's largest), where that share is still
-    under the larger preferred size; else None. The search ranks such micro-batches (the
-    fastest layouts of llama-default at 4 processes run them), and beyond its largest
-    reference the factor of the nearest holds, which the profile's shape put 10% off there
-    (BENCHMARKS.md, the seventeenth sweep)."""
+    """GPipe over 2 stages (1F1B's order at one micro-batch, which 1F1B refuses), half the
+    processes its replicas, at one micro-batch of a replica's share of the batch (twice a
+    pp = 1 reference's largest), where the pp = 1 share is under the larger preferred
+    size; else None. The search ranks such micro-batches (the fastest layouts of
+    llama-default at 4 processes run them), and beyond the largest reference the factor
+    of the nearest holds, which the profile's shape put 10% off there (BENCHMARKS.md, the
+    seventeenth sweep)."""
     world, batch = request.world_size, request.batch_size
     if world % 2 or batch % world or batch // world >= _PREFERRED_SIZES[-1]:
         return None
