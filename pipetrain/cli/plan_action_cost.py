@@ -101,9 +101,7 @@ def fit_per_action(
     at_hi, factors = predicted(hi)
     if at_hi <= pipelined.step:
         return hi, factors
-    for _ in range(_STEPS):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid)[0] < pipelined.step else (lo, mid)
+    lo, hi = _bisect(lambda x: predicted(x)[0], pipelined.step, lo, hi)
     return lo, predicted(lo)[1]
 
 
@@ -128,10 +126,19 @@ def fit_size_factor(
         return size, lo
     if predicted(hi) <= reference.step:
         return size, hi
+    lo, hi = _bisect(predicted, reference.step, lo, hi)
+    return size, (lo + hi) / 2
+
+
+def _bisect(
+    predicted: Callable[[float], float], step: float, lo: float, hi: float
+) -> tuple[float, float]:
+    """The bracket (lo, hi) around the value at which ``predicted``, rising in it, meets
+    ``step``, narrowed ``_STEPS`` times from ``lo`` (below it) and ``hi`` (above)."""
     for _ in range(_STEPS):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid) < reference.step else (lo, mid)
-    return size, (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < step else (lo, mid)
+    return lo, hi
 
 
 def _actions_per_rank(layout: Layout) -> int:

@@ -302,9 +302,8 @@ def _pipelined(scorer: Scorer, predictions: list[Scored]) -> list[Scored]:
         return []
     smallest = max(predictions, key=lambda p: p.layout.microbatches).layout
     for layout in pipelined_references(scorer.req, smallest):
-        scored = scorer.evaluate(layout)
-        if scored is not None and scored.pipeline_time > 0:
-            return [scored]
+        if found := _simulable(scorer, layout):
+            return found
     return []
 
 

@@ -221,7 +221,7 @@ def rank_memory(
         # Linear and looped placements both talk to the ranks either side of this one: a
         # receive posted ahead from each, and the activation sent on to the next.
         messages[rank] = (rank > 0) + 2 * (rank < ranks - 1)
-    joint, held = peak_with_gradients, float(gradients_held)
+    held = [g if gradients_held else 0.0 for g in grads]  # off the joint peak's timeline
     recomputing = set(range(ranks) if recompute_ranks is None else recompute_ranks)
     transient = [
         recompute_block_bytes * microbatch_size if has_block[r] and r in recomputing else 0.0
@@ -242,7 +242,7 @@ def rank_memory(
             workspace=charged[r][0] * (in_flight[r] + transient[r]) + charged[r][1],
             in_flight=in_flight[r] + transient[r],
             in_backward=running[r] * one_action,
-            unmet=_unmet(peak_activation_bytes, copies * grads[r], joint, r, held * grads[r]),
+            unmet=_unmet(peak_activation_bytes, copies * grads[r], peak_with_gradients, r, held[r]),
         )
         for r in range(ranks)
     )
