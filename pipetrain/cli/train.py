@@ -302,7 +302,7 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
     from pipetrain.config.run_folder import announce, lock_run
     from pipetrain.data import load_tokenizer
     from pipetrain.errors import RunFailed
-    from pipetrain.launch.local import LaunchFailed, launch_local
+    from pipetrain.launch.local import LaunchFailed, launch_local, rank_preload
     from pipetrain.launch.role import ProcessRole, role_from_env
     from pipetrain.runtime import PipelineError
     from pipetrain.train.loop import train
@@ -322,14 +322,20 @@ def run_config(config: TrainConfig, notes: Sequence[str] = ()) -> int:
         # live run's, mid-save, are not) until the run ends (pipetrain.config.lock).
         lock = lock_run(config)
         preflight(config, plan)
-        sys.stdout.writelines(f"{note}\n" for note in notes)
         processes = config.pipeline.processes
+        preload = rank_preload(config) if processes > 1 else ""
+        sys.stdout.writelines(f"{note}\n" for note in notes)
         announce(config, sys.stdout, lock)
         lock.hand_over()  # the ranks' locks, to rank 0: held until it is gone
         if processes == 1:
             train(config, ProcessRole(), announced=True)
             return 0
-        launch_local(config.run_dir / "config.toml", processes, entry="pipetrain.train.loop:train")
+        launch_local(
+            config.run_dir / "config.toml",
+            processes,
+            entry="pipetrain.train.loop:train",
+            preload=preload,
+        )
         return 0
     except (RunFailed, PipelineError) as exc:
         sys.stderr.write(f"pipetrain train: {exc}\n")

@@ -22,6 +22,7 @@ from pipetrain.config.values import at_least as _at_least
 from pipetrain.config.values import check_split, recomputing_ranks, run_name_error
 from pipetrain.config.values import check_values as _check_values
 from pipetrain.config.values import one_of as _one_of
+from pipetrain.heap import ALLOCATORS
 from pipetrain.models.config import PRESETS
 
 __all__ = [
@@ -319,6 +320,13 @@ class RunConfig:
     when it is freed, so that the measured peak memory is the tensors' bytes without the
     holes the heap keeps between them (docs/memory_model.md); elsewhere the run says it has
     no effect. Steps run about 1.8x slower: for checking a plan's memory, not training."""
+    allocator: str = "auto"
+    """On a CPU, the C allocator of the processes the trainer starts (``LD_PRELOAD``):
+    "auto" = tcmalloc where the system has it (Debian: libtcmalloc-minimal4), else the C
+    library's; "tcmalloc" or "jemalloc" = that one (refused where not installed);
+    "system" = the C library's (glibc's heap kept between steps). tcmalloc's resident set
+    follows the tensors' bytes, as the plan counts them, at glibc's speed or better
+    (docs/memory_model.md). A launcher of your own (torchrun) preloads as you tell it."""
     sample_tokens: int = 200
     """Bytes (tokens) of text to generate from the trained model at the end; 0 = none."""
     sample_temperature: float = 0.8
@@ -380,6 +388,12 @@ class RunConfig:
                 f"Chrome/Perfetto trace, e.g. --timeline step.png"
             )
         parse_steps("run.profile", self.profile, self.steps)  # parsing it is its check
+        _one_of("run.allocator", self.allocator, ALLOCATORS)
+        if self.map_tensors and self.allocator in ("tcmalloc", "jemalloc"):
+            raise ConfigError(
+                f"run.map_tensors maps tensors through glibc's malloc, not {self.allocator}'s: "
+                f"drop one, or --set run.allocator=system"
+            )
         if (self.profile_shapes or self.profile_memory) and not self.profile:
             raise ConfigError("run.profile_shapes, run.profile_memory need --profile STEPS")
         _check_values("run", self)

@@ -4,7 +4,8 @@
   process reads its rank from the environment: one node or many work the same.
 - Outside it, ``--pp 1`` and ``--single-process`` train in this process, and ``--pp P``
   starts P local processes through PyTorch's elastic launcher (what torchrun itself uses),
-  each running ``python -m pipetrain.launch.worker ENTRY <run dir>/config.toml``.
+  each running ``python -m pipetrain.launch.worker ENTRY <run dir>/config.toml``; on a
+  CPU they preload ``run.allocator``'s C allocator (``rank_preload``).
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from pipetrain.config.errors import ConfigError
+from pipetrain.heap import allocator_library, with_preload
 from pipetrain.launch.process_exit import EXIT_RECORDS_ENV, exit_record
 
 if TYPE_CHECKING:  # torch is imported when a launch starts, not with the CLI
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-__all__ = ["LaunchFailed", "launch_local"]
+    from pipetrain.config.schema import TrainConfig
+
+__all__ = ["LaunchFailed", "launch_local", "rank_preload"]
 
 _POLL_S = 0.5
 
@@ -123,10 +128,31 @@ def _continue_stopped_ranks(records: Path, done: threading.Event) -> None:
                     os.kill(pid, signal.SIGCONT)
 
 
-def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
+def rank_preload(config: TrainConfig) -> str:
+    """The shared library the ranks started here preload for their C heap ("" = none):
+    ``run.allocator``'s on a CPU run; none on CUDA (the tensors are the GPU allocator's)
+    or where the run maps its tensors through glibc (``run.map_tensors``)."""
+    r, device = config.run, config.pipeline.device
+    if r.map_tensors or device == "cuda":
+        return ""
+    if device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return ""
+    try:
+        return allocator_library(r.allocator)
+    except LookupError as exc:
+        raise ConfigError(
+            f"run.allocator is {r.allocator!r}, but {exc}: install it or --set run.allocator=auto"
+        ) from None
+
+
+def launch_local(config_path: Path, processes: int, *, entry: str, preload: str = "") -> None:
     """Run the worker in ``processes`` local processes; raise ``LaunchFailed`` if one fails.
 
-    ``entry`` ("module:function") is the function each worker trains with (``worker``).
+    ``entry`` ("module:function") is the function each worker trains with (``worker``);
+    ``preload``: a shared library the workers load first (``rank_preload``).
 
     A stop signal that every rank obeys (finished its step, saved, exited 0) lets the
     launcher's ``SignalException`` through; a stop that some rank did not survive is a
@@ -152,8 +178,10 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
     records = exit_record(config_path, 0).parent
     shutil.rmtree(records, ignore_errors=True)  # an earlier run's
     # The ranks inherit the launcher's environment: where to leave their exit records.
-    before = os.environ.get(EXIT_RECORDS_ENV)
+    before = {name: os.environ.get(name) for name in (EXIT_RECORDS_ENV, "LD_PRELOAD")}
     os.environ[EXIT_RECORDS_ENV] = str(records)
+    if preload:
+        os.environ["LD_PRELOAD"] = with_preload(preload, before["LD_PRELOAD"] or "")
     # SIGUSR1 to the launcher asks every rank's hang doctor for a report.
     forwarding = signal.signal(signal.SIGUSR1, _to_ranks)
     done = threading.Event()
@@ -182,10 +210,11 @@ def launch_local(config_path: Path, processes: int, *, entry: str) -> None:
     finally:
         done.set()
         signal.signal(signal.SIGUSR1, forwarding)
-        if before is None:
-            os.environ.pop(EXIT_RECORDS_ENV, None)
-        else:
-            os.environ[EXIT_RECORDS_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _child_failed(

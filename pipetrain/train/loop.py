@@ -35,7 +35,7 @@ from pipetrain.config.schema import (
 )
 from pipetrain.data import load_tokenizer
 from pipetrain.diagnose.profile import open_profiler, profiled_step
-from pipetrain.heap import MAPPED_TENSORS, keep_heap
+from pipetrain.heap import MAPPED_TENSORS, keep_heap, running_allocator
 from pipetrain.launch.rendezvous import join_process_group, report_failure
 from pipetrain.launch.role import ProcessRole
 from pipetrain.parallel import Mesh, build_mesh, replica_mean, state_bytes
@@ -142,8 +142,13 @@ def tune_heap(device: torch.device, map_tensors: bool) -> str:
     if device.type == "cpu":
         mapped = map_tensors and keep_heap(MAPPED_TENSORS)
         if not mapped:
-            keep_heap()
-        why = "the C library took no mmap threshold (it tunes glibc's malloc)"
+            keep_heap()  # glibc's only: tcmalloc and jemalloc reuse freed pages already
+        allocator = running_allocator()
+        why = (
+            "the C library took no mmap threshold (it tunes glibc's malloc)"
+            if allocator == "glibc"
+            else f"this process allocates with {allocator}, not glibc's malloc"
+        )
     else:
         mapped = False
         why = f"on {device.type}, whose measured peak is the allocator's tensor bytes already"

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from pipetrain.config.schema import TrainConfig
 from pipetrain.errors import InputError
+from pipetrain.heap import running_allocator
 from pipetrain.partition.balance import make_partition
 from pipetrain.partition.estimate import DEFAULT_FLOPS, estimate_costs
 from pipetrain.partition.layouts import AutoRequest, Hardware, Layout
@@ -112,16 +113,22 @@ class MemoryCheck:
 
     predicted: tuple[float, ...]  # empty where not modelled
     measured: tuple[int, ...]
+    allocator: str = ""
+    """The C allocator of rank 0 on a CPU (``pipetrain.heap.running_allocator``): whose
+    kept pages the resident set measures; "" on CUDA."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "memory_check": True,
             "predicted_peak": list(self.predicted),
             "measured_peak": list(self.measured),
+            "allocator": self.allocator,
         }
 
     def format(self) -> str:
         measured = ", ".join(f"{b / 2**20:,.1f}" for b in self.measured)
+        if self.allocator:
+            measured += f" (C heap: {self.allocator})"
         if not self.predicted:
             return f"model memory per process (MiB): measured {measured}; predicted n/a"
         predicted = ", ".join(f"{b / 2**20:,.1f}" for b in self.predicted)
@@ -152,7 +159,8 @@ def report_memory(session: Any) -> MemoryCheck:
     predicted = tuple(per_pp[r // group] for r in range(len(measured))) if per_pp else ()
     if predicted and any(not math.isfinite(b) for b in predicted):
         predicted = ()
-    check = MemoryCheck(predicted, tuple(measured))
+    allocator = running_allocator() if session.device.type == "cpu" else ""
+    check = MemoryCheck(predicted, tuple(measured), allocator)
     session.output.record(check.to_json())
     if role.reporter:
         session.output.say(check.format())

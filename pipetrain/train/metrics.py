@@ -83,8 +83,9 @@ def reset_peak_memory() -> None:
     """Start this process's peak memory afresh, so that a run measures its own peak when
     an earlier run in the same process (``pipetrain tune`` with one process) went higher.
 
-    The earlier run's freed heap goes back to the system first (``keep_heap`` has glibc
-    keep it, so it would still be resident and count again); then the resident
+    The earlier run's freed heap goes back to the system first (glibc's kept heap, the
+    free pages tcmalloc and jemalloc hold: still resident, they would serve the run's steps
+    without counting, or count again); then the resident
     high-water mark resets through /proc (Linux 4.0 and later; elsewhere it stays the
     process's), and the CUDA peak of the current device (a run in this process uses that
     one) when CUDA is in use.
