@@ -45,6 +45,7 @@ from pipetrain.cli.plan_measure import (
     render_measured,
 )
 from pipetrain.cli.plan_profile import auto_costs
+from pipetrain.heap import allocator_library
 from pipetrain.models.config import get_model_config
 from pipetrain.partition.auto import AutoRequest, Layout, Scored, search
 from pipetrain.partition.scoring import Scorer
@@ -365,6 +366,8 @@ def main() -> None:
     )
     args = p.parse_args()
     print(f"load: {os.getloadavg()[0]:.1f} (1 min) at start")
+    # The ranks' C heap is what their resident peaks measure (docs/memory_model.md).
+    print(f"ranks' C allocator (run.allocator=auto): {allocator_library('auto') or 'glibc'}")
     for model in args.models.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             bench(model, world, args)
