@@ -50,10 +50,11 @@ def train_layout(
     env: dict[str, str] | None = None, timeout: float = 900,
 ) -> dict[str, list[float]]:  # fmt: skip
     """One run of the layout on llama-default (``env``: the processes' environment, None =
-    this one's); its memory check (predicted and measured per process)."""
+    this one's); its memory check (predicted and measured per process). The processes run
+    glibc's malloc, whose heap these scripts study, unless ``extra`` sets run.allocator."""
     command = [sys.executable, "-m", "pipetrain.cli", "train", "--model", "llama-default",
                *shlex.split(flags), "--steps", str(steps), "--name", name,
-               "--set", f"run.out_dir={out}", *extra]  # fmt: skip
+               "--set", f"run.out_dir={out}", "--set", "run.allocator=system", *extra]  # fmt: skip
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=timeout,
                    env=env)  # fmt: skip
     lines = (out / name / "metrics.jsonl").read_text().splitlines()

@@ -19,16 +19,19 @@ trainer starts on a CPU preload one where the system has it (``run.allocator``,
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import platform
+from collections.abc import Iterator
 
 __all__ = [
     "ALLOCATORS",
     "MAPPED_TENSORS",
     "allocator_library",
     "keep_heap",
+    "preloading",
     "release_free_heap",
     "running_allocator",
     "with_preload",
@@ -103,6 +106,22 @@ def with_preload(library: str, current: str) -> str:
     ):
         return current
     return f"{library} {current}".strip()
+
+
+@contextlib.contextmanager
+def preloading(library: str) -> Iterator[None]:
+    """Processes started inside preload ``library`` ahead of this one's ``LD_PRELOAD``
+    (``with_preload``); "" changes nothing. The variable is restored on the way out."""
+    before = os.environ.get("LD_PRELOAD")
+    if library:
+        os.environ["LD_PRELOAD"] = with_preload(library, before or "")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
 
 
 def keep_heap(mmap_threshold: int = _MMAP_THRESHOLD, trim_threshold: int = _TRIM_THRESHOLD) -> bool:

@@ -24,7 +24,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from pipetrain.config.errors import ConfigError
-from pipetrain.heap import allocator_library, with_preload
+from pipetrain.heap import allocator_library, preloading
 from pipetrain.launch.process_exit import EXIT_RECORDS_ENV, exit_record
 
 if TYPE_CHECKING:  # torch is imported when a launch starts, not with the CLI
@@ -178,10 +178,8 @@ def launch_local(config_path: Path, processes: int, *, entry: str, preload: str 
     records = exit_record(config_path, 0).parent
     shutil.rmtree(records, ignore_errors=True)  # an earlier run's
     # The ranks inherit the launcher's environment: where to leave their exit records.
-    before = {name: os.environ.get(name) for name in (EXIT_RECORDS_ENV, "LD_PRELOAD")}
+    before = os.environ.get(EXIT_RECORDS_ENV)
     os.environ[EXIT_RECORDS_ENV] = str(records)
-    if preload:
-        os.environ["LD_PRELOAD"] = with_preload(preload, before["LD_PRELOAD"] or "")
     # SIGUSR1 to the launcher asks every rank's hang doctor for a report.
     forwarding = signal.signal(signal.SIGUSR1, _to_ranks)
     done = threading.Event()
@@ -189,9 +187,10 @@ def launch_local(config_path: Path, processes: int, *, entry: str, preload: str 
         target=_continue_stopped_ranks, args=(records, done), name="pipetrain-continue", daemon=True
     ).start()
     try:
-        elastic_launch(launch, sys.executable)(
-            "-m", "pipetrain.launch.worker", entry, str(config_path)
-        )
+        with preloading(preload):
+            elastic_launch(launch, sys.executable)(
+                "-m", "pipetrain.launch.worker", entry, str(config_path)
+            )
     except SignalException as exc:
         # torch's launcher waits for the ranks again after a second signal (up to 30 s
         # more, then SIGKILL), but a third one ends that wait: the ranks, which take a
@@ -210,11 +209,10 @@ def launch_local(config_path: Path, processes: int, *, entry: str, preload: str 
     finally:
         done.set()
         signal.signal(signal.SIGUSR1, forwarding)
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        if before is None:
+            os.environ.pop(EXIT_RECORDS_ENV, None)
+        else:
+            os.environ[EXIT_RECORDS_ENV] = before
 
 
 def _child_failed(

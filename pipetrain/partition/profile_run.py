@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pipetrain.heap import allocator_library, preloading
 from pipetrain.models.config import ModelConfig
 from pipetrain.partition.balance import LayerCost
 from pipetrain.partition.cost_curve import CostCurve
@@ -317,8 +318,11 @@ def profile_curve(
         ctx.Process(target=_child, args=(queue, barrier, args, rank, processes, port, tp_sizes))
         for rank in range(processes)
     ]
-    for child in children:
-        child.start()
+    # The trainer's processes on a CPU run with run.allocator's default (tcmalloc where
+    # installed): a step's bytes measured under another allocator would not be theirs.
+    with preloading(allocator_library("auto")):
+        for child in children:
+            child.start()
     try:
         results = _collect(queue, children)
     finally:

@@ -5,6 +5,7 @@ free pages are given back before a run's baseline."""
 from __future__ import annotations
 
 import ctypes.util
+import os
 import platform
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from pipetrain.config.errors import ConfigError
 from pipetrain.config.load import load_config
 from pipetrain.config.schema import TrainConfig
-from pipetrain.heap import allocator_library, running_allocator, with_preload
+from pipetrain.heap import allocator_library, preloading, running_allocator, with_preload
 from pipetrain.launch.local import rank_preload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,3 +119,17 @@ def test_allocator_setting_is_checked() -> None:
         _config("run.allocator=libc")
     with pytest.raises(ConfigError, match=r"run\.map_tensors maps tensors through glibc"):
         _config("run.map_tensors=true", "run.allocator=jemalloc")
+
+
+def test_preloading_sets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libtrace.so")
+    with preloading("libtcmalloc_minimal.so.4"):
+        assert os.environ["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 /opt/libtrace.so"
+    assert os.environ["LD_PRELOAD"] == "/opt/libtrace.so"
+    monkeypatch.delenv("LD_PRELOAD")
+    with preloading(""):
+        assert "LD_PRELOAD" not in os.environ
+    with pytest.raises(KeyError), preloading("libjemalloc.so.2"):
+        assert os.environ["LD_PRELOAD"] == "libjemalloc.so.2"
+        raise KeyError
+    assert "LD_PRELOAD" not in os.environ
