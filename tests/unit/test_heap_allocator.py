@@ -95,30 +95,30 @@ def test_preload_goes_first_and_keeps_a_users_allocator() -> None:
     assert with_preload("", "a.so") == "a.so"
 
 
-def _config(*overrides: str) -> TrainConfig:
-    pairs = dict(o.split("=", 1) for o in ("pipeline.pp=2", *overrides))
-    values = {k: {"true": True}.get(v, int(v) if v.isdigit() else v) for k, v in pairs.items()}
-    return load_config(None, values, check_paths=False, default_name="t")
+def _config(**sections: dict[str, object]) -> TrainConfig:
+    """A config of 2 pipeline ranks with these fields, by section (``run={...}``)."""
+    overrides = {f"{section}.{key}": v for section, f in sections.items() for key, v in f.items()}
+    return load_config(None, {"pipeline.pp": 2, **overrides}, check_paths=False, default_name="t")
 
 
 def test_rank_preload_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: f"lib{name}.so.9")
     if platform.system() != "Linux":
         pytest.skip("LD_PRELOAD is Linux's")
-    assert rank_preload(_config("pipeline.device=cpu")) == "libtcmalloc_minimal.so.9"
-    assert rank_preload(_config("pipeline.device=cuda")) == ""
-    assert rank_preload(_config("pipeline.device=cpu", "run.map_tensors=true")) == ""
-    assert rank_preload(_config("pipeline.device=cpu", "run.allocator=system")) == ""
+    assert rank_preload(_config(pipeline={"device": "cpu"})) == "libtcmalloc_minimal.so.9"
+    assert rank_preload(_config(pipeline={"device": "cuda"})) == ""
+    assert rank_preload(_config(pipeline={"device": "cpu"}, run={"map_tensors": True})) == ""
+    assert rank_preload(_config(pipeline={"device": "cpu"}, run={"allocator": "system"})) == ""
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
     with pytest.raises(ConfigError, match=r"install it or --set run\.allocator=auto"):
-        rank_preload(_config("pipeline.device=cpu", "run.allocator=jemalloc"))
+        rank_preload(_config(pipeline={"device": "cpu"}, run={"allocator": "jemalloc"}))
 
 
 def test_allocator_setting_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"use one of auto, tcmalloc, jemalloc, system"):
-        _config("run.allocator=libc")
+        _config(run={"allocator": "libc"})
     with pytest.raises(ConfigError, match=r"run\.map_tensors maps tensors through glibc"):
-        _config("run.map_tensors=true", "run.allocator=jemalloc")
+        _config(run={"map_tensors": True, "allocator": "jemalloc"})
 
 
 def test_preloading_sets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
