@@ -223,8 +223,10 @@ def rank_memory(
         messages[rank] = (rank > 0) + 2 * (rank < ranks - 1)
     held = [g if gradients_held else 0.0 for g in grads]  # off the joint peak's timeline
     recomputing = set(range(ranks) if recompute_ranks is None else recompute_ranks)
+    # A recomputed block's activations live in its backward for what the action carries:
+    # naive model parallel's backward runs the whole batch at once.
     transient = [
-        recompute_block_bytes * microbatch_size if has_block[r] and r in recomputing else 0.0
+        recompute_block_bytes * one_action if has_block[r] and r in recomputing else 0.0
         for r in range(ranks)
     ]
     kept = recompute_overhead if recompute_overhead is not None else overhead
@@ -238,7 +240,7 @@ def rank_memory(
             optimizer=OPTIMIZER_FACTOR * grads[r],
             activations=peak_activation_bytes[r],
             transient=transient[r],
-            buffers=messages[r] * message_bytes,
+            buffers=messages[r] * message_bytes * batch_scale,
             workspace=charged[r][0] * (in_flight[r] + transient[r]) + charged[r][1],
             in_flight=in_flight[r] + transient[r],
             in_backward=running[r] * one_action,

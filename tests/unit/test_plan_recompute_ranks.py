@@ -58,6 +58,20 @@ def test_the_scorer_charges_the_recomputing_ranks_only_and_gives_them_fewer_bloc
     assert first.memory[1].activations >= plain.memory[1].activations  # no saving there
 
 
+def test_naive_model_parallel_recomputes_and_sends_the_whole_batch_at_once() -> None:
+    # Naive's one backward of a rank runs the whole batch: its recomputed block and its
+    # messages hold every sample, however many micro-batches the batch is counted as.
+    scorer = Scorer(CONFIG, AutoRequest(2, 8, SEQ), _costs, HW)
+    one, four = (scorer.evaluate(Layout("naive", 2, 1, 1, 1, m, True, False)) for m in (1, 4))
+    piped = scorer.evaluate(Layout("1f1b", 2, 1, 1, 1, 4, True, False))
+    for r in range(2):
+        assert one.memory[r].transient > 0 and one.memory[r].buffers > 0
+        assert four.memory[r].transient == pytest.approx(one.memory[r].transient)
+        assert four.memory[r].transient == pytest.approx(4 * piped.memory[r].transient)
+        assert four.memory[r].buffers == pytest.approx(one.memory[r].buffers)
+        assert four.memory[r].buffers == pytest.approx(4 * piped.memory[r].buffers)
+
+
 def test_a_budget_the_first_ranks_break_is_met_by_recomputing_there_only(
     tmp_path: Path,
 ) -> None:
