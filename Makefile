@@ -11,6 +11,12 @@ $(STAMP): pyproject.toml
 	# could fetch a multi-GB CUDA build. Skip when a torch is already installed.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	# tcmalloc is a system package (README, "Planning a split"): say whether CPU runs
+	# will preload it.
+	@$(PY) -c "from pipetrain.heap import allocator_library as lib; f = lib('auto'); \
+	print(f'CPU runs preload {f} (run.allocator=auto)' if f else 'note: tcmalloc is not \
+	installed, so CPU runs keep the glibc heap and their measured peaks hold its holes \
+	(Debian: apt install libtcmalloc-minimal4)')"
 	touch $(STAMP)
 
 train: $(STAMP)
