@@ -190,7 +190,7 @@ def rank_memory(
     (0 without recomputation); ``overhead``: ``fit_overhead``'s (fraction, bytes).
     ``recompute_ranks``: the ranks that recompute (None: all, when recomputing), charged
     ``recompute_overhead`` (None: ``overhead``) instead of ``overhead``. ``batch_scale``:
-    micro-batches an action carries (naive model parallel: all of them). ``in_backward``:
+    micro-batches an action, a recomputed block, a message carries (naive: all). ``in_backward``:
     per layer kind, what one sample's backward holds beside the saved tensors
     (``partition.workspace``); a rank is charged its largest kind's, for one action.
 
@@ -223,8 +223,6 @@ def rank_memory(
         messages[rank] = (rank > 0) + 2 * (rank < ranks - 1)
     held = [g if gradients_held else 0.0 for g in grads]  # off the joint peak's timeline
     recomputing = set(range(ranks) if recompute_ranks is None else recompute_ranks)
-    # A recomputed block's activations live in its backward for what the action carries:
-    # naive model parallel's backward runs the whole batch at once.
     transient = [
         recompute_block_bytes * one_action if has_block[r] and r in recomputing else 0.0
         for r in range(ranks)
