@@ -13,10 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	# tcmalloc is a system package (README, "Planning a split"): say whether CPU runs
 	# will preload it.
-	@$(PY) -c "from pipetrain.heap import allocator_library as lib; f = lib('auto'); \
-	print(f'CPU runs preload {f} (run.allocator=auto)' if f else 'note: tcmalloc is not \
-	installed, so CPU runs keep the glibc heap and their measured peaks hold its holes \
-	(Debian: apt install libtcmalloc-minimal4)')"
+	@$(PY) -c "from pipetrain.heap import setup_line; print(setup_line())"
 	touch $(STAMP)
 
 train: $(STAMP)

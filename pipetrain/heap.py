@@ -97,6 +97,18 @@ def allocator_library(setting: str) -> str:
     raise LookupError(f"{name} is not installed here (Debian: apt install {package})")
 
 
+def setup_line() -> str:
+    """What the set-up (``make``) says about ``run.allocator=auto`` here: the library CPU
+    runs will preload, or that tcmalloc is missing, what that costs, and its package."""
+    found = allocator_library("auto")
+    if found:
+        return f"CPU runs preload {found} (run.allocator=auto)"
+    return (
+        "note: tcmalloc is not installed, so CPU runs keep the glibc heap and their measured "
+        f"peaks hold its holes (Debian: apt install {_LIBRARIES['tcmalloc'][1]})"
+    )
+
+
 def with_preload(library: str, current: str) -> str:
     """``LD_PRELOAD`` for a process that is to run with ``library`` ahead of ``current``
     (the launcher's own value): unchanged where it already preloads an allocator."""

@@ -16,7 +16,13 @@ import pytest
 from pipetrain.config.errors import ConfigError
 from pipetrain.config.load import load_config
 from pipetrain.config.schema import TrainConfig
-from pipetrain.heap import allocator_library, preloading, running_allocator, with_preload
+from pipetrain.heap import (
+    allocator_library,
+    preloading,
+    running_allocator,
+    setup_line,
+    with_preload,
+)
 from pipetrain.launch.local import rank_preload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,8 +86,10 @@ def test_allocator_library_by_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         allocator_library("tcmalloc")
     with pytest.raises(LookupError, match="apt install libjemalloc2"):
         allocator_library("jemalloc")
+    assert setup_line().endswith("(Debian: apt install libtcmalloc-minimal4)")
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: f"lib{name}.so.9")
     if platform.system() == "Linux":
+        assert setup_line() == "CPU runs preload libtcmalloc_minimal.so.9 (run.allocator=auto)"
         assert allocator_library("auto") == "libtcmalloc_minimal.so.9"
         assert allocator_library("jemalloc") == "libjemalloc.so.9"
 
